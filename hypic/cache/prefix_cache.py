@@ -1,0 +1,240 @@
+"""Exact prefix cache of a hybrid model: a hit needs a recurrent-state checkpoint at exactly the
+matched length plus the KV pages under it (DESIGN §3 step 7, §4).
+
+Checkpoints are found by a hash chain over full blocks (as in nano-vllm): each checkpoint is indexed
+under the chain hash of its last full block, so lengths that are not block-aligned work too; the
+token ids are always compared, so a hash collision can cost time but never serve wrong data.
+"""
+from __future__ import annotations
+
+from array import array
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from hypic.cache.block_pool import BlockPool
+from hypic.cache.model_caches import ModelCaches
+from hypic.cache.slot_pool import SlotPool
+from hypic.errors import InvalidRequestError
+
+Provenance = str  # how a checkpointed state was computed: "exact", "naive" or "hypic:<seam width>"
+EXACT: Provenance = "exact"
+NAIVE: Provenance = "naive"
+
+
+def hypic_provenance(seam_width: int) -> Provenance:
+    return f"hypic:{seam_width}"
+
+
+def accepted_provenances(cache_mode: str, seam_width: int) -> frozenset[Provenance]:
+    """The checkpoints a request of this cache mode may start from."""
+    accepted = {"none": (), "prefix": (EXACT,), "hypic": (EXACT, hypic_provenance(seam_width)),
+                "naive": (EXACT, NAIVE)}
+    if cache_mode not in accepted:
+        raise InvalidRequestError(f"cache_mode must be one of {tuple(accepted)}, got {cache_mode!r}")
+    return frozenset(accepted[cache_mode])
+
+
+def root_hash(salt: str | None, provenance: Provenance) -> int:
+    """Start of a hash chain: other salts and provenances never share one."""
+    return xxhash.xxh64(f"{salt!r}\x00{provenance}".encode()).intdigest()
+
+
+def chain_hash(prev: int, block: Sequence[int]) -> int:
+    """Hash of one full block of token ids, given the hash of everything before it."""
+    h = xxhash.xxh64(prev.to_bytes(8, "little"))
+    h.update(array("q", block).tobytes())
+    return h.intdigest()
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """A checkpoint a request may start from; pinned until `PrefixCache.release(hit)`."""
+
+    num_tokens: int
+    provenance: Provenance
+    block_ids: tuple[int, ...]  # the ceil(num_tokens / block_size) pages under the tokens, shared
+    state_slot: int  # the checkpoint's own slot: copy it into the request's slot, never write it
+    partial_last_block: bool  # block_ids[-1] is only partly filled: copy it before writing (attach does)
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    checkpoints: int
+    slots_held: int
+    blocks_held: int
+    hits: int
+    misses: int
+    hit_tokens: int
+    evictions: int
+
+
+@dataclass(eq=False)
+class _Checkpoint:
+    tokens: tuple[int, ...]
+    salt: str | None
+    provenance: Provenance
+    slot: int
+    block_ids: tuple[int, ...]
+    chain: tuple[int, ...]  # root hash, then the chain hash after each full block
+    pins: int = 0
+    dropped: bool = False  # no longer served; its slot and blocks go back at the last release
+
+
+def _serves(cp: _Checkpoint, tokens: tuple[int, ...], salt: str | None, provenance: Provenance) -> bool:
+    """The checkpoint may start a request for `tokens` (checked on the token ids, not on hashes)."""
+    n = len(cp.tokens)
+    return n < len(tokens) and cp.salt == salt and cp.provenance == provenance and tokens[:n] == cp.tokens
+
+
+class PrefixCache:
+    """LRU set of checkpoints. Each one owns a state slot and one ref on each block it covers."""
+
+    def __init__(self, blocks: BlockPool, slots: SlotPool, caches: ModelCaches, block_size: int,
+                 max_slots: int) -> None:
+        self._blocks, self._slots, self._caches = blocks, slots, caches
+        self.block_size, self.max_slots = block_size, max_slots
+        self._held: dict[int, _Checkpoint] = {}  # slot -> every checkpoint owning a slot
+        self._lru: OrderedDict[int, _Checkpoint] = OrderedDict()  # slot -> servable ones, oldest first
+        self._by_key: dict[int, list[_Checkpoint]] = {}  # chain hash of the last full block -> checkpoints
+        self._on_path: Counter[int] = Counter()  # chain hashes leading to a checkpoint: where lookups stop
+        self._hits = self._misses = self._hit_tokens = self._evictions = 0
+
+    def insert(self, tokens: Sequence[int], salt: str | None, provenance: Provenance,
+               block_ids: Sequence[int], state_slot: int) -> bool:
+        """Keep the state of `state_slot` as the checkpoint of `tokens`; False if no slot can be had."""
+        tokens = tuple(tokens)
+        if not tokens:
+            return False
+        num_blocks = -(-len(tokens) // self.block_size)
+        if len(block_ids) < num_blocks:
+            raise ValueError(f"{len(tokens)} tokens need {num_blocks} blocks, got {len(block_ids)}")
+        chain = self._chain(tokens, salt, provenance)
+        if (old := self._find(chain[-1], tokens, salt, provenance)) is not None:
+            self._lru.move_to_end(old.slot)
+            return True
+        if (slot := self._take_slot()) is None:
+            return False
+        self._caches.copy_slot(state_slot, slot)
+        cp = _Checkpoint(tokens, salt, provenance, slot, tuple(block_ids[:num_blocks]), chain)
+        self._blocks.ref(cp.block_ids)
+        self._held[slot] = self._lru[slot] = cp
+        self._by_key.setdefault(chain[-1], []).append(cp)
+        self._on_path.update(chain)
+        return True
+
+    def lookup(self, tokens: Sequence[int], salt: str | None, accept: frozenset[Provenance]) -> PrefixHit | None:
+        """Longest checkpoint of this salt, of an accepted provenance, whose tokens are a proper prefix
+        of `tokens` (one token at least is left to compute). Ties prefer an exact one."""
+        if not accept:
+            return None  # the request reads no cache: not a lookup
+        tokens = tuple(tokens)
+        matches = [cp for p in accept for cp in self._matches(tokens, salt, p)]
+        if not matches:
+            self._misses += 1
+            return None
+        best = max(matches, key=lambda cp: (len(cp.tokens), cp.provenance == EXACT))
+        best.pins += 1
+        self._lru.move_to_end(best.slot)
+        self._hits, self._hit_tokens = self._hits + 1, self._hit_tokens + len(best.tokens)
+        n = len(best.tokens)
+        return PrefixHit(n, best.provenance, best.block_ids, best.slot, n % self.block_size != 0)
+
+    def attach(self, hit: PrefixHit) -> list[int]:
+        """The request's blocks for the hit's tokens: the full ones shared (one more ref each) and,
+        when the last one is partial, a private copy of it, since the request will write into it."""
+        if not hit.partial_last_block:
+            self._blocks.ref(hit.block_ids)
+            return list(hit.block_ids)
+        [own] = self._blocks.allocate(1)  # first, so that NoFreeBlocks leaves everything as it was
+        self._caches.copy_block(hit.block_ids[-1], own)
+        shared = hit.block_ids[:-1]
+        self._blocks.ref(shared)
+        return [*shared, own]
+
+    def release(self, hit: PrefixHit) -> None:
+        """Unpin the hit's checkpoint, once its state has been copied."""
+        cp = self._held.get(hit.state_slot)
+        if cp is None or cp.pins == 0:
+            raise RuntimeError(f"internal error: release of an unpinned prefix hit (slot {hit.state_slot})")
+        cp.pins -= 1
+        if cp.dropped and cp.pins == 0:
+            self._free(cp)
+
+    def evict_one(self) -> bool:
+        """Drop the least recently used unpinned checkpoint; False if there is none."""
+        cp = next((cp for cp in self._lru.values() if cp.pins == 0), None)
+        if cp is None:
+            return False
+        self._drop(cp)
+        self._evictions += 1
+        return True
+
+    def evict_until(self, free_blocks: int, free_slots: int) -> bool:
+        """Evict until the pools have this many free blocks and slots; False if they cannot."""
+        while self._blocks.num_free < free_blocks or self._slots.num_free < free_slots:
+            if not self.evict_one():
+                return False
+        return True
+
+    def clear(self, salt: str | None = None) -> None:
+        """Drop every checkpoint (salt None) or those of one salt; pinned ones go at their release."""
+        for cp in [cp for cp in self._lru.values() if salt is None or cp.salt == salt]:
+            self._drop(cp)
+
+    def stats(self) -> PrefixCacheStats:
+        blocks = set().union(*(cp.block_ids for cp in self._held.values()))
+        return PrefixCacheStats(len(self._lru), len(self._held), len(blocks), self._hits, self._misses,
+                                self._hit_tokens, self._evictions)
+
+    def _chain(self, tokens: tuple[int, ...], salt: str | None, provenance: Provenance) -> tuple[int, ...]:
+        bs, hashes = self.block_size, [root_hash(salt, provenance)]
+        for start in range(0, len(tokens) - bs + 1, bs):
+            hashes.append(chain_hash(hashes[-1], tokens[start:start + bs]))
+        return tuple(hashes)
+
+    def _find(self, key: int, tokens: tuple[int, ...], salt: str | None,
+              provenance: Provenance) -> _Checkpoint | None:
+        return next((cp for cp in self._by_key.get(key, ())
+                     if cp.tokens == tokens and cp.salt == salt and cp.provenance == provenance), None)
+
+    def _matches(self, tokens: tuple[int, ...], salt: str | None, provenance: Provenance) -> list[_Checkpoint]:
+        """Checkpoints of this salt and provenance whose tokens are a proper prefix of `tokens`."""
+        bs, start, key, found = self.block_size, 0, root_hash(salt, provenance), []
+        while key in self._on_path:  # key: chain hash of tokens[:start]
+            for cp in self._by_key.get(key, ()):
+                if _serves(cp, tokens, salt, provenance):
+                    found.append(cp)
+            start += bs
+            if start >= len(tokens):
+                break
+            key = chain_hash(key, tokens[start - bs:start])
+        return found
+
+    def _take_slot(self) -> int | None:
+        """A fresh slot for a checkpoint, evicting LRU ones to stay within max_slots."""
+        while len(self._held) >= self.max_slots or self._slots.num_free == 0:
+            if not self.evict_one():
+                return None
+        return self._slots.allocate()
+
+    def _drop(self, cp: _Checkpoint) -> None:
+        """Stop serving a checkpoint; free it now, or at its last release if pinned."""
+        del self._lru[cp.slot]
+        self._by_key[cp.chain[-1]].remove(cp)
+        if not self._by_key[cp.chain[-1]]:
+            del self._by_key[cp.chain[-1]]
+        for h in cp.chain:
+            self._on_path[h] -= 1
+            if self._on_path[h] == 0:
+                del self._on_path[h]
+        cp.dropped = True
+        if cp.pins == 0:
+            self._free(cp)
+
+    def _free(self, cp: _Checkpoint) -> None:
+        del self._held[cp.slot]
+        self._slots.release(cp.slot)
+        self._blocks.release(cp.block_ids)

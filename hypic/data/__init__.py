@@ -1,0 +1,20 @@
+"""Synthetic multi-note question answering: the data the bundled model is trained and measured on."""
+from __future__ import annotations
+
+from hypic.data.tasks import (
+    EVAL_SPEC,
+    KINDS,
+    SPLITS,
+    NotePool,
+    Prompt,
+    QA,
+    TaskSpec,
+    eval_prompts,
+    extract_answer,
+    is_correct,
+    make_prompt,
+    make_prompts,
+)
+
+__all__ = ["EVAL_SPEC", "KINDS", "SPLITS", "NotePool", "Prompt", "QA", "TaskSpec", "eval_prompts",
+           "extract_answer", "is_correct", "make_prompt", "make_prompts"]

@@ -1,0 +1,151 @@
+"""A consistent little world (people, cities, companies) written out as notes of filler and facts.
+
+Every fact is stated once, so any subset of the notes, in any order, never contradicts itself.
+Notes come in units: a unit is one note, or an (anchor, dependent) pair whose second note says
+"The person above ..." and is only meaningful right after its anchor, so pairs are never split.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from hypic.data import lexicon
+
+CHARS_PER_TOKEN = 4.7
+"""Average characters per token of the bundled tokenizer on notes (used to size notes)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An answerable question: its kind, text, answer and the notes it needs (indices)."""
+
+    kind: str
+    question: str
+    answer: str
+    notes: tuple[int, ...]
+
+
+@dataclass
+class Note:
+    text: str = ""
+    lives: dict[str, str] = field(default_factory=dict)   # person -> city stated here
+    based: dict[str, str] = field(default_factory=dict)   # city -> company stated here
+    candidates: list[Candidate] = field(default_factory=list)
+
+
+class World:
+    """Draws unique entities; `rich` swaps single-token names for multi-token invented ones."""
+
+    def __init__(self, rng: random.Random, rich: bool) -> None:
+        self.rng, self.rich = rng, rich
+        self._used: set[str] = set()
+
+    def _unique(self, draw) -> str:
+        for _ in range(1000):
+            if (name := draw()) not in self._used:
+                self._used.add(name)
+                return name
+        raise ValueError("entity space exhausted: use rich names or fewer notes")
+
+    def person(self) -> str:
+        if self.rich:
+            return self._unique(lambda: f"{self.rng.choice(lexicon.FIRST_NAMES)} {lexicon.invented_word(self.rng)}")
+        return self._unique(lambda: self.rng.choice(lexicon.FIRST_NAMES))
+
+    def city(self) -> str:
+        if self.rich:
+            return self._unique(lambda: f"{lexicon.invented_word(self.rng)} {self.rng.choice(lexicon.RICH_CITY_SUFFIXES)}")
+        return self._unique(lambda: self.rng.choice(lexicon.CITIES))
+
+    def company(self) -> str:
+        if self.rich:
+            return self._unique(lambda: f"{lexicon.invented_word(self.rng)} {self.rng.choice(lexicon.RICH_COMPANY_SUFFIXES)}")
+        return self._unique(lambda: self.rng.choice(lexicon.COMPANIES))
+
+    def code(self) -> str:
+        digits = 4 if self.rich else 3
+        return self._unique(lambda: str(self.rng.randrange(10 ** (digits - 1), 10**digits)))
+
+    def job(self) -> str:
+        return self.rng.choice(lexicon.JOBS)
+
+
+def _article(word: str) -> str:
+    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
+
+
+def _fact(world: World, note: Note, index: int, chain: tuple[str, str] | None = None) -> str:
+    """One random fact sentence about a fresh entity, recorded as a lookup candidate on `note`."""
+    person, relation = world.person(), world.rng.choice(("lives", "job", "code", "based"))
+    if chain is not None:  # first hop of a two-hop chain: person lives in a city stated elsewhere
+        person, city = chain
+        note.lives[person] = city
+        note.candidates.append(Candidate("lookup", f"Where does {person} live?", city, (index,)))
+        return f"{person} lives in {city}."
+    if relation == "lives":
+        city = world.city()
+        note.lives[person] = city
+        note.candidates.append(Candidate("lookup", f"Where does {person} live?", city, (index,)))
+        return f"{person} lives in {city}."
+    if relation == "job":
+        job = world.job()
+        note.candidates.append(Candidate("lookup", f"What is {person}'s job?", job, (index,)))
+        return f"{person} works as {_article(job)}."
+    if relation == "code":
+        code = world.code()
+        note.candidates.append(Candidate("lookup", f"What is {person}'s locker code?", code, (index,)))
+        return f"{person}'s locker code is {code}."
+    city, company = world.city(), world.company()
+    note.based[city] = company
+    return f"{company} is based in {city}."
+
+
+def _fill(world: World, sentences: list[str], target_tokens: int, fixed_chars: int) -> list[str]:
+    """Inserts filler sentences at random places until the note reaches about `target_tokens`."""
+    out = list(sentences)
+    chars = fixed_chars + sum(len(s) + 1 for s in out)
+    while chars / CHARS_PER_TOKEN < target_tokens:
+        sentence = lexicon.filler_sentence(world.rng)
+        out.insert(world.rng.randint(0, len(out)), sentence)
+        chars += len(sentence) + 1
+    return out
+
+
+def _finish(note: Note, body: list[str], signer: str) -> Note:
+    note.text = "Note: " + " ".join(body) + f" Filed by {signer}.\n"
+    return note
+
+
+def fact_note(world: World, index: int, target_tokens: int, num_facts: int,
+              chains: list[tuple[str, str]], bases: list[tuple[str, str]]) -> Note:
+    """Filler plus `num_facts` facts; `chains` (person, city) and `bases` (city, company) are planted."""
+    note = Note()
+    facts = [_fact(world, note, index, chain) for chain in chains]
+    for city, company in bases:
+        note.based[city] = company
+        facts.append(f"{company} is based in {city}.")
+    facts += [_fact(world, note, index) for _ in range(max(0, num_facts - len(facts)))]
+    world.rng.shuffle(facts)
+    return _finish(note, _fill(world, facts, target_tokens, 30), world.person())
+
+
+def signer_of(note: Note) -> str:
+    return note.text.rsplit(" Filed by ", 1)[1][:-2]
+
+
+def dependent_note(world: World, index: int, anchor: Note, target_tokens: int) -> Note:
+    """A note that starts "The person above works at X": X is the employer of `anchor`'s signer."""
+    note, company = Note(), world.company()
+    person = signer_of(anchor)
+    note.candidates.append(Candidate("linked", f"Where does {person} work?", company, (index - 1, index)))
+    body = _fill(world, [], target_tokens, 60)
+    return _finish(note, [f"The person above works at {company}."] + body, world.person())
+
+
+def long_note(world: World, index: int, target_tokens: int) -> Note:
+    """A long note about one person whose locker code sits at a random depth, far from the name."""
+    note, person, code = Note(), world.person(), world.code()
+    note.candidates.append(Candidate("long", f"What is {person}'s locker code?", code, (index,)))
+    body = _fill(world, [], target_tokens, 80)
+    body.insert(world.rng.randint(len(body) // 4, len(body)), f"Their locker code is {code}.")
+    return _finish(note, [f"This note is about {person}."] + body, world.person())

@@ -1,0 +1,262 @@
+"""RAG-shaped question answering over notes, laid out for position-independent caching.
+
+A prompt is `separator.join(segments)`: segment 0 is the chat prefix (system message and the start
+of the user turn), then one segment per note, then the query segment (the question and the start of
+the assistant turn). The text equals the ChatML rendering of `chat_messages()`, separators included,
+so the same prompt can be sent raw or through a chat template. The model replies "Answer: <answer>".
+
+Question kinds, reported separately:
+- lookup:  a fact stated in one note ("Derek lives in Oslo.").
+- two_hop: "Derek lives in Oslo." and "Acme is based in Oslo." in two notes, any order.
+- linked:  a note says "The person above works at Acme."; the person is the signer of the note
+           placed right before it, so isolated prefill of the second note cannot resolve it.
+- long:    a long note opens with its subject and buries the locker code deep inside.
+
+Everything is a pure function of (spec, split, seed, index): the same call gives the same prompt
+in any process. Splits draw from disjoint seed streams.
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass
+
+from hypic.config import PIC_SEPARATOR
+from hypic.data.notes import Candidate, Note, World, dependent_note, fact_note, long_note
+
+KINDS: tuple[str, ...] = ("lookup", "two_hop", "linked", "long")
+SPLITS: tuple[str, ...] = ("train", "validation", "test")
+SYSTEM_PROMPT = "Read the notes and answer the question. Reply in the form 'Answer: ...'."
+ANSWER_PREFIX = "Answer:"
+PREFIX_SEGMENT = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n"
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Shape of the prompts: how many notes, how long, which question kinds, which names."""
+
+    min_notes: int = 4
+    max_notes: int = 8
+    min_note_tokens: int = 64
+    max_note_tokens: int = 256
+    kind_weights: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)
+    """Weights of KINDS, in that order."""
+    rich_names: bool = True
+    """Multi-token invented names (True) or single-token common words (False)."""
+    questions: int = 1
+    """Questions per prompt: the first sits in the query segment, the rest follow as chat turns."""
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.min_notes <= self.max_notes:
+            raise ValueError(f"need 2 <= min_notes <= max_notes, got {self.min_notes}, {self.max_notes}")
+        if not 0 < self.min_note_tokens <= self.max_note_tokens:
+            raise ValueError("need 0 < min_note_tokens <= max_note_tokens")
+        if len(self.kind_weights) != len(KINDS) or sum(self.kind_weights) <= 0:
+            raise ValueError(f"kind_weights needs {len(KINDS)} non-negative weights, not all zero")
+        if self.questions < 1:
+            raise ValueError("questions must be >= 1")
+
+
+EVAL_SPEC = TaskSpec(min_notes=4, max_notes=8, min_note_tokens=64, max_note_tokens=256)
+"""The held-out benchmark the bundled model is measured on (PIC accuracy per cache mode)."""
+
+
+@dataclass(frozen=True)
+class QA:
+    question: str
+    answer: str
+    kind: str
+
+
+@dataclass(frozen=True)
+class Prompt:
+    segments: tuple[str, ...]
+    """Chat prefix, notes..., query segment (which holds qas[0].question)."""
+    qas: tuple[QA, ...]
+
+    @property
+    def kind(self) -> str:
+        return self.qas[0].kind
+
+    @property
+    def answer(self) -> str:
+        return self.qas[0].answer
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        return self.segments[1:-1]
+
+    def text(self, separator: str = PIC_SEPARATOR) -> str:
+        return separator.join(self.segments)
+
+    def chat_messages(self, separator: str = PIC_SEPARATOR) -> list[dict[str, str]]:
+        """System + user messages whose ChatML rendering (with generation prompt) is `text()`."""
+        user = separator + separator.join(self.notes) + separator + f"Question: {self.qas[0].question}"
+        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+
+    def training_pieces(self) -> list[tuple[str, bool]]:
+        """(text, supervised) pieces after the segments: each answer, then the next question turn."""
+        pieces = [(reply_text(self.qas[0].answer), True)]
+        for qa in self.qas[1:]:
+            pieces += [(f"\n<|im_start|>user\nQuestion: {qa.question}<|im_end|>\n<|im_start|>assistant\n", False),
+                       (reply_text(qa.answer), True)]
+        return pieces
+
+
+def query_segment(question: str) -> str:
+    return f"Question: {question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def reply_text(answer: str) -> str:
+    """The supervised reply, ending with the end-of-turn token."""
+    return f"{ANSWER_PREFIX} {answer}<|im_end|>"
+
+
+def extract_answer(completion: str) -> str:
+    """The answer inside a model reply ("Answer: Oslo" -> "Oslo")."""
+    text = completion.replace("<|im_end|>", "").strip()
+    return text[len(ANSWER_PREFIX):].strip() if text.startswith(ANSWER_PREFIX) else text
+
+
+def is_correct(completion: str, answer: str) -> bool:
+    """Exact match of the extracted answer."""
+    return extract_answer(completion) == answer
+
+
+def _rng(split: str, seed: int, index: int, stream: str) -> random.Random:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    return random.Random(f"hypic-notes:{stream}:{split}:{seed}:{index}")  # str seeds are process-stable
+
+
+@dataclass(frozen=True)
+class _Plan:
+    pairs: int
+    longs: int
+    chains: int
+    facts: int  # stand-alone fact notes (pair anchors are fact notes too)
+
+
+def _plan(rng: random.Random, spec: TaskSpec, n: int, wanted: Counter) -> _Plan:
+    """Structures for `n` notes serving the wanted question kinds, plus a distractor of each."""
+    on = dict(zip(KINDS, (w > 0 for w in spec.kind_weights)))
+    pairs = min(wanted["linked"] + (on["linked"] and rng.random() < 0.6), n // 2)
+    longs = min(wanted["long"] + (on["long"] and rng.random() < 0.6), n - 2 * pairs)
+    while pairs + (n - 2 * pairs - longs) < 2 and longs + pairs > 1:  # keep two fact notes if possible
+        longs, pairs = (longs - 1, pairs) if longs else (longs, pairs - 1)
+    fact_like = pairs + n - 2 * pairs - longs
+    chains = wanted["two_hop"] + (on["two_hop"] and rng.random() < 0.6) if fact_like >= 2 else 0
+    return _Plan(pairs, longs, chains, n - 2 * pairs - longs)
+
+
+def _lengths(rng: random.Random, spec: TaskSpec) -> tuple[int, int]:
+    """Target tokens of an ordinary note and of a long note."""
+    ordinary = rng.randint(spec.min_note_tokens, spec.max_note_tokens)
+    long_min = max(spec.min_note_tokens, (3 * spec.max_note_tokens) // 4)
+    return ordinary, rng.randint(long_min, spec.max_note_tokens)
+
+
+def _build(world: World, spec: TaskSpec, plan: _Plan) -> tuple[list[Note], list[tuple[int, ...]]]:
+    """All notes (indexed) and their units; fact notes first, so chain hops land in fact notes."""
+    rng, n_fact_like = world.rng, plan.facts + plan.pairs
+    chains: dict[int, list] = {i: [] for i in range(n_fact_like)}
+    bases: dict[int, list] = {i: [] for i in range(n_fact_like)}
+    for _ in range(plan.chains):
+        i, j = rng.sample(range(n_fact_like), 2)
+        city = world.city()
+        chains[i].append((world.person(), city))
+        bases[j].append((city, world.company()))
+    notes = [fact_note(world, i, _lengths(rng, spec)[0], rng.randint(1, 3), chains[i], bases[i])
+             for i in range(n_fact_like)]
+    units: list[tuple[int, ...]] = [(i,) for i in range(plan.facts)]
+    for anchor in range(plan.facts, n_fact_like):
+        notes.append(dependent_note(world, len(notes), notes[anchor], _lengths(rng, spec)[0]))
+        notes[-1].candidates[0] = _relink(notes[-1].candidates[0], anchor)
+        units.append((anchor, len(notes) - 1))
+    for _ in range(plan.longs):
+        notes.append(long_note(world, len(notes), _lengths(rng, spec)[1]))
+        units.append((len(notes) - 1,))
+    return notes, units
+
+
+def _relink(candidate: Candidate, anchor: int) -> Candidate:
+    return Candidate(candidate.kind, candidate.question, candidate.answer, (anchor, candidate.notes[1]))
+
+
+def _candidates(notes: list[Note], included: set[int]) -> list[Candidate]:
+    """Every question answerable from the included notes."""
+    found = [c for i in sorted(included) for c in notes[i].candidates if set(c.notes) <= included]
+    for i in sorted(included):
+        for person, city in notes[i].lives.items():
+            for j in sorted(included - {i}):
+                if city in notes[j].based:
+                    question = f"Which company is based in the city where {person} lives?"
+                    found.append(Candidate("two_hop", question, notes[j].based[city], (i, j)))
+    return found
+
+
+def _pick(rng: random.Random, candidates: list[Candidate], kinds: list[str]) -> list[QA]:
+    """One distinct candidate per wanted kind (any kind when that one has run out)."""
+    pool, chosen = list(candidates), []
+    for kind in kinds:
+        if not pool:
+            break
+        of_kind = [c for c in pool if c.kind == kind] or pool
+        choice = rng.choice(of_kind)
+        pool.remove(choice)
+        chosen.append(QA(choice.question, choice.answer, choice.kind))
+    return chosen
+
+
+def _assemble(rng: random.Random, notes: list[Note], units: list[tuple[int, ...]], qas: list[QA]) -> Prompt:
+    order = list(units)
+    rng.shuffle(order)
+    texts = [notes[i].text for unit in order for i in unit]
+    return Prompt((PREFIX_SEGMENT, *texts, query_segment(qas[0].question)), tuple(qas))
+
+
+def make_prompt(spec: TaskSpec, split: str, index: int, seed: int = 0) -> Prompt:
+    """Prompt `index` of `split`: a fresh world whose notes are all included, shuffled by unit."""
+    rng = _rng(split, seed, index, "prompt")
+    kinds = rng.choices(KINDS, weights=spec.kind_weights, k=spec.questions)
+    plan = _plan(rng, spec, rng.randint(spec.min_notes, spec.max_notes), Counter(kinds))
+    notes, units = _build(World(rng, spec.rich_names), spec, plan)
+    qas = _pick(rng, _candidates(notes, set(range(len(notes)))), kinds)
+    return _assemble(rng, notes, units, qas)
+
+
+def make_prompts(spec: TaskSpec, split: str, count: int, seed: int = 0) -> list[Prompt]:
+    return [make_prompt(spec, split, i, seed) for i in range(count)]
+
+
+class NotePool:
+    """A fixed set of notes shared by many requests, so segments recur across requests (PIC reuse)."""
+
+    def __init__(self, spec: TaskSpec, split: str, num_notes: int = 48, seed: int = 0) -> None:
+        rng = _rng(split, seed, num_notes, "pool")
+        plan = _Plan(pairs=num_notes // 8, longs=num_notes // 8, chains=num_notes // 4,
+                     facts=num_notes - 3 * (num_notes // 8))
+        self.spec, self.split, self.seed = spec, split, seed
+        self.notes, self.units = _build(World(rng, spec.rich_names), spec, plan)
+        self._candidates = _candidates(self.notes, set(range(len(self.notes))))
+
+    def request(self, index: int, kind: str) -> Prompt:
+        """Request `index`: one question of `kind`, its supporting notes, distractors from the pool."""
+        rng = _rng(self.split, self.seed, index, f"request:{kind}")
+        target = rng.choice([c for c in self._candidates if c.kind == kind])
+        chosen = [u for u in self.units if set(u) & set(target.notes)]
+        n = max(rng.randint(self.spec.min_notes, self.spec.max_notes), sum(map(len, chosen)))
+        for unit in rng.sample(self.units, len(self.units)):
+            if unit not in chosen and sum(map(len, chosen)) + len(unit) <= n:
+                chosen.append(unit)
+        return _assemble(rng, self.notes, chosen, [QA(target.question, target.answer, target.kind)])
+
+    def requests(self, per_kind: int, kinds: tuple[str, ...] = KINDS) -> list[Prompt]:
+        """`per_kind` requests of each kind, kinds interleaved."""
+        return [self.request(i, kind) for i in range(per_kind) for kind in kinds]
+
+
+def eval_prompts(per_kind: int, split: str = "test", spec: TaskSpec = EVAL_SPEC, seed: int = 0,
+                 pool_notes: int = 48) -> list[Prompt]:
+    """The benchmark: requests over one shared note pool, `per_kind` of each question kind."""
+    return NotePool(spec, split, pool_notes, seed).requests(per_kind)

@@ -1,0 +1,56 @@
+"""Turns the scheduler's chunks into the flat tensors of a ForwardBatch (built on the host)."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from hypic.engine.forward_batch import ForwardBatch
+from hypic.engine.scheduler import ScheduledBatch
+
+
+def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.device) -> ForwardBatch:
+    chunks = batch.chunks
+    seq_lens = tuple(len(c.piece.token_ids) for c in chunks)
+    cu = [0, *itertools.accumulate(seq_lens)]
+    positions = torch.cat([torch.arange(c.piece.start, c.piece.end) for c in chunks])
+    block_tables = _pad([c.seq.block_ids for c in chunks])
+    seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(seq_lens))
+    pages = block_tables[seq_of_token, positions // block_size].long()
+    host = ForwardBatch(
+        input_ids=torch.tensor([t for c in chunks for t in c.piece.token_ids], dtype=torch.long),
+        positions=positions,
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        slots=torch.tensor([c.seq.slot for c in chunks], dtype=torch.long),
+        has_state=torch.tensor([c.piece.start > 0 for c in chunks], dtype=torch.bool),
+        block_tables=block_tables,
+        kv_lens=torch.tensor([c.piece.end for c in chunks], dtype=torch.int32),
+        kv_write_slots=pages * block_size + positions % block_size,
+        logits_indices=torch.tensor([cu[i + 1] - 1 for i, c in enumerate(chunks) if c.samples],
+                                    dtype=torch.long),
+        num_decodes=batch.num_decodes,
+        seq_lens_cpu=seq_lens,
+        max_kv_len=max(c.piece.end for c in chunks),
+    )
+    return to_device(host, device)
+
+
+def to_device(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
+    if device.type == "cpu":
+        return batch
+    moved = {name: getattr(batch, name).pin_memory().to(device, non_blocking=True)
+             for name in _TENSOR_FIELDS}
+    return ForwardBatch(**moved, num_decodes=batch.num_decodes, seq_lens_cpu=batch.seq_lens_cpu,
+                        max_kv_len=batch.max_kv_len)
+
+
+_TENSOR_FIELDS = ("input_ids", "positions", "cu_seqlens", "slots", "has_state", "block_tables",
+                  "kv_lens", "kv_write_slots", "logits_indices")
+
+
+def _pad(rows: list[list[int]]) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    table = torch.zeros(len(rows), width, dtype=torch.int32)
+    for i, row in enumerate(rows):
+        table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    return table

@@ -1,0 +1,253 @@
+"""The synchronous engine core: add requests, step, collect outputs. AsyncEngine drives it."""
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from hypic.cache.block_pool import BlockPool
+from hypic.cache.memory_plan import CachePlan, plan_cache
+from hypic.cache.model_caches import ModelCaches
+from hypic.cache.prefix_cache import PrefixCache, PrefixCacheStats
+from hypic.cache.slot_pool import SlotPool
+from hypic.config import CACHE_MODES, EngineConfig
+from hypic.engine.request_state import Completion, RequestState
+from hypic.engine.runner import ModelRunner, RunnerSettings
+from hypic.engine.sampler import Sampler, SamplingRow, make_generator, validate_for_vocab
+from hypic.engine.scheduler import ScheduledBatch, ScheduledChunk, Scheduler, SchedulerLimits
+from hypic.engine.segments import SegmentedPrompt
+from hypic.engine.sequence import RequestInfo, Sequence
+from hypic.engine.setup import (cache_budget_bytes, resolve_device, resolve_dtype,
+                                resolve_model_dir)
+from hypic.engine.tokenizer import Tokenizer
+from hypic.errors import InvalidRequestError, PromptTooLongError
+from hypic.models.registry import load_model
+from hypic.outputs import CompletionDelta, RequestOutput
+from hypic.sampling_params import SamplingParams
+
+logger = logging.getLogger("hypic")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    block_size: int
+    state_slots_total: int
+    state_slots_free: int
+    prefix_cache: PrefixCacheStats
+    requests_finished: int
+    requests_aborted: int
+    prompt_tokens: int
+    generated_tokens: int
+    cached_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_dir = resolve_model_dir(config.model)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.model = load_model(str(self.model_dir), device=self.device, dtype=self.dtype,
+                                state_dict=config.state_dict)
+        self.model_config = self.model.config
+        self.plan, self.max_model_len = self._plan_memory()
+        self._build_caches(self.plan)
+        self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.token_text, seed=config.seed)
+        self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self.requests: dict[str, RequestState] = {}
+        self.counters = dict.fromkeys(("finished", "aborted", "prompt", "generated", "cached"), 0)
+        logger.info("hypic engine ready: %s on %s (%s), %s, max_model_len %d", self.model_dir.name,
+                    self.device, str(self.dtype).removeprefix("torch."), self.plan, self.max_model_len)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(self, prompt: SegmentedPrompt, params: SamplingParams, *, request_id: str | None = None,
+                    cache_salt: str | None = None, cache_mode: str | None = None) -> str:
+        request_id = request_id or uuid.uuid4().hex
+        info = self._request_info(prompt, params, request_id, cache_salt, cache_mode)
+        state = RequestState(info)
+        self.requests[request_id] = state
+        self._new_completion(state, Sequence(info, 0))
+        self.scheduler.add(state.completions[0].seq)
+        self.counters["prompt"] += len(info.prompt_ids)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        deltas = [self._finish(c, "abort") for c in state.completions.values() if not c.seq.finished]
+        self.counters["aborted"] += 1
+        return state.output([d for d in deltas if d is not None])
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.chunks:
+            return []
+        logits = self.runner.execute(batch)
+        self.scheduler.after_step(batch)
+        rows = self._sampling_rows(batch)
+        deltas: dict[str, list[CompletionDelta]] = {}
+        if rows:
+            picked = self.sampler.sample(logits[torch.tensor([i for i, _ in rows], device=logits.device)],
+                                         [self._sampling_row(c) for _, c in rows])
+            for (_, completion), token, logprob in zip(rows, picked.token_ids, picked.logprobs):
+                self._take_token(completion, token, logprob, deltas)
+        for chunk in batch.chunks:
+            if chunk.samples and chunk.seq.info.params.max_tokens == 0 and not chunk.seq.finished:
+                self._collect(deltas, chunk.seq, self._finish(self._completion(chunk.seq), "length"))
+        return self._outputs(deltas)
+
+    def _sampling_rows(self, batch: ScheduledBatch) -> list[tuple[int, Completion]]:
+        """(logits row, completion) pairs; the n completions of a request share its prefill row."""
+        rows: list[tuple[int, Completion]] = []
+        sampling = [c for c in batch.chunks if c.samples]
+        for row, chunk in enumerate(sampling):
+            if chunk.seq.info.params.max_tokens == 0 or chunk.seq.finished:
+                continue
+            rows.extend((row, c) for c in self._fork_if_first(chunk))
+        return rows
+
+    def _fork_if_first(self, chunk: ScheduledChunk) -> list[Completion]:
+        state = self.requests[chunk.seq.info.request_id]
+        first = chunk.seq.index == 0 and not chunk.seq.output_ids and len(state.completions) == 1
+        if not first or chunk.seq.info.params.n == 1:
+            return [state.completions[chunk.seq.index]]
+        for index in range(1, chunk.seq.info.params.n):
+            child = Sequence(chunk.seq.info, index)
+            if not self.scheduler.fork(chunk.seq, child):
+                self.scheduler.add(child)  # no memory now: it recomputes the prompt later
+            self._new_completion(state, child)
+        return [c for c in state.completions.values() if c.seq.num_computed == chunk.seq.num_computed]
+
+    def _take_token(self, completion: Completion, token: int, logprob, deltas) -> None:
+        seq = completion.seq
+        self.requests[seq.info.request_id].mark_first_token()
+        seq.append(token)
+        self.counters["generated"] += 1
+        stopped_by_text = completion.add_token(token, logprob)
+        reason = self._finish_reason(seq, token, stopped_by_text)
+        delta = completion.delta(None) if reason is None else self._finish(completion, reason)
+        self._collect(deltas, seq, delta)
+
+    def _finish_reason(self, seq: Sequence, token: int, stopped_by_text: bool) -> str | None:
+        params = seq.info.params
+        if stopped_by_text or token in params.stop_token_ids or (
+                token in self.eos_ids and not params.ignore_eos):
+            return "stop"
+        at_max = params.max_tokens is not None and len(seq.output_ids) >= params.max_tokens
+        return "length" if at_max or len(seq.token_ids) >= self.max_model_len else None
+
+    def _finish(self, completion: Completion, reason: str) -> CompletionDelta | None:
+        self.scheduler.finish(completion.seq, reason)
+        return completion.delta(reason)
+
+    def _outputs(self, deltas: dict[str, list[CompletionDelta]]) -> list[RequestOutput]:
+        outputs = []
+        for request_id, items in deltas.items():
+            state = self.requests[request_id]
+            outputs.append(state.output(items))
+            if state.finished:
+                self._retire(request_id)
+        return outputs
+
+    def _retire(self, request_id: str) -> None:
+        state = self.requests.pop(request_id)
+        self.counters["finished"] += 1
+        self.counters["cached"] += state.info.cached_tokens
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _collect(deltas: dict[str, list[CompletionDelta]], seq: Sequence,
+                 delta: CompletionDelta | None) -> None:
+        if delta is not None:
+            deltas.setdefault(seq.info.request_id, []).append(delta)
+
+    def _completion(self, seq: Sequence) -> Completion:
+        return self.requests[seq.info.request_id].completions[seq.index]
+
+    def _new_completion(self, state: RequestState, seq: Sequence) -> None:
+        seed = state.info.params.seed
+        generator = None if seed is None else make_generator(seed + seq.index, self.device)
+        state.completions[seq.index] = Completion(seq, self.tokenizer, generator)
+
+    def _sampling_row(self, completion: Completion) -> SamplingRow:
+        seq = completion.seq
+        return SamplingRow(seq.info.params, seq.info.prompt_ids, seq.output_ids, completion.generator)
+
+    def _request_info(self, prompt: SegmentedPrompt, params: SamplingParams, request_id: str,
+                      cache_salt: str | None, cache_mode: str | None) -> RequestInfo:
+        mode = cache_mode or self.config.cache_mode
+        if mode not in CACHE_MODES:
+            raise InvalidRequestError(f"cache_mode must be one of {CACHE_MODES}, got {mode!r}")
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+        validate_for_vocab(params, self.tokenizer.vocab_size)
+        tokens = prompt.token_ids
+        if not tokens:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        budget = len(tokens) + (params.max_tokens or 0)
+        if len(tokens) >= self.max_model_len or budget > self.max_model_len:
+            raise PromptTooLongError(len(tokens), self.max_model_len, params.max_tokens or 0)
+        return RequestInfo(request_id, params, tuple(tokens), prompt.boundaries[1:], cache_salt, mode)
+
+    def _plan_memory(self) -> tuple[CachePlan, int]:
+        shape = self.model_config.cache_shape()
+        budget = cache_budget_bytes(self.config, self.device, self.config.max_num_batched_tokens,
+                                    self.model_config.hidden_size)
+        model_max = self.model_config.max_position_embeddings
+        wanted = min(self.config.max_model_len or model_max, model_max)
+        if self.config.max_model_len and self.config.max_model_len > model_max:
+            raise InvalidRequestError(
+                f"max_model_len={self.config.max_model_len} exceeds the model's {model_max} positions")
+        plan_args = dict(budget_bytes=budget, block_size=self.config.block_size, dtype=self.dtype,
+                         max_num_seqs=self.config.max_num_seqs)
+        if self.config.max_model_len is None:
+            wanted = min(wanted, _tokens_that_fit(shape, budget, self.config.block_size, self.dtype))
+        return plan_cache(shape, max_model_len=wanted, **plan_args), wanted
+
+    def _build_caches(self, plan: CachePlan) -> None:
+        bs, shape = self.config.block_size, self.model_config.cache_shape()
+        # One extra page and slot: the scratch that CUDA-graph padding rows write into.
+        self.caches = ModelCaches(shape, plan.num_blocks + 1, bs, plan.num_slots + 1, self.dtype, self.device)
+        self.blocks, self.slots = BlockPool(plan.num_blocks), SlotPool(plan.num_slots)
+        max_checkpoints = max(1, int(plan.num_slots * self.config.prefix_cache_fraction))
+        self.prefix = PrefixCache(self.blocks, self.slots, self.caches, bs, max_checkpoints)
+        limits = SchedulerLimits(self.config.max_num_seqs, self.config.max_num_batched_tokens, bs)
+        self.scheduler = Scheduler(limits, self.blocks, self.slots, self.prefix, self.caches)
+        settings = RunnerSettings(bs, self.config.max_num_seqs, self.max_model_len,
+                                  self.tokenizer.vocab_size,
+                                  not self.config.enforce_eager and self.device.type == "cuda")
+        self.runner = ModelRunner(self.model, self.caches, settings,
+                                  scratch_slot=plan.num_slots, scratch_block=plan.num_blocks)
+        self.runner.capture_graphs()
+
+    def stats(self) -> EngineStats:
+        c = self.counters
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            kv_blocks_total=self.plan.num_blocks, kv_blocks_free=self.blocks.num_free,
+            block_size=self.config.block_size, state_slots_total=self.plan.num_slots,
+            state_slots_free=self.slots.num_free, prefix_cache=self.prefix.stats(),
+            requests_finished=c["finished"], requests_aborted=c["aborted"], prompt_tokens=c["prompt"],
+            generated_tokens=c["generated"], cached_tokens=c["cached"])
+
+
+def _tokens_that_fit(shape, budget: int, block_size: int, dtype: torch.dtype) -> int:
+    """Context length whose pages fit the budget beside two state slots (a CPU default)."""
+    page = shape.page_bytes(block_size, dtype)
+    left = budget - 2 * shape.slot_bytes(dtype)
+    return max(block_size, left // page * block_size) if page else 1 << 30

@@ -1,0 +1,84 @@
+"""Per-request output bookkeeping: detokenization, stop conditions and the deltas to emit."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hypic.engine.detokenizer import IncrementalDetokenizer
+from hypic.engine.sequence import RequestInfo, Sequence
+from hypic.engine.stop import StopStringMatcher
+from hypic.engine.tokenizer import Tokenizer
+from hypic.outputs import CompletionDelta, RequestMetrics, RequestOutput, TokenLogprob
+
+
+class Completion:
+    """Text state of one of the request's n completions."""
+
+    def __init__(self, seq: Sequence, tokenizer: Tokenizer, generator: torch.Generator | None) -> None:
+        params = seq.info.params
+        self.seq, self.generator = seq, generator
+        self.detok = IncrementalDetokenizer(tokenizer, list(seq.info.prompt_ids),
+                                            skip_special_tokens=params.skip_special_tokens)
+        self.stop = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        self.stopped_by_text = False
+        self.pending_text = ""
+        self.pending_ids: list[int] = []
+        self.pending_logprobs: list[TokenLogprob] = []
+
+    def add_token(self, token_id: int, logprob: TokenLogprob | None) -> bool:
+        """Takes a sampled token; True when a stop string ended the completion."""
+        self.pending_ids.append(token_id)
+        if logprob is not None:
+            self.pending_logprobs.append(logprob)
+        check = self.stop.push(self.detok.push([token_id]))
+        self.pending_text += check.text
+        self.stopped_by_text = check.stopped
+        return check.stopped
+
+    def delta(self, finish_reason: str | None) -> CompletionDelta | None:
+        if finish_reason is not None and not self.stopped_by_text:
+            self.pending_text += self.stop.push(self.detok.flush()).text + self.stop.flush()
+        text, self.pending_text = self.pending_text, ""
+        if not (text or self.pending_ids or finish_reason):
+            return None
+        logprobs = tuple(self.pending_logprobs) if self.seq.info.params.logprobs is not None else None
+        delta = CompletionDelta(self.seq.index, text, tuple(self.pending_ids), logprobs, finish_reason)
+        self.pending_ids, self.pending_logprobs = [], []
+        return delta
+
+
+class RequestState:
+    def __init__(self, info: RequestInfo) -> None:
+        self.info = info
+        self.completions: dict[int, Completion] = {}  # sequence index -> completion
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return [c.seq for c in self.completions.values()]
+
+    @property
+    def finished(self) -> bool:
+        # Forking happens before the first token, so no completion appears after all have finished.
+        return all(s.finished for s in self.sequences)
+
+    def output(self, deltas: list[CompletionDelta]) -> RequestOutput:
+        return RequestOutput(self.info.request_id, tuple(deltas), self.finished, self.metrics())
+
+    def metrics(self) -> RequestMetrics:
+        info = self.info
+        return RequestMetrics(
+            arrival_time=info.arrival_time,
+            queue_time=_since(info.arrival_time, info.first_scheduled_time),
+            ttft=_since(info.arrival_time, info.first_token_time),
+            prompt_tokens=len(info.prompt_ids), cached_tokens=info.cached_tokens,
+            cached_tokens_by_kind=dict(info.cached_tokens_by_kind),
+            generated_tokens=sum(len(s.output_ids) for s in self.sequences))
+
+    def mark_first_token(self) -> None:
+        if self.info.first_token_time is None:
+            self.info.first_token_time = time.monotonic()
+
+
+def _since(start: float, end: float | None) -> float | None:
+    return None if end is None else end - start

@@ -1,0 +1,228 @@
+"""Continuous batching: each step is one flat batch of decode tokens and prefill chunks.
+
+Decodes go first (one token each), then running prefills, then newly admitted requests, all under
+one token budget. Memory is taken per chunk; when pages run out the scheduler evicts prefix-cache
+checkpoints, then preempts the newest running sequence (it is recomputed later).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from hypic.cache.block_pool import BlockPool, NoFreeBlocks
+from hypic.cache.model_caches import ModelCaches
+from hypic.cache.prefix_cache import PrefixCache, accepted_provenances
+from hypic.cache.slot_pool import SlotPool
+from hypic.engine.pieces import Compute
+from hypic.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    piece: Compute
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the known tokens, so its last logits pick the next token."""
+        return self.piece.end == len(self.seq.token_ids)
+
+
+@dataclass
+class ScheduledBatch:
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first
+    num_decodes: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.piece.token_ids) for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    seam_width: int = 8
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, blocks: BlockPool, slots: SlotPool,
+                 prefix: PrefixCache, caches: ModelCaches) -> None:
+        self.limits, self.blocks, self.slots, self.prefix, self.caches = limits, blocks, slots, prefix, caches
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.checkpoints = self._checkpoint_positions(seq)
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch, budget = ScheduledBatch(), self.limits.max_num_batched_tokens
+        for seq in [s for s in self.running if s.in_decode]:
+            if budget > 0 and seq in self.running and self._reserve(seq, seq.num_computed + 1, batch):
+                batch.chunks.append(ScheduledChunk(seq, seq.next_piece(1)))
+                budget -= 1
+        batch.num_decodes = len(batch.chunks)
+        for seq in [s for s in self.running if not s.in_decode]:
+            if seq in self.running:
+                budget -= self._schedule_prefill(seq, budget, batch)
+        while budget > 0 and self.waiting and len(self.running) < self.limits.max_num_seqs:
+            if not self._admit(self.waiting[0]):
+                break
+            self.running.append(self.waiting.popleft())
+            budget -= self._schedule_prefill(self.running[-1], budget, batch)
+        return batch
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Free a sequence's memory, keeping a checkpoint of everything it computed."""
+        if seq.status is SequenceStatus.RUNNING and seq.num_computed > 0:
+            self._checkpoint(seq, seq.num_computed)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    def after_step(self, batch: ScheduledBatch) -> None:
+        """Advance computed counts and keep the checkpoints this step reached."""
+        for chunk in batch.chunks:
+            chunk.seq.num_computed = chunk.piece.end
+            if chunk.piece.end in chunk.seq.checkpoints:
+                self._checkpoint(chunk.seq, chunk.piece.end)
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Give `child` a copy of `parent`'s cache (n > 1 completions share one prefill)."""
+        child.slot = self._take_slot()
+        if child.slot is None:
+            return False
+        self.caches.copy_slot(parent.slot, child.slot)
+        try:
+            child.block_ids = self._share_blocks(parent.block_ids, parent.num_computed)
+        except NoFreeBlocks:
+            self._free(child)
+            return False
+        child.num_computed, child.status = parent.num_computed, SequenceStatus.RUNNING
+        self.running.append(child)
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- prefill chunks ------------------------------------------------------------------------
+
+    def _schedule_prefill(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
+        if budget <= 0:
+            return 0
+        piece = seq.next_piece(min(budget, self._fitting_tokens(seq)))
+        if not piece.token_ids and self._reserve(seq, seq.num_computed + 1, batch):
+            piece = seq.next_piece(min(budget, self._fitting_tokens(seq)))
+        if not piece.token_ids or not self._reserve(seq, piece.end, batch):
+            return 0
+        if seq.info.first_scheduled_time is None:
+            seq.info.first_scheduled_time = time.monotonic()
+        batch.chunks.append(ScheduledChunk(seq, piece))
+        return len(piece.token_ids)
+
+    def _fitting_tokens(self, seq: Sequence) -> int:
+        capacity = (len(seq.block_ids) + self.blocks.num_free) * self.limits.block_size
+        return max(0, capacity - seq.num_computed)
+
+    # -- memory ------------------------------------------------------------------------------
+
+    def _reserve(self, seq: Sequence, end: int, batch: ScheduledBatch) -> bool:
+        """Pages for tokens [0, end) of `seq`; evicts checkpoints, then preempts newer sequences."""
+        need = -(-end // self.limits.block_size) - len(seq.block_ids)
+        while need > self.blocks.num_free:
+            if self.prefix.evict_one():
+                continue
+            victim = self._preemption_victim(seq, batch)
+            if victim is None:
+                return False
+            self._preempt(victim)
+        if need > 0:
+            seq.block_ids.extend(self.blocks.allocate(need))
+        return True
+
+    def _preemption_victim(self, seq: Sequence, batch: ScheduledBatch) -> Sequence | None:
+        scheduled = {id(c.seq) for c in batch.chunks}
+        candidates = [s for s in reversed(self.running) if s is not seq and id(s) not in scheduled]
+        return candidates[0] if candidates else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.reset_for_recompute()
+        seq.checkpoints = self._checkpoint_positions(seq)
+        self.waiting.appendleft(seq)
+
+    def _admit(self, seq: Sequence) -> bool:
+        seq.slot = self._take_slot()
+        if seq.slot is None:
+            return False
+        seq.status = SequenceStatus.RUNNING
+        self._attach_prefix_hit(seq)
+        if self._fitting_tokens(seq) == 0:
+            self._free(seq)
+            seq.status = SequenceStatus.WAITING
+            return False
+        return True
+
+    def _take_slot(self) -> int | None:
+        while self.slots.num_free == 0:
+            if not self.prefix.evict_one():
+                return None
+        return self.slots.allocate()
+
+    def _attach_prefix_hit(self, seq: Sequence) -> None:
+        accept = accepted_provenances(seq.info.cache_mode, self.limits.seam_width)
+        hit = self.prefix.lookup(seq.token_ids, seq.info.cache_salt, accept) if accept else None
+        if hit is None:
+            return
+        try:
+            seq.block_ids = self.prefix.attach(hit)
+        except NoFreeBlocks:
+            self.prefix.release(hit)
+            return
+        self.caches.copy_slot(hit.state_slot, seq.slot)
+        self.prefix.release(hit)
+        seq.num_computed = hit.num_tokens
+        if seq.info.first_scheduled_time is None:
+            seq.info.cached_tokens = hit.num_tokens
+            seq.info.cached_tokens_by_kind["prefix"] = hit.num_tokens
+
+    def _share_blocks(self, block_ids: list[int], num_tokens: int) -> list[int]:
+        """Full pages are shared by reference; a partly filled last page is copied."""
+        full = num_tokens // self.limits.block_size
+        partial = full < -(-num_tokens // self.limits.block_size)
+        copy = self.blocks.allocate(1) if partial else []
+        if copy:
+            self.caches.copy_block(block_ids[full], copy[0])
+        self.blocks.ref(block_ids[:full])
+        return list(block_ids[:full]) + copy
+
+    def _free(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_ids)
+        if seq.slot is not None:
+            self.slots.release(seq.slot)
+        seq.block_ids, seq.slot = [], None
+
+    # -- prefix checkpoints --------------------------------------------------------------------
+
+    def _checkpoint_positions(self, seq: Sequence) -> list[int]:
+        """End of the first segment (a shared system prompt) and the last page boundary before
+        the end of the prompt (an identical prompt repeated)."""
+        if seq.info.cache_mode == "none":
+            return []
+        prompt_len, bs = len(seq.info.prompt_ids), self.limits.block_size
+        marks = {seq.info.segment_ends[0] if len(seq.info.segment_ends) > 1 else 0,
+                 (prompt_len - 1) // bs * bs}
+        return sorted(m for m in marks if 0 < m < prompt_len)
+
+    def _checkpoint(self, seq: Sequence, length: int) -> None:
+        if seq.info.cache_mode != "none":
+            self.prefix.insert(seq.token_ids[:length], seq.info.cache_salt, "exact",
+                               seq.block_ids, seq.slot)

@@ -1,0 +1,77 @@
+"""One completion being generated, and the request that groups its n completions."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from hypic.engine.pieces import Compute
+from hypic.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestInfo:
+    """What every completion of one request shares."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_ids: tuple[int, ...]
+    segment_ends: tuple[int, ...]  # token offsets where each prompt segment ends
+    cache_salt: str | None
+    cache_mode: str
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    cached_tokens: int = 0
+    cached_tokens_by_kind: dict[str, int] = field(default_factory=dict)
+
+
+class Sequence:
+    """Tokens (prompt + output so far) and where their cache lives.
+
+    Invariant: the first `num_computed` tokens are in the KV pages and in the state slot.
+    """
+
+    def __init__(self, info: RequestInfo, index: int, output_ids: list[int] | None = None) -> None:
+        self.info, self.index = info, index
+        self.output_ids: list[int] = list(output_ids or [])
+        self.token_ids: list[int] = list(info.prompt_ids) + self.output_ids
+        self.num_computed = 0
+        self.block_ids: list[int] = []
+        self.slot: int | None = None
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.checkpoints: list[int] = []  # prefix lengths whose state is kept once computed
+
+    @property
+    def remaining(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def in_decode(self) -> bool:
+        return self.remaining == 1 and self.num_computed > 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def next_piece(self, budget: int) -> Compute:
+        """The next chunk of at most `budget` tokens, cut at the next checkpoint position."""
+        end = min(len(self.token_ids), self.num_computed + budget)
+        end = min([end] + [c for c in self.checkpoints if c > self.num_computed])
+        return Compute(tuple(self.token_ids[self.num_computed:end]), self.num_computed)
+
+    def append(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.token_ids.append(token_id)
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: everything is recomputed later (possibly from a prefix checkpoint)."""
+        self.num_computed, self.block_ids, self.slot = 0, [], None
+        self.status = SequenceStatus.WAITING

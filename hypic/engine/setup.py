@@ -1,0 +1,56 @@
+"""Resolving the configuration into concrete things: device, dtype, model directory, memory plan."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from hypic.config import EngineConfig
+from hypic.errors import InvalidRequestError, UnsupportedModelError
+
+logger = logging.getLogger("hypic")
+
+BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "default_model"
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError("device='cuda' was asked for but no CUDA device is available; use 'cpu'")
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidRequestError(f"device must be auto, cpu or cuda[:N], got {name!r}")
+    return device
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise InvalidRequestError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    path = BUNDLED_MODEL if model is None else Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise UnsupportedModelError(
+            f"{path} is not a Hugging Face model directory (no config.json); hypic loads local "
+            "directories only and never downloads weights")
+    return path
+
+
+def cache_budget_bytes(config: EngineConfig, device: torch.device, activation_tokens: int,
+                       hidden_size: int) -> int:
+    """Bytes left for KV pages and state slots once weights and activations are counted."""
+    if device.type == "cpu":
+        return config.cpu_cache_bytes
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free
+    # Activations of the largest step: generous per-token scratch plus a fixed margin.
+    reserve = (2 << 30) + activation_tokens * hidden_size * 2 * 64
+    return int(total * config.gpu_memory_utilization) - in_use - reserve

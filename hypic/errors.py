@@ -1,0 +1,46 @@
+"""Typed errors. Every message says what was wrong and what the user can do about it."""
+from __future__ import annotations
+
+
+class HypicError(Exception):
+    """Base class of every error hypic raises on purpose."""
+
+
+class InvalidRequestError(HypicError, ValueError):
+    """The request itself is malformed (bad sampling values, empty prompt, ...)."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    def __init__(self, prompt_tokens: int, max_model_len: int, max_tokens: int = 0) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.max_model_len = max_model_len
+        self.max_tokens = max_tokens
+        extra = f" plus max_tokens={max_tokens}" if max_tokens else ""
+        super().__init__(
+            f"prompt has {prompt_tokens} tokens{extra}, more than the model's context of "
+            f"{max_model_len} tokens; shorten the prompt or lower max_tokens"
+        )
+
+
+class UnsupportedModelError(HypicError):
+    """The checkpoint's architecture or format is not one hypic serves."""
+
+
+class OutOfMemoryError(HypicError):
+    """The memory budget cannot hold even one request of the configured context."""
+
+
+class EngineDeadError(HypicError):
+    """The engine loop died; every pending request fails with this error."""
+
+
+class RequestAbortedError(HypicError):
+    """The request was aborted before it finished."""
+
+
+class EngineOverloadedError(HypicError):
+    """The waiting queue is full; retry after `retry_after` seconds."""
+
+    def __init__(self, waiting: int, limit: int, retry_after: float = 1.0) -> None:
+        self.waiting, self.limit, self.retry_after = waiting, limit, retry_after
+        super().__init__(f"{waiting} requests are waiting (limit {limit}); retry in {retry_after:g} s")

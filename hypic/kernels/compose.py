@@ -1,0 +1,236 @@
+"""PIC assembly at one linear layer: compose cached tuples and recur through recompute tokens.
+
+For each request of a batch the running state walks the request's pieces in order (DESIGN §3.5):
+at a cached piece S <- T . S + S0 (the segment's interior tuple); through recompute tokens
+(seam windows, the query) it recurs token by token, S_t = T_t S_{t-1} + u_t, emitting
+o_t = S_t^T (scale q_t) for the layer above. A batch without cached pieces is an ordinary
+linear-attention prefill.
+
+Flat input layout (a ForwardBatch plus a piece table; B requests, N tokens, P cached pieces):
+
+- Tokens, exactly as for `gated_delta_rule`: the recompute tokens of request b are rows
+  cu_seqlens[b]:cu_seqlens[b+1] (int32 [B+1]) of q, k [N, H, K] (l2-normalised by the caller for
+  the delta-rule families), v [N, HV, V], g [N, HV] or [N, HV, K] (log gates, per the family),
+  beta [N, HV] (dense families, sigmoid applied; None otherwise). Cached interiors are not tokens.
+- State: request b starts from ssm_pool[slots[b]] ([S, HV, K, V] float32) if has_state[b] else
+  from zeros; its final state is written back to ssm_pool[slots[b]] in place.
+- Cached pieces (`CachedPieces`): request b's pieces are rows ptr[b]:ptr[b+1] (int32 [B+1]) in walk
+  order. Piece p is composed right before the token at flat index at[p] (int32 [P]), with
+  cu_seqlens[b] <= at[p] <= cu_seqlens[b+1]; at[p] == cu_seqlens[b+1] composes after the last token
+  (a chunk may end on cached pieces, and a request with no tokens this step may still compose).
+  Within a request at[] is non-decreasing; pieces with equal at[] compose in row order.
+- Tuples, read in place from the segment store's arena: piece p's T block [HV, *t_shape] is
+  contiguous at t_src[t_off[p]] and its S0 [HV, K, V] at s0_src[s0_off[p]] (t_src, s0_src 1-D;
+  t_off, s0_off int64 [P], element offsets for *this layer*; see `CachedPieces.shifted`).
+  Log-gate T (scalar, diagonal) is float32; dense T and S0 are float32 or bfloat16.
+
+Returns o [N, HV, V] in v's dtype. cuda tensors run the Triton kernel (one program per request x
+value head x V tile walking compose -> seam tokens -> compose ...; compiled on first use, see
+triton_lazy); others the torch reference.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import math
+
+import torch
+
+from hypic.kernels.linear_families import LinearFamily
+from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
+
+tl: Any  # triton.language, bound by triton_lazy on first GPU use
+
+FAMILY_CODES: dict[str, int] = {"scalar": 0, "diagonal": 1, "gdn": 2, "kda": 3}  # the kernel's FAMILY
+
+
+@dataclass(frozen=True)
+class CachedPieces:
+    """The cached-piece table of a batch (see the module docstring)."""
+
+    ptr: torch.Tensor  # [B+1] int32, request b's pieces are rows ptr[b]:ptr[b+1]
+    at: torch.Tensor  # [P] int32, flat token index before which the piece is composed
+    t_off: torch.Tensor  # [P] int64, element offset of the piece's T block in t_src
+    s0_off: torch.Tensor  # [P] int64, element offset of the piece's S0 block in s0_src
+
+    @classmethod
+    def build(cls, per_request: Sequence[Sequence[tuple[int, int, int]]],
+              device: torch.device | str = "cpu") -> CachedPieces:
+        """From (at, t_off, s0_off) rows per request, in walk order (host lists, one copy each)."""
+        rows = [row for pieces in per_request for row in pieces]
+        counts = torch.tensor([0, *(len(p) for p in per_request)], dtype=torch.int32)
+        columns = list(zip(*rows)) if rows else [(), (), ()]
+        return cls(ptr=counts.cumsum(0, dtype=torch.int32).to(device),
+                   at=torch.tensor(columns[0], dtype=torch.int32, device=device),
+                   t_off=torch.tensor(columns[1], dtype=torch.int64, device=device),
+                   s0_off=torch.tensor(columns[2], dtype=torch.int64, device=device))
+
+    @classmethod
+    def empty(cls, num_seqs: int, device: torch.device | str = "cpu") -> CachedPieces:
+        return cls.build([[] for _ in range(num_seqs)], device)
+
+    def shifted(self, t_shift: int, s0_shift: int) -> CachedPieces:
+        """The same pieces at another layer: offsets moved by that layer's place in each entry."""
+        return CachedPieces(self.ptr, self.at, self.t_off + t_shift, self.s0_off + s0_shift)
+
+    @property
+    def num_pieces(self) -> int:
+        return int(self.at.numel())
+
+
+def compose_and_recur(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor | None, ssm_pool: torch.Tensor, slots: torch.Tensor,
+                      has_state: torch.Tensor, cu_seqlens: torch.Tensor, pieces: CachedPieces,
+                      t_src: torch.Tensor, s0_src: torch.Tensor, *, family: LinearFamily,
+                      scale: float) -> torch.Tensor:
+    """Walk every request's pieces (module docstring); returns o [N, HV, V]."""
+    if v.device.type == "cuda":
+        return compose_and_recur_triton(q, k, v, g, beta, ssm_pool, slots, has_state, cu_seqlens,
+                                        pieces, t_src, s0_src, family=family, scale=scale)
+    return compose_and_recur_ref(q, k, v, g, beta, ssm_pool, slots, has_state, cu_seqlens,
+                                 pieces, t_src, s0_src, family=family, scale=scale)
+
+
+def compose_and_recur_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                          beta: torch.Tensor | None, ssm_pool: torch.Tensor, slots: torch.Tensor,
+                          has_state: torch.Tensor, cu_seqlens: torch.Tensor, pieces: CachedPieces,
+                          t_src: torch.Tensor, s0_src: torch.Tensor, *, family: LinearFamily,
+                          scale: float) -> torch.Tensor:
+    """Torch reference of `compose_and_recur`; math in float32, or float64 for a float64 pool."""
+    walk = _Walk(family, q, k, v, g, beta, scale, t_src, s0_src)
+    bounds, ptr = cu_seqlens.tolist(), pieces.ptr.tolist()
+    at, t_off, s0_off = pieces.at.tolist(), pieces.t_off.tolist(), pieces.s0_off.tolist()
+    math_dtype = torch.promote_types(ssm_pool.dtype, torch.float32)
+    for b, slot in enumerate(slots.tolist()):
+        state = ssm_pool[slot].to(math_dtype) if bool(has_state[b]) else \
+            torch.zeros(ssm_pool.shape[1:], dtype=math_dtype, device=ssm_pool.device)
+        cursor = bounds[b]
+        for p in range(ptr[b], ptr[b + 1]):
+            state = walk.tokens(state, cursor, at[p])
+            state = family.compose(*walk.tuple_at(t_off[p], s0_off[p], state.dtype), state)
+            cursor = at[p]
+        ssm_pool[slot] = walk.tokens(state, cursor, bounds[b + 1]).to(ssm_pool.dtype)
+    return walk.out
+
+
+class _Walk:
+    """The token side of the reference walk: recurrences over spans, outputs collected in `out`."""
+
+    def __init__(self, family: LinearFamily, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 g: torch.Tensor, beta: torch.Tensor | None, scale: float, t_src: torch.Tensor,
+                 s0_src: torch.Tensor) -> None:
+        self.family, self.q, self.k, self.v, self.g, self.beta, self.scale = family, q, k, v, g, beta, scale
+        self.t_src, self.s0_src = t_src, s0_src
+        self.out = torch.empty_like(v)
+        heads, key_dim = v.shape[1], k.shape[-1]
+        self.t_shape = (heads, *family.t_shape(key_dim))
+        self.s0_shape = (heads, key_dim, v.shape[2])
+
+    def tokens(self, state: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Recur tokens [start, end), write their outputs, return the state after them."""
+        if end <= start:
+            return state
+        span = slice(start, end)
+        beta = None if self.beta is None else self.beta[span]
+        o, state = self.family.recur(state, self.q[span], self.k[span], self.v[span], self.g[span],
+                                     beta, scale=self.scale)
+        self.out[span] = o.to(self.out.dtype)
+        return state
+
+    def tuple_at(self, t_off: int, s0_off: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, S0) of a cached piece, read in place from the flat sources, in the math dtype."""
+        T = self.t_src[t_off: t_off + math.prod(self.t_shape)].view(self.t_shape)
+        S0 = self.s0_src[s0_off: s0_off + math.prod(self.s0_shape)].view(self.s0_shape)
+        return T.to(dtype), S0.to(dtype)
+
+
+# ----------------------------------------------------------------------------- Triton
+# One program per (V tile, value head, request) keeps a [K, BV] float32 state tile in registers and
+# walks the request. Value columns are independent in every family (T acts on the K dim), so
+# tiling V needs no communication between programs.
+
+def compose_and_recur_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor | None, ssm_pool: torch.Tensor, slots: torch.Tensor,
+                             has_state: torch.Tensor, cu_seqlens: torch.Tensor, pieces: CachedPieces,
+                             t_src: torch.Tensor, s0_src: torch.Tensor, *, family: LinearFamily,
+                             scale: float) -> torch.Tensor:
+    """Launch the Triton kernel; same contract as `compose_and_recur`."""
+    num_heads, key_dim = k.shape[1:]
+    value_heads, value_dim = v.shape[1:]
+    o = torch.empty_like(v)
+    block_v = max(16, min(32, next_power_of_2(value_dim)))
+    grid = (-(-value_dim // block_v), value_heads, slots.numel())
+    _compose_recur_kernel[grid](
+        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+        g if beta is None else beta.contiguous(), o, ssm_pool, slots, has_state, cu_seqlens,
+        pieces.ptr, pieces.at, pieces.t_off, pieces.s0_off, t_src, s0_src, scale,
+        H=num_heads, HV=value_heads, K=key_dim, V=value_dim, BK=max(16, next_power_of_2(key_dim)),
+        BV=block_v, FAMILY=FAMILY_CODES[family.name], num_warps=8 if family.kind == "dense" else 4)
+    return o
+
+
+@triton_kernel
+def _compose_recur_kernel(q, k, v, g, beta, o, pool, slots, has_state, cu_seqlens,
+                          ptr, at, t_off, s0_off, t_src, s0_src, scale,
+                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                          BK: tl.constexpr, BV: tl.constexpr, FAMILY: tl.constexpr):
+    i_v, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    ok = tl.arange(0, BK)
+    ov = i_v * BV + tl.arange(0, BV)
+    mk, mv = ok < K, ov < V
+    state_ptrs = pool + (tl.load(slots + i_b).to(tl.int64) * HV + i_hv) * K * V + ok[:, None] * V + ov[None, :]
+    S = tl.load(state_ptrs, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
+    # where(), not a masked load alone: a recycled slot may hold inf/nan
+    S = tl.where(tl.load(has_state + i_b) != 0, S, 0.0)
+    cursor = tl.load(cu_seqlens + i_b)
+    for p in range(tl.load(ptr + i_b), tl.load(ptr + i_b + 1)):
+        stop = tl.load(at + p)
+        for t in range(cursor, stop):
+            S = _token(S, t, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mk, mv, H, HV, K, V, FAMILY)
+        S = _compose(S, p, t_off, s0_off, t_src, s0_src, i_hv, ok, ov, mk, mv, K, V, FAMILY)
+        cursor = stop
+    for t in range(cursor, tl.load(cu_seqlens + i_b + 1)):
+        S = _token(S, t, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mk, mv, H, HV, K, V, FAMILY)
+    tl.store(state_ptrs, S, mask=mk[:, None] & mv[None, :])
+
+
+@triton_kernel
+def _token(S, t, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mk, mv,
+           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, FAMILY: tl.constexpr):
+    """One token: decay, write (delta rule for dense families), emit o_t = S_t^T (scale q_t)."""
+    k_t = tl.load(k + (t * H + i_h) * K + ok, mask=mk, other=0.0).to(tl.float32)
+    v_t = tl.load(v + (t * HV + i_hv) * V + ov, mask=mv, other=0.0).to(tl.float32)
+    if FAMILY == 0 or FAMILY == 2:
+        S = S * tl.exp(tl.load(g + t * HV + i_hv).to(tl.float32))
+    else:
+        g_t = tl.load(g + (t * HV + i_hv) * K + ok, mask=mk, other=0.0).to(tl.float32)
+        S = S * tl.exp(g_t)[:, None]
+    if FAMILY >= 2:
+        recalled = tl.sum(S * k_t[:, None], axis=0)
+        v_t = (v_t - recalled) * tl.load(beta + t * HV + i_hv).to(tl.float32)
+    S = S + k_t[:, None] * v_t[None, :]
+    q_t = tl.load(q + (t * H + i_h) * K + ok, mask=mk, other=0.0).to(tl.float32) * scale
+    tl.store(o + (t * HV + i_hv) * V + ov, tl.sum(S * q_t[:, None], axis=0).to(o.dtype.element_ty), mask=mv)
+    return S
+
+
+@triton_kernel
+def _compose(S, p, t_off, s0_off, t_src, s0_src, i_hv, ok, ov, mk, mv,
+             K: tl.constexpr, V: tl.constexpr, FAMILY: tl.constexpr):
+    """S <- T . S + S0 for cached piece p."""
+    t_base = t_src + tl.load(t_off + p)
+    s0_base = s0_src + tl.load(s0_off + p) + i_hv * K * V
+    S0 = tl.load(s0_base + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+    if FAMILY == 0:
+        S = S * tl.exp(tl.load(t_base + i_hv).to(tl.float32))
+    elif FAMILY == 1:
+        T = tl.load(t_base + i_hv * K + ok, mask=mk, other=0.0).to(tl.float32)
+        S = S * tl.exp(T)[:, None]
+    else:
+        rows = t_base + i_hv * K * K + ok[:, None] * K + ok[None, :]
+        T = tl.load(rows, mask=mk[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        S = tl.dot(T, S, input_precision="ieee")  # exact fp32: tf32 would cost ~1e-3 relative
+    return S + S0.to(tl.float32)

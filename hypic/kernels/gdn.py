@@ -1,0 +1,204 @@
+"""Gated delta rule over a flat varlen batch, states read and written in place in the state slab.
+
+Recurrence per value head (state layout [K, V], FLA's):
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T (scale q_t)
+
+Paths: CPU -> `gated_delta_rule_ref` (torch, float32, chunked WY form); CUDA -> FLA's chunk kernel
+for prefill sequences and our Triton kernel for decode tokens, which updates ssm_pool by slot in
+place (no gather/scatter: the decode step must be cheap and CUDA-graph capturable).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
+
+tl: Any  # triton.language, bound by triton_lazy on first GPU use
+
+CHUNK = 64  # tokens per chunk of the reference's WY form
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, ssm_pool: torch.Tensor, slots: torch.Tensor,
+                     has_state: torch.Tensor, cu_seqlens: torch.Tensor, *, scale: float,
+                     num_decodes: int, seq_lens_cpu: tuple[int, ...]) -> torch.Tensor:
+    """q, k: [N, H, K] (l2-normalised); v: [N, HV, V]; g: [N, HV] log-decay; beta: [N, HV].
+    Value head hv uses key head hv // (HV // H). Sequence b starts from ssm_pool[slots[b]] if
+    has_state[b] else zeros; its final state goes back to ssm_pool[slots[b]]. Returns [N, HV, V]."""
+    if q.device.type != "cuda":
+        return gated_delta_rule_ref(q, k, v, g, beta, ssm_pool, slots, has_state, cu_seqlens, scale=scale,
+                                    num_decodes=num_decodes, seq_lens_cpu=seq_lens_cpu)
+    o = torch.empty_like(v)
+    nd = num_decodes
+    if nd:
+        gdn_decode_triton(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm_pool, slots[:nd], has_state[:nd],
+                          scale=scale, out=o[:nd])
+    if len(seq_lens_cpu) > nd:
+        o[nd:] = _prefill_fla(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], ssm_pool, slots[nd:], has_state[nd:],
+                              cu_seqlens[nd:], scale=scale, seq_lens=seq_lens_cpu[nd:])
+    return o
+
+
+# ----------------------------------------------------------------------------- torch reference
+
+def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, ssm_pool: torch.Tensor, slots: torch.Tensor,
+                         has_state: torch.Tensor, cu_seqlens: torch.Tensor, *, scale: float,
+                         num_decodes: int, seq_lens_cpu: tuple[int, ...]) -> torch.Tensor:
+    """Same contract as `gated_delta_rule`, in pure torch with float32 math."""
+    hv, out_dtype = v.shape[1], v.dtype
+    q, k = _expand_heads(q.float(), hv), _expand_heads(k.float(), hv)
+    v, g, beta = v.float(), g.float(), beta.float()
+    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    nd = num_decodes
+    if nd:
+        state = _initial_states(ssm_pool, slots[:nd], has_state[:nd])
+        o[:nd], state = _recurrent_step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], state, scale)
+        ssm_pool[slots[:nd]] = state
+    starts = list(itertools.accumulate(seq_lens_cpu, initial=0))
+    for b in range(nd, len(seq_lens_cpu)):
+        s, e = starts[b], starts[b + 1]
+        state = _initial_states(ssm_pool, slots[b:b + 1], has_state[b:b + 1])[0]
+        o[s:e], ssm_pool[slots[b]] = _chunked_sequence(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state, scale)
+    return o.to(out_dtype)
+
+
+def _expand_heads(x: torch.Tensor, num_value_heads: int) -> torch.Tensor:
+    """[N, H, K] -> [N, HV, K]: consecutive value heads share a key head (hv // (HV // H))."""
+    return x.repeat_interleave(num_value_heads // x.shape[1], dim=1)
+
+
+def _initial_states(ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+    # where(), not a product: a recycled slot may hold inf/nan that must not leak into a fresh sequence
+    return torch.where(has_state[:, None, None, None], ssm_pool[slots], 0.0)
+
+
+def _recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of many sequences at once: q, k [B, HV, K]; v [B, HV, V]; state [B, HV, K, V]."""
+    state = state * g.exp()[..., None, None]
+    err = beta[..., None] * (v - torch.einsum("bhkv,bhk->bhv", state, k))
+    state = state + k[..., :, None] * err[..., None, :]
+    return torch.einsum("bhkv,bhk->bhv", state, q * scale), state
+
+
+def _chunked_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence in chunks (WY form). q, k: [T, HV, K]; v: [T, HV, V]; g, beta: [T, HV];
+    state: [HV, K, V]. Within a chunk with cumulative log-decay G, the per-token corrections
+    e_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t) solve a unit lower-triangular system, so
+    E = U - W S0 with U, W independent of S0; outputs and end state follow by matmuls."""
+    length = q.shape[0]
+    q, k, v, g, beta = (_to_chunks(t, length) for t in (q * scale, k, v, g, beta))  # [HV, n, C, ...]
+    cum = g.cumsum(-1)
+    decay = _pairwise_decay(cum)
+    coupling = ((k @ k.transpose(-1, -2)) * decay * beta[..., None]).tril(-1)
+    inverse = _unit_lower_inverse(coupling)
+    w = inverse @ ((beta * cum.exp())[..., None] * k)
+    u = inverse @ (beta[..., None] * v)
+    attn = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    outs = []
+    for i in range(q.shape[1]):  # only the state hand-off between chunks is sequential
+        err = u[:, i] - w[:, i] @ state
+        outs.append(q_decayed[:, i] @ state + attn[:, i] @ err)
+        state = cum[:, i, -1].exp()[:, None, None] * state + k_to_end[:, i].transpose(-1, -2) @ err
+    o = torch.stack(outs, 1).flatten(1, 2)[:, :length]
+    return o.transpose(0, 1), state
+
+
+def _to_chunks(x: torch.Tensor, length: int) -> torch.Tensor:
+    """[T, HV, ...] -> [HV, n, CHUNK, ...], zero-padded at the end (a zero token leaves the state as is)."""
+    pad = (-length) % CHUNK
+    x = x.movedim(0, 1)
+    if pad:
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+    return x.unflatten(1, (-1, CHUNK))
+
+
+def _pairwise_decay(cum: torch.Tensor) -> torch.Tensor:
+    """exp(G_t - G_j) for j <= t, 0 above the diagonal: [..., C] -> [..., C, C]."""
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=cum.device).tril()
+    return (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+
+
+def _unit_lower_inverse(strict_lower: torch.Tensor) -> torch.Tensor:
+    """(I + L)^-1 for a strictly lower-triangular L (solving against I, then matmuls, is far
+    faster on CPU than triangular solves with wide right-hand sides)."""
+    eye = torch.eye(CHUNK, dtype=strict_lower.dtype, device=strict_lower.device).expand_as(strict_lower)
+    return torch.linalg.solve_triangular(strict_lower, eye, upper=False, unitriangular=True)
+
+
+# ----------------------------------------------------------------------------- GPU: FLA prefill
+
+def _prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
+                 cu_seqlens: torch.Tensor, *, scale: float, seq_lens: tuple[int, ...]) -> torch.Tensor:
+    """FLA's varlen chunk kernel (B = 1); states are gathered from and scattered to the slab."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    cu = (cu_seqlens - cu_seqlens[0]).long()  # prefill tokens start at 0 in the sliced tensors
+    cu_cpu = torch.tensor(list(itertools.accumulate(seq_lens, initial=0)), dtype=torch.long)
+    o, final = chunk_gated_delta_rule(
+        q[None], k[None], v[None], g[None].float(), beta[None], scale=scale,
+        initial_state=_initial_states(ssm_pool, slots, has_state), output_final_state=True,
+        use_qk_l2norm_in_kernel=False, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    ssm_pool.index_copy_(0, slots, final)
+    return o[0]
+
+
+# ----------------------------------------------------------------------------- GPU: Triton decode
+
+def gdn_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, *, scale: float,
+                      out: torch.Tensor) -> None:
+    """One token per sequence: reads ssm_pool[slots[b]], writes the new state back in place and
+    the output into `out` [B, HV, V]. No host sync, fixed grid: CUDA-graph capturable."""
+    q, k, v = map(_rows_contiguous, (q, k, v))
+    batch, heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[1], v.shape[2]
+    block_v = 16 if batch < 16 else 32  # small batches: more programs to fill the GPU
+    grid = (batch, value_heads, -(-value_dim // block_v))
+    _gdn_decode_kernel[grid](
+        q, k, v, g.contiguous(), beta.contiguous(), out, ssm_pool, slots, has_state, scale,
+        q.stride(0), k.stride(0), v.stride(0), out.stride(0),
+        H=heads, HV=value_heads, K=key_dim, V=value_dim, BK=next_power_of_2(key_dim), BV=block_v)
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """Kernels take a token stride but need each token's [heads, dim] block dense."""
+    dense = x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+    return x if dense else x.contiguous()
+
+
+@triton_kernel
+def _gdn_decode_kernel(q, k, v, g, beta, o, pool, slots, has_state, scale,
+                       stride_q, stride_k, stride_v, stride_o,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr):
+    i_b, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    slot = tl.load(slots + i_b).to(tl.int64)
+    p_state = pool + ((slot * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
+    m_state = m_k[:, None] & m_v[None, :]
+    state = tl.load(p_state, mask=m_state, other=0.0).to(tl.float32)
+    state = tl.where(tl.load(has_state + i_b) != 0, state, 0.0)
+    b_q = tl.load(q + i_b * stride_q + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
+    b_k = tl.load(k + i_b * stride_k + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v + i_b * stride_v + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_g = tl.load(g + i_b * HV + i_hv).to(tl.float32)
+    b_beta = tl.load(beta + i_b * HV + i_hv).to(tl.float32)
+    state = state * tl.exp(b_g)
+    err = b_beta * (b_v - tl.sum(state * b_k[:, None], axis=0))
+    state = state + b_k[:, None] * err[None, :]
+    b_o = tl.sum(state * b_q[:, None], axis=0)
+    tl.store(o + i_b * stride_o + i_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    tl.store(p_state, state, mask=m_state)

@@ -1,0 +1,290 @@
+"""The linear-mixer families of PIC algebra (DESIGN §2): one interface, one registry.
+
+Every family has the token recurrence S_t = T_t S_{t-1} + u_t with state S in R^{K x V} per value
+head (FLA layout [.., HV, K, V]; T acts on the K dim) and output o_t = S_t^T (scale q_t). What a
+family fixes is the form of T_t, hence how a segment's cumulative T_C = T_last ... T_first is stored:
+
+| name     | kind     | T_t                                   | u_t           | stored T per head      |
+|----------|----------|---------------------------------------|---------------|------------------------|
+| scalar   | scalar   | exp(g_t) I                            | k v^T         | sum g (log), []        |
+| diagonal | diagonal | Diag(exp(g_t))                        | k v^T         | sum g (log), [K]       |
+| gdn      | dense    | exp(g_t) (I - b_t k k^T)              | b_t k v^T     | T_C, [K, K]            |
+| kda      | dense    | (I - b_t k k^T) Diag(exp(g_t))        | b_t k v^T     | T_C, [K, K]            |
+
+Tensor conventions (one sequence or a flat varlen batch): q, k [L, H, K] (key heads; value head hv
+reads key head hv // (HV // H)); v [L, HV, V]; g [L, HV] (scalar, gdn) or [L, HV, K] (diagonal,
+kda), log-space; beta [L, HV] (dense families; None otherwise). A stored T has shape
+[.., HV, *t_shape(K)]. Math runs in the promoted dtype of the inputs, so float64 in gives an exact
+oracle.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from hypic.errors import UnsupportedModelError
+from hypic.kernels.scatter_kv import apply_rope
+
+
+class LinearFamily(ABC):
+    """One family of linear mixers: its transition, its cached T, and the algebra on both."""
+
+    name: ClassVar[str]
+    kind: ClassVar[str]  # "scalar" | "diagonal" | "dense"
+    gate_per_key: ClassVar[bool]  # g carries a K dim (diagonal, kda)
+    log_T: ClassVar[bool]  # stored T is a sum of log gates (scalar, diagonal): keep it in float32
+
+    # --- per-family math ------------------------------------------------------------------------
+    @abstractmethod
+    def t_shape(self, key_dim: int) -> tuple[int, ...]:
+        """Shape of the stored T of one head."""
+
+    @abstractmethod
+    def step(self, state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor | None) -> torch.Tensor:
+        """One token, all heads: state [HV, K, V], k [HV, K], v [HV, V], g [HV(, K)], beta [HV]."""
+
+    @abstractmethod
+    def token_T(self, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor | None) -> torch.Tensor:
+        """Stored form of one token's T_t (k [HV, K]): the explicit factor the tests multiply out."""
+
+    @abstractmethod
+    def apply_T(self, T: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """T . state for T [.., HV, *t_shape] and state [.., HV, K, V]."""
+
+    @abstractmethod
+    def combine_T(self, later: torch.Tensor, earlier: torch.Tensor) -> torch.Tensor:
+        """Stored form of the product later . earlier (T of two consecutive spans)."""
+
+    @abstractmethod
+    def as_matrix(self, T: torch.Tensor, key_dim: int) -> torch.Tensor:
+        """T as explicit [.., HV, K, K] matrices."""
+
+    # --- shared algebra -----------------------------------------------------------------------
+    def t_bytes(self, key_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of one head's stored T."""
+        return math.prod(self.t_shape(key_dim)) * dtype.itemsize
+
+    def identity_T(self, heads: int, key_dim: int, dtype: torch.dtype,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+        """Stored form of I (the T of an empty span)."""
+        if self.kind == "dense":
+            return torch.eye(key_dim, dtype=dtype, device=device).expand(heads, key_dim, key_dim).clone()
+        return torch.zeros(heads, *self.t_shape(key_dim), dtype=dtype, device=device)
+
+    def compose(self, T: torch.Tensor, S0: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """The state after a cached span: T . state + S0."""
+        return self.apply_T(T, state) + S0
+
+    def recur(self, state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              g: torch.Tensor, beta: torch.Tensor | None, *, scale: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-by-token over one sequence from `state` [HV, K, V]; returns (o [L, HV, V], final)."""
+        heads = v.shape[1]
+        q, k, v, g, beta = _cast(state.dtype, expand_heads(q, heads), expand_heads(k, heads), v, g, beta)
+        outputs = []
+        for t in range(v.shape[0]):
+            state = self.step(state, k[t], v[t], g[t], None if beta is None else beta[t])
+            outputs.append(torch.einsum("hkv,hk->hv", state, q[t] * scale))
+        return _stack(outputs, v), state
+
+    def final_states(self, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor | None, initial: torch.Tensor,
+                     cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """End state of every span of a varlen batch, span b starting from initial[b]."""
+        k, v, g, beta = _cast(initial.dtype, expand_heads(k, v.shape[1]), v, g, beta)
+        ends = []
+        for b, (start, end) in enumerate(_spans(cu_seqlens)):
+            state = initial[b]
+            for t in range(start, end):
+                state = self.step(state, k[t], v[t], g[t], None if beta is None else beta[t])
+            ends.append(state)
+        return torch.stack(ends)
+
+    def extract_tuple(self, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor | None, cu_seqlens: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T [B, HV, *t_shape], S0 [B, HV, K, V]) of every span of a varlen batch.
+
+        S0 is the end state from zero. Dense T is the end state from I with v = 0 (value dim K),
+        since (prod T_t) I = T_C; scalar/diagonal T is the sum of log gates.
+        """
+        num, heads, key_dim = cu_seqlens.numel() - 1, v.shape[1], k.shape[-1]
+        dtype = torch.promote_types(k.dtype, torch.float32)
+        zeros = torch.zeros(num, heads, key_dim, v.shape[2], dtype=dtype, device=v.device)
+        S0 = self.final_states(k, v, g, beta, zeros, cu_seqlens)
+        if self.kind != "dense":
+            return segment_sum(g.to(dtype), cu_seqlens), S0
+        eye = self.identity_T(heads, key_dim, dtype, v.device).expand(num, -1, -1, -1).contiguous()
+        no_values = torch.zeros(v.shape[0], heads, key_dim, dtype=v.dtype, device=v.device)
+        return self.final_states(k, no_values, g, beta, eye, cu_seqlens), S0
+
+
+class ScalarFamily(LinearFamily):
+    """T_t = exp(g_t) I: Mamba2, lightning attention, RetNet (FLA simple_gla)."""
+
+    name, kind, gate_per_key, log_T = "scalar", "scalar", False, True
+
+    def t_shape(self, key_dim: int) -> tuple[int, ...]:
+        return ()
+
+    def step(self, state, k, v, g, beta):
+        return g.exp()[:, None, None] * state + k[:, :, None] * v[:, None, :]
+
+    def token_T(self, k, g, beta):
+        return g
+
+    def apply_T(self, T, state):
+        return T.exp()[..., None, None].to(state.dtype) * state
+
+    def combine_T(self, later, earlier):
+        return later + earlier
+
+    def as_matrix(self, T, key_dim):
+        return T.exp()[..., None, None] * torch.eye(key_dim, dtype=T.dtype, device=T.device)
+
+    def rotate_state(self, state: torch.Tensor, delta: torch.Tensor | int,
+                     inv_freq: torch.Tensor) -> torch.Tensor:
+        """S_C|b = R(b - a) S_C|a (paper eq. 7) for RoPE applied to k inside the layer: rotates the
+        K dim of state [.., K, V] by `delta` = b - a positions (an int, or a tensor broadcastable
+        to state.shape[:-2]). Exact for this family only: exp(g) I commutes with rotations."""
+        delta = torch.as_tensor(delta, device=state.device)
+        rotated = apply_rope(state.transpose(-1, -2), delta[..., None], inv_freq)
+        return rotated.transpose(-1, -2)
+
+
+class DiagonalFamily(LinearFamily):
+    """T_t = Diag(exp(g_t)): GLA."""
+
+    name, kind, gate_per_key, log_T = "diagonal", "diagonal", True, True
+
+    def t_shape(self, key_dim: int) -> tuple[int, ...]:
+        return (key_dim,)
+
+    def step(self, state, k, v, g, beta):
+        return g.exp()[:, :, None] * state + k[:, :, None] * v[:, None, :]
+
+    def token_T(self, k, g, beta):
+        return g
+
+    def apply_T(self, T, state):
+        return T.exp()[..., None].to(state.dtype) * state
+
+    def combine_T(self, later, earlier):
+        return later + earlier
+
+    def as_matrix(self, T, key_dim):
+        return torch.diag_embed(T.exp())
+
+
+class DenseFamily(LinearFamily):
+    """Delta-rule families: T_t = (I - b k k^T) with a gate on one side, stored as a K x K matrix."""
+
+    kind, log_T = "dense", False
+
+    def t_shape(self, key_dim: int) -> tuple[int, ...]:
+        return (key_dim, key_dim)
+
+    def apply_T(self, T, state):
+        return T.to(state.dtype) @ state
+
+    def combine_T(self, later, earlier):
+        return later @ earlier
+
+    def as_matrix(self, T, key_dim):
+        return T
+
+    @staticmethod
+    def _delta_write(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     beta: torch.Tensor) -> torch.Tensor:
+        """(I - b k k^T) state + b k v^T, without forming the K x K matrix."""
+        recalled = torch.einsum("hk,hkv->hv", k, state)
+        return state + k[:, :, None] * ((v - recalled) * beta[:, None])[:, None, :]
+
+    @staticmethod
+    def _householder(k: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
+        return eye - beta[:, None, None] * k[:, :, None] * k[:, None, :]
+
+
+class GatedDeltaFamily(DenseFamily):
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5): T_t = exp(g_t) (I - b_t k_t k_t^T)."""
+
+    name, gate_per_key = "gdn", False
+
+    def step(self, state, k, v, g, beta):
+        return self._delta_write(g.exp()[:, None, None] * state, k, v, beta)
+
+    def token_T(self, k, g, beta):
+        return g.exp()[:, None, None] * self._householder(k, beta)
+
+    def final_states(self, k, v, g, beta, initial, cu_seqlens):
+        """The chunked GDN kernel (FLA on cuda, chunked torch reference on cpu); float64 runs the
+        token recurrence, the exact oracle, because the kernel contract is float32 state."""
+        if initial.dtype == torch.float64:
+            return super().final_states(k, v, g, beta, initial, cu_seqlens)
+        from hypic.kernels.gdn import gated_delta_rule
+
+        pool = initial.to(torch.float32, copy=True).contiguous()
+        num = pool.shape[0]
+        lens = tuple(int(n) for n in cu_seqlens.diff().tolist())
+        gated_delta_rule(k, k, v, g.float(), beta, pool,
+                         torch.arange(num, device=v.device), torch.ones(num, dtype=torch.bool, device=v.device),
+                         cu_seqlens.to(torch.int32), scale=1.0, num_decodes=0, seq_lens_cpu=lens)
+        return pool
+
+
+class KimiDeltaFamily(DenseFamily):
+    """Kimi Delta Attention (Kimi-Linear): T_t = (I - b_t k_t k_t^T) Diag(exp(g_t))."""
+
+    name, gate_per_key = "kda", True
+
+    def step(self, state, k, v, g, beta):
+        return self._delta_write(g.exp()[:, :, None] * state, k, v, beta)
+
+    def token_T(self, k, g, beta):
+        return self._householder(k, beta) * g.exp()[:, None, :]
+
+
+FAMILIES: dict[str, LinearFamily] = {
+    family.name: family for family in (ScalarFamily(), DiagonalFamily(), GatedDeltaFamily(), KimiDeltaFamily())
+}
+
+
+def get_family(name: str) -> LinearFamily:
+    """The family registered under `name` ("scalar", "diagonal", "gdn", "kda")."""
+    if name not in FAMILIES:
+        raise UnsupportedModelError(f"linear family {name!r} is unknown; hypic knows {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[.., H, K] key-head tensor -> [.., heads, K]: value head hv reads key head hv // (heads // H)."""
+    return x.repeat_interleave(heads // x.shape[-2], dim=-2) if x.shape[-2] != heads else x
+
+
+def segment_sum(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Sum over each span of a varlen batch: x [N, ...] -> [B, ...] (empty spans give 0).
+    Summed per span, not as differences of one running cumsum, which loses float32 precision."""
+    lengths = cu_seqlens.long().diff()
+    span_of_token = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths)
+    return x.new_zeros(lengths.numel(), *x.shape[1:]).index_add_(0, span_of_token, x)
+
+
+def _cast(dtype: torch.dtype, *xs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Inputs in the state's dtype, so gates are exponentiated at full precision."""
+    return tuple(None if x is None else x.to(dtype) for x in xs)
+
+
+def _spans(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    bounds = cu_seqlens.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _stack(outputs: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    if not outputs:
+        return like.new_zeros(like.shape)
+    return torch.stack(outputs)

@@ -1,0 +1,61 @@
+"""The full-attention layer: GQA over paged KV with q/k RMSNorm, partial NeoX RoPE and a sigmoid output gate.
+
+`qkv` hands back K after k_norm and *before* RoPE, so position-independent caching can keep segment
+interiors un-rotated and rotate them at their global positions later; the pages hold rotated K.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hypic.engine.forward_batch import ForwardBatch
+from hypic.kernels.paged_attention import paged_attention, write_kv
+from hypic.models.config import HybridConfig
+from hypic.models.layers import RMSNorm, RotaryEmbedding
+
+
+class GatedAttention(nn.Module):
+    """Weights: qkv_proj rows are [q/gate interleaved per head (H * 2D, or H * D without the gate) |
+    k (Hkv * D) | v (Hkv * D)]; o_proj [hidden, H * D]."""
+
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.gated = c.attn_output_gate
+        self.q_size = self.num_heads * self.head_dim * (2 if self.gated else 1)
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta)
+
+    def qkv(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """(q rotated [N, H, D], gate [N, H * D] or None, k normed but NOT rotated [N, Hkv, D], v [N, Hkv, D])."""
+        q_gate, k, v = self.qkv_proj(hidden).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q_gate = q_gate.reshape(-1, self.num_heads, self.q_size // self.num_heads)
+        q, gate = q_gate.chunk(2, dim=-1) if self.gated else (q_gate, None)
+        q = self.rotary(self.q_norm(q), positions)
+        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
+        gate = gate.reshape(hidden.shape[0], -1) if gate is not None else None
+        return q, gate, k, v.reshape(-1, self.num_kv_heads, self.head_dim)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               batch: ForwardBatch) -> torch.Tensor:
+        """Causal (by position) attention over each sequence's pages; this step's K/V are already written."""
+        return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.kv_lens, batch.positions,
+                               batch.cu_seqlens, scale=self.scale, num_decodes=batch.num_decodes,
+                               seq_lens_cpu=batch.seq_lens_cpu, max_kv_len=batch.max_kv_len)
+
+    def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """[N, H, D] -> gate by sigmoid -> o_proj -> [N, hidden]."""
+        o = o.reshape(o.shape[0], -1)
+        return self.o_proj(o * torch.sigmoid(gate) if gate is not None else o)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        q, gate, k, v = self.qkv(hidden, batch.positions)
+        write_kv(self.rotary(k, batch.positions), v, k_cache, v_cache, batch.kv_write_slots)
+        return self.output(self.attend(q, k_cache, v_cache, batch), gate)

@@ -1,0 +1,42 @@
+"""What AsyncEngine.generate yields."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()  # (token_id, text, logprob) alternatives, best first
+
+
+@dataclass(frozen=True)
+class CompletionDelta:
+    """New output of one of the request's n completions since the last yield."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    arrival_time: float  # time.monotonic() at submit
+    queue_time: float | None = None  # seconds from arrival to first scheduled
+    ttft: float | None = None  # seconds from arrival to first output token
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from any cache (DESIGN §7)
+    cached_tokens_by_kind: dict[str, int] = field(default_factory=dict)  # "prefix", "pic"
+    generated_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    deltas: tuple[CompletionDelta, ...]  # completions that advanced in this step
+    finished: bool  # every completion finished
+    metrics: RequestMetrics

@@ -1,0 +1,111 @@
+"""Command-line options of the server, and what they configure (EngineConfig, ServerSettings)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+
+from hypic.config import CACHE_MODES, EngineConfig
+from hypic.errors import InvalidRequestError
+from hypic.serve.state import ServerSettings
+
+_DEFAULTS = EngineConfig()
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `python -m hypic.serve` and `hypic serve`."""
+    _add_model_arguments(parser)
+    _add_cache_arguments(parser)
+    _add_server_arguments(parser)
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", metavar="PATH", help="Hugging Face model directory (default: the bundled model)")
+    group.add_argument("--served-model-name", metavar="NAME", help="model id clients send (default: the directory name)")
+    group.add_argument("--device", type=_device, default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
+    group.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                       help="weights and activations (default: bfloat16 on GPU, float32 on CPU)")
+    group.add_argument("--max-model-len", type=_positive_int, metavar="TOKENS",
+                       help="longest prompt + output (default: the model's, as far as the cache holds it)")
+    group.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    group.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed of requests without their own (default: %(default)s)")
+
+
+def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("memory and caching")
+    group.add_argument("--gpu-memory-utilization", type=float, default=_DEFAULTS.gpu_memory_utilization, metavar="FRACTION",
+                       help="fraction of GPU memory for weights, activations and caches (default: %(default)s)")
+    group.add_argument("--cpu-cache-bytes", type=_size, default=_DEFAULTS.cpu_cache_bytes, metavar="SIZE",
+                       help="bytes of KV pages + state slots on CPU, e.g. 512MiB or 2G (default: %(default)s)")
+    group.add_argument("--block-size", type=_positive_int, default=_DEFAULTS.block_size, metavar="TOKENS", help="tokens per KV page (default: %(default)s)")
+    group.add_argument("--max-num-seqs", type=_positive_int, default=_DEFAULTS.max_num_seqs, metavar="N",
+                       help="most sequences per step (default: %(default)s)")
+    group.add_argument("--max-num-batched-tokens", type=_positive_int, default=_DEFAULTS.max_num_batched_tokens, metavar="TOKENS",
+                       help="token budget of one step (default: %(default)s)")
+    group.add_argument("--cache-mode", choices=CACHE_MODES, default=_DEFAULTS.cache_mode,
+                       help="default cache mode of requests; a request may set its own (default: %(default)s)")
+    group.add_argument("--seam-width", type=_positive_int, metavar="TOKENS",
+                       help="tokens recomputed on each side of a segment boundary (needs position-independent caching)")
+    group.add_argument("--segment-separator", default=_DEFAULTS.segment_separator, metavar="TEXT",
+                       help="text that splits a prompt into segments (default: %(default)s; LMCache: ' # # ')")
+
+
+def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: %(default)s)")
+    group.add_argument("--api-key", default=os.environ.get("HYPIC_API_KEY"), metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on /v1/* and /tokenize (default: $HYPIC_API_KEY)")
+    group.add_argument("--max-waiting", type=_positive_int, default=_DEFAULTS.max_waiting, metavar="N",
+                       help="requests queued before new ones get 503 + Retry-After (default: %(default)s)")
+    group.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM/SIGINT, time in-flight requests get to finish (default: %(default)s)")
+    group.add_argument("--log-level", choices=_LOG_LEVELS, default="info", help="(default: %(default)s)")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """Raises InvalidRequestError for a value EngineConfig refuses, or an option this build lacks."""
+    options = dict(
+        model=args.model, device=args.device, dtype=None if args.dtype == "auto" else args.dtype,
+        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+        cpu_cache_bytes=args.cpu_cache_bytes, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
+        cache_mode=args.cache_mode, segment_separator=args.segment_separator,
+        enforce_eager=args.enforce_eager, seed=args.seed,
+    )
+    if args.seam_width is not None:
+        if "seam_width" not in {field.name for field in dataclasses.fields(EngineConfig)}:
+            raise InvalidRequestError("--seam-width needs position-independent caching, which this hypic does not have yet")
+        options["seam_width"] = args.seam_width
+    return EngineConfig(**options)
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    if args.shutdown_grace < 0:
+        raise InvalidRequestError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
+    return ServerSettings(args.served_model_name, args.api_key or None, args.shutdown_grace)
+
+
+def _device(text: str) -> str:
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _size(text: str) -> int:
+    """'536870912', '512MiB', '512M', '2g' -> bytes (binary units)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a size like 536870912, 512MiB or 2G, got {text!r}")
+    return int(match.group(1)) * _SIZE_UNITS[match.group(2)]

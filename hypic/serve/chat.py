@@ -1,0 +1,112 @@
+"""POST /v1/chat/completions: messages rendered by the model's chat template, then generated."""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+from msgspec.structs import replace
+
+from hypic.outputs import RequestOutput
+from hypic.serve.choices import UsageCounter, collect, worth_sending
+from hypic.serve.engine_client import GenerateRequest
+from hypic.serve.http_errors import bad_request, engine_errors
+from hypic.serve.logprobs import chat_logprobs
+from hypic.serve.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunk,
+    ChatChunkChoice,
+    ChatDelta,
+    ChatRequest,
+    ChatResponse,
+    unsupported_fields,
+)
+from hypic.serve.request_body import check_model, read_body, reject_unsupported
+from hypic.serve.request_group import submitted
+from hypic.serve.responses import DONE, event, json_response, start_events, stream_errors
+from hypic.serve.sampling import sampling_params
+from hypic.serve.state import STATE
+from hypic.serve.template import render_chat
+
+log = logging.getLogger(__name__)
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format")
+_PARAM_NAMES = {name: name for name in ChatRequest.__struct_fields__} | {"logprobs": "top_logprobs", "prompt": "messages"}
+
+
+async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await read_body(request, ChatRequest)
+    check_model(state, body.model)
+    reject_unsupported(unsupported_fields(body, UNSUPPORTED))
+    prompt = render_chat(state.client.tokenizer, body.messages, body.chat_template_kwargs)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    log.debug("%s: %d message(s), n=%d, user=%s", request_id, len(body.messages), body.n, body.user)
+    with engine_errors(_PARAM_NAMES):
+        params = sampling_params(body, max_tokens=_max_tokens(body), logprobs=_logprobs(body))
+        # the template wrote every special token the model expects: the engine adds none
+        job = GenerateRequest(prompt, params, request_id, body.cache_salt, body.cache_mode, add_special_tokens=False)
+        async with submitted(state.client, [job], state.metrics) as outputs:
+            if body.stream:
+                head = ChatChunk(request_id, int(time.time()), state.model_name, [])
+                return await _stream(request, outputs, head, body)
+            return await _respond(outputs, request_id, state.model_name, body)
+
+
+def _max_tokens(body: ChatRequest) -> int | None:
+    return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+
+
+def _logprobs(body: ChatRequest) -> int | None:
+    if not body.logprobs:
+        if body.top_logprobs is not None:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return body.top_logprobs or 0
+
+
+async def _respond(
+    outputs: AsyncIterator[tuple[int, RequestOutput]], request_id: str, model: str, body: ChatRequest
+) -> web.Response:
+    buffers, usage = await collect(outputs, body.n, 1)
+    choices = [
+        ChatChoice(
+            index,
+            AssistantMessage(buffer.text),
+            chat_logprobs(buffer.logprobs) if body.logprobs else None,
+            buffer.finish_reason,
+        )
+        for index, buffer in enumerate(buffers)
+    ]
+    return json_response(ChatResponse(request_id, int(time.time()), model, choices, usage.usage()))
+
+
+async def _stream(
+    request: web.Request, outputs: AsyncIterator[tuple[int, RequestOutput]], head: ChatChunk, body: ChatRequest
+) -> web.StreamResponse:
+    response = await start_events(request)
+    usage = UsageCounter()
+    roles = [ChatChunkChoice(index, ChatDelta(role="assistant", content=""), None, None) for index in range(body.n)]
+    try:
+        await response.write(b"".join(event(replace(head, choices=[role])) for role in roles))
+        async with stream_errors(response, _PARAM_NAMES):
+            async for _, output in outputs:
+                usage.add(output)
+                await response.write(_chunks(head, output, body))
+            if body.stream_options and body.stream_options.include_usage:
+                await response.write(event(replace(head, choices=[], usage=usage.usage())))
+        await response.write(DONE)
+    except ConnectionError:  # the client left; leaving submitted() aborts what is unfinished
+        log.debug("%s: client disconnected mid-stream", head.id)
+    return response
+
+
+def _chunks(head: ChatChunk, output: RequestOutput, body: ChatRequest) -> bytes:
+    chunks = []
+    for delta in filter(worth_sending, output.deltas):
+        logprobs = chat_logprobs(delta.logprobs or ()) if body.logprobs else None
+        choice = ChatChunkChoice(delta.index, ChatDelta(content=delta.text), logprobs, delta.finish_reason)
+        chunks.append(event(replace(head, choices=[choice])))
+    return b"".join(chunks)

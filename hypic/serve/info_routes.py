@@ -1,0 +1,63 @@
+"""GET /v1/models, /v1/models/{model}, /health, /metrics and POST /tokenize."""
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from hypic.errors import InvalidRequestError
+from hypic.serve.http_errors import ApiError, bad_request
+from hypic.serve.protocol import ModelCard, ModelList, TokenizeRequest, TokenizeResponse
+from hypic.serve.request_body import check_model, read_body
+from hypic.serve.responses import json_response
+from hypic.serve.state import STATE, ServerState
+from hypic.serve.template import render_chat
+
+_STARTED = int(time.time())
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return json_response(ModelList([_card(request.app[STATE])]))
+
+
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    check_model(state, request.match_info["model"])
+    return json_response(_card(state))
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.draining or not state.client.accepting:
+        raise ApiError(503, "the server is shutting down or its engine has stopped", code="unavailable")
+    return json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await read_body(request, TokenizeRequest)
+    check_model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("send exactly one of prompt and messages", "prompt")
+    try:
+        tokens = _tokens(state, body)
+    except InvalidRequestError as error:
+        raise bad_request(str(error), "prompt" if body.prompt is not None else "messages") from None
+    return json_response(TokenizeResponse(tokens, len(tokens), state.client.info.max_model_len))
+
+
+def _tokens(state: ServerState, body: TokenizeRequest) -> list[int]:
+    if body.prompt is not None:
+        return state.client.tokenize(body.prompt)
+    text = render_chat(state.client.tokenizer, body.messages, None)
+    return state.client.tokenize(text, add_special_tokens=False)
+
+
+def _card(state: ServerState) -> ModelCard:
+    return ModelCard(id=state.model_name, created=_STARTED, max_model_len=state.client.info.max_model_len)

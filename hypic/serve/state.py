@@ -1,0 +1,32 @@
+"""What every handler needs: the engine client, the server's settings and its metrics."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from hypic.serve.engine_client import EngineClient
+from hypic.serve.metrics import ServerMetrics
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str | None = None  # None: the engine's model name
+    api_key: str | None = None  # None: no authentication
+    shutdown_grace_s: float = 30.0
+    max_body_bytes: int = 64 << 20  # a full-context prompt of token ids fits with room to spare
+
+
+@dataclass
+class ServerState:
+    client: EngineClient
+    settings: ServerSettings
+    metrics: ServerMetrics
+    draining: bool = False  # set once shutdown begins: new requests get 503
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_name or self.client.info.model_name
+
+
+STATE = web.AppKey("hypic_state", ServerState)

@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny checkpoints made here (never downloaded)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from models_util import make_hf_model, save_checkpoint
+from tokenizer_util import write_byte_level
+
+EOS_ID = 2  # <|im_end|> in the byte-level test tokenizer
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def make_model_dir(path: Path, kind: str = "qwen3_5_text", seed: int = 0) -> Path:
+    """A tiny random checkpoint of `kind` with a trained byte-level tokenizer beside it."""
+    save_checkpoint(make_hf_model(kind, seed=seed, eos_token_id=EOS_ID), path)
+    write_byte_level(path, vocab_size=300)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("tiny_qwen3_5"))
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("tiny_qwen3_next"), kind="qwen3_next")

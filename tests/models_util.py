@@ -1,0 +1,199 @@
+"""Model-test helpers: tiny transformers checkpoints carrying the known traps, and hand-built batches.
+
+Traps in every tiny config: linear key head dim (8) != value head dim (12), HV / H = 3, vocabulary padded
+past the "tokenizer" (320 rows, ids drawn below TOKENIZER_VOCAB), partial RoPE (half the head dim), GQA;
+qwen3_next alternates dense and MoE MLPs (decoder_sparse_step=2 and mlp_only_layers=[5]: MoE on 1 and 3).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from hypic.cache.model_caches import ModelCaches
+from hypic.engine.forward_batch import ForwardBatch
+from hypic.models.config import HybridConfig
+
+TOKENIZER_VOCAB = 300  # ids the tests feed; the model's vocab_size (320) is padded past it
+KINDS: tuple[str, ...] = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5")
+
+TEXT_CONFIG = dict(
+    vocab_size=320, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
+    linear_value_head_dim=12, linear_conv_kernel_dim=4, max_position_embeddings=512, initializer_range=0.08,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention",
+                 "full_attention"],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    eos_token_id=299,
+)
+MOE_CONFIG = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)
+VISION_CONFIG = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                     num_position_embeddings=16)
+
+
+def make_hf_model(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
+    """A tiny random transformers causal LM of `kind` (one of KINDS), float32, eval mode."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    text = {**TEXT_CONFIG, **overrides}
+    if kind == "qwen3_next":
+        config = tf.Qwen3NextConfig(**text, intermediate_size=96, decoder_sparse_step=2, mlp_only_layers=[5],
+                                    **MOE_CONFIG)
+        model = tf.Qwen3NextForCausalLM(config)
+    elif kind == "qwen3_5_text":
+        model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**text, intermediate_size=96))
+    elif kind == "qwen3_5_moe_text":
+        model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**text, **MOE_CONFIG))
+    elif kind == "qwen3_5":
+        config = tf.Qwen3_5Config(text_config={**text, "intermediate_size": 96}, vision_config=VISION_CONFIG)
+        model = tf.Qwen3_5ForConditionalGeneration(config)
+    else:
+        raise ValueError(kind)
+    _perturb_defaults(model)
+    return model.eval()
+
+
+def _perturb_defaults(model: torch.nn.Module) -> None:
+    """Norm weights start at 0 (or 1) and dt_bias at 1: move them so a wrong offset convention shows."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "dt_bias")):
+                param.add_(torch.randn_like(param) * 0.3)
+
+
+def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """transformers' logits [T, vocab] of one sequence, from scratch."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def save_checkpoint(model: torch.nn.Module, path: Path, *, max_shard_size: str | None = None,
+                    rewrite: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> Path:
+    """save_pretrained into path (sharded when max_shard_size is given); `rewrite` edits the tensors and
+    writes them back as one model.safetensors."""
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    if rewrite is not None:
+        tensors = rewrite(read_checkpoint(path))
+        for file in list(path.glob("*.safetensors")) + list(path.glob("*.index.json")):
+            file.unlink()
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    return path
+
+
+def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def add_mtp_and_vision(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What released checkpoints carry besides the text model: MTP heads and (fake) vision weights."""
+    extra = {"mtp.fc.weight": torch.randn(64, 128), "mtp.layers.0.input_layernorm.weight": torch.randn(64),
+             "mtp.norm.weight": torch.randn(64), "model.visual.patch_embed.proj.weight": torch.randn(8, 3, 2, 4, 4)}
+    return {**tensors, **extra}
+
+
+def fuse_experts(tensors: dict[str, torch.Tensor], transposed: bool = False) -> dict[str, torch.Tensor]:
+    """Per-expert gate/up/down -> fused experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]
+    (or [E, H, 2I] / [E, I, H] when transposed)."""
+    out, groups = {}, {}
+    for name, tensor in tensors.items():
+        if ".mlp.experts." not in name:
+            out[name] = tensor
+            continue
+        prefix, rest = name.split(".mlp.experts.")
+        expert, proj = rest.split(".")[:2]
+        groups.setdefault(prefix, {}).setdefault(proj, {})[int(expert)] = tensor
+    for prefix, projs in groups.items():
+        stack = {p: torch.stack([w[e] for e in sorted(w)]) for p, w in projs.items()}
+        gate_up, down = torch.cat((stack["gate_proj"], stack["up_proj"]), dim=1), stack["down_proj"]
+        if transposed:
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        out[f"{prefix}.mlp.experts.gate_up_proj"], out[f"{prefix}.mlp.experts.down_proj"] = gate_up, down
+    return out
+
+
+def write_config(path: Path, config: dict) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+# ---- hand-built batches ------------------------------------------------------------------------------
+
+@dataclass
+class Seq:
+    """One sequence's private cache: its state slot, its KV pages and how many tokens they hold."""
+
+    slot: int
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+class BatchBuilder:
+    """Caches for one model plus a trivial page allocator. Slots and pages start full of junk so that a
+    fresh sequence (has_state False) that read them would show."""
+
+    def __init__(self, config: HybridConfig, *, block_size: int = 4, num_blocks: int = 96, num_slots: int = 8,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.block_size = block_size
+        self.caches = ModelCaches(config.cache_shape(), num_blocks, block_size, num_slots, dtype, torch.device("cpu"))
+        for i in config.linear_layers:
+            for pool in self.caches.state(i):
+                pool.normal_(0.0, 3.0)
+        for i in config.full_layers:
+            for pages in self.caches.kv(i):
+                pages.normal_(0.0, 3.0)
+        self._free_blocks = list(range(num_blocks - 1, 0, -1))  # reversed so pages are not in order
+
+    def new_seq(self, slot: int) -> Seq:
+        return Seq(slot=slot)
+
+    def batch(self, pieces: list[tuple[Seq, list[int]]]) -> ForwardBatch:
+        """One step over (sequence, this step's tokens) pairs, in order; decodes must come first.
+        A decode is a 1-token piece of a sequence that already holds tokens. Every token's logits return."""
+        num_decodes = next((i for i, (s, t) in enumerate(pieces) if not (len(t) == 1 and s.length)), len(pieces))
+        positions, write_slots, has_state, kv_lens = [], [], [], []
+        for seq, tokens in pieces:
+            has_state.append(seq.length > 0)
+            positions += self._place(seq, len(tokens), write_slots)
+            kv_lens.append(seq.length)
+        lens = [len(t) for _, t in pieces]
+        width = max(len(s.blocks) for s, _ in pieces)
+        tables = [s.blocks + [0] * (width - len(s.blocks)) for s, _ in pieces]
+        return ForwardBatch(
+            input_ids=torch.tensor([i for _, t in pieces for i in t]), positions=torch.tensor(positions),
+            cu_seqlens=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
+            slots=torch.tensor([s.slot for s, _ in pieces]), has_state=torch.tensor(has_state),
+            block_tables=torch.tensor(tables, dtype=torch.int32), kv_lens=torch.tensor(kv_lens, dtype=torch.int32),
+            kv_write_slots=torch.tensor(write_slots), logits_indices=torch.arange(sum(lens)),
+            num_decodes=num_decodes, seq_lens_cpu=tuple(lens), max_kv_len=max(kv_lens))
+
+    def _place(self, seq: Seq, n: int, write_slots: list[int]) -> list[int]:
+        positions = list(range(seq.length, seq.length + n))
+        while len(seq.blocks) * self.block_size < seq.length + n:
+            seq.blocks.append(self._free_blocks.pop())
+        write_slots += [seq.blocks[p // self.block_size] * self.block_size + p % self.block_size for p in positions]
+        seq.length += n
+        return positions
+
+
+def run(model: torch.nn.Module, builder: BatchBuilder, pieces: list[tuple[Seq, list[int]]]) -> torch.Tensor:
+    """Logits [N, vocab] of every token of one step."""
+    batch = builder.batch(pieces)
+    return model.compute_logits(model(batch, builder.caches))
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, TOKENIZER_VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).norm() / expected.norm())

@@ -1,0 +1,144 @@
+"""PIC algebra per family, in float64: composed tuples == the sequential recurrence (DESIGN §2, §8)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hypic.kernels.linear_families import FAMILIES, LinearFamily, expand_heads, get_family
+from hypic.kernels.scatter_kv import apply_rope, rope_inv_freq
+
+KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM = 2, 4, 8, 6
+
+
+def random_tokens(family: LinearFamily, length: int, gen: torch.Generator, dtype: torch.dtype = torch.float64,
+                  heads: tuple[int, int] = (KEY_HEADS, VALUE_HEADS), dims: tuple[int, int] = (KEY_DIM, VALUE_DIM)
+                  ) -> dict[str, torch.Tensor | None]:
+    """q, k (unit norm), v, log gates mostly near 0.9 decay, beta in (0, 1) for dense families."""
+    (h, hv), (kd, vd) = heads, dims
+    gate_shape = (length, hv, kd) if family.gate_per_key else (length, hv)
+    randn = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    tokens = {"q": randn(length, h, kd), "k": F.normalize(randn(length, h, kd), dim=-1),
+              "v": randn(length, hv, vd), "g": F.logsigmoid(randn(*gate_shape) + 2.0),
+              "beta": torch.sigmoid(randn(length, hv)) if family.kind == "dense" else None}
+    return {name: None if x is None else x.to(dtype) for name, x in tokens.items()}
+
+
+def span(tokens: dict[str, torch.Tensor | None], start: int, end: int) -> dict[str, torch.Tensor | None]:
+    return {name: None if x is None else x[start:end] for name, x in tokens.items()}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def cu_of(lens: list[int]) -> torch.Tensor:
+    return torch.tensor(list(itertools.accumulate(lens, initial=0)), dtype=torch.int32)
+
+
+def sequential_end(family: LinearFamily, state: torch.Tensor, tokens: dict) -> torch.Tensor:
+    return family.recur(state, tokens["q"], tokens["k"], tokens["v"], tokens["g"], tokens["beta"], scale=1.0)[1]
+
+
+def extract(family: LinearFamily, tokens: dict, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return family.extract_tuple(tokens["k"], tokens["v"], tokens["g"], tokens["beta"], cu_of(lens))
+
+
+FAMILY_NAMES = sorted(FAMILIES)
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+@pytest.mark.parametrize("num_segments", [2, 4])
+def test_composed_state_equals_sequential_recurrence(name: str, num_segments: int) -> None:
+    family, gen = get_family(name), torch.Generator().manual_seed(num_segments)
+    lens = torch.randint(3, 10, (num_segments,), generator=gen).tolist()
+    tokens = random_tokens(family, sum(lens), gen)
+    prefix = torch.randn(VALUE_HEADS, KEY_DIM, VALUE_DIM, generator=gen, dtype=torch.float64)
+    truth = sequential_end(family, prefix, tokens)
+    T, S0 = extract(family, tokens, lens)
+    state = prefix
+    for i in range(num_segments):
+        state = family.compose(T[i], S0[i], state)
+    assert rel_err(state, truth) <= 1e-10
+    assert rel_err(prefix + S0.sum(0), truth) > 0.05  # naive addition is structurally wrong
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_identity_trick_T_equals_explicit_product(name: str) -> None:
+    family, gen = get_family(name), torch.Generator().manual_seed(1)
+    lens = [5, 8]
+    tokens = random_tokens(family, sum(lens), gen)
+    T, _ = extract(family, tokens, lens)
+    k = expand_heads(tokens["k"], VALUE_HEADS)
+    for i, (start, end) in enumerate(itertools.pairwise(cu_of(lens).tolist())):
+        product = family.identity_T(VALUE_HEADS, KEY_DIM, torch.float64)
+        for t in range(start, end):
+            beta = None if tokens["beta"] is None else tokens["beta"][t]
+            product = family.combine_T(family.token_T(k[t], tokens["g"][t], beta), product)
+        explicit = family.as_matrix(product, KEY_DIM)
+        assert rel_err(family.as_matrix(T[i], KEY_DIM), explicit) <= 1e-12
+        assert rel_err(explicit, torch.eye(KEY_DIM, dtype=torch.float64).expand_as(explicit)) > 0.05
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_tuple_of_concatenation_is_composition_of_tuples(name: str) -> None:
+    family, gen = get_family(name), torch.Generator().manual_seed(2)
+    tokens = random_tokens(family, 11, gen)
+    T, S0 = extract(family, tokens, [4, 7])
+    T_all, S0_all = extract(family, tokens, [11])
+    assert rel_err(family.combine_T(T[1], T[0]), T_all[0]) <= 1e-12
+    assert rel_err(family.compose(T[1], S0[1], S0[0]), S0_all[0]) <= 1e-10
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_recur_outputs_match_state_readout(name: str) -> None:
+    """o_t = S_t^T (scale q_t), with value head hv reading key head hv // (HV // H)."""
+    family, gen = get_family(name), torch.Generator().manual_seed(3)
+    tokens = random_tokens(family, 6, gen)
+    state = torch.zeros(VALUE_HEADS, KEY_DIM, VALUE_DIM, dtype=torch.float64)
+    o, _ = family.recur(state, tokens["q"], tokens["k"], tokens["v"], tokens["g"], tokens["beta"], scale=0.5)
+    end = sequential_end(family, state, span(tokens, 0, 4))
+    for hv in range(VALUE_HEADS):
+        expected = end[hv].T @ (0.5 * tokens["q"][3, hv // (VALUE_HEADS // KEY_HEADS)])
+        assert torch.allclose(o[3, hv], expected, rtol=1e-12, atol=1e-12)
+
+
+def test_state_rope_rerotation_equals_recomputing_at_shifted_positions() -> None:
+    """Scalar family with RoPE on k inside the layer (Ring-linear): S_C|b = R(b - a) S_C|a (eq. 7)."""
+    family, gen = get_family("scalar"), torch.Generator().manual_seed(4)
+    tokens = random_tokens(family, 9, gen)
+    inv_freq = rope_inv_freq(KEY_DIM // 2, 10000.0).double()  # partial: rotates half of K
+    zero = torch.zeros(VALUE_HEADS, KEY_DIM, VALUE_DIM, dtype=torch.float64)
+
+    def end_state_at(start: int) -> torch.Tensor:
+        positions = torch.arange(start, start + 9)[:, None]
+        rotated = {**tokens, "k": apply_rope(tokens["k"], positions, inv_freq)}
+        return sequential_end(family, zero, rotated)
+
+    moved = family.rotate_state(end_state_at(3), 1000 - 3, inv_freq)
+    assert rel_err(moved, end_state_at(1000)) <= 1e-10
+    assert rel_err(end_state_at(3), end_state_at(1000)) > 0.05
+
+
+def test_gdn_kernel_extraction_matches_float64_oracle() -> None:
+    """float32 tuples come from the chunked GDN kernel (torch reference on CPU)."""
+    family, gen = get_family("gdn"), torch.Generator().manual_seed(5)
+    lens = [70, 9]  # one span crosses a chunk boundary of the reference
+    tokens = random_tokens(family, sum(lens), gen)
+    T64, S064 = extract(family, tokens, lens)
+    T32, S032 = extract(family, random_tokens_as(tokens, torch.float32), lens)
+    assert T32.dtype == torch.float32
+    assert rel_err(T32.double(), T64) <= 1e-5 and rel_err(S032.double(), S064) <= 1e-5
+
+
+def random_tokens_as(tokens: dict, dtype: torch.dtype) -> dict:
+    return {name: None if x is None else x.to(dtype) for name, x in tokens.items()}
+
+
+def test_t_storage_shapes_and_bytes() -> None:
+    shapes = {name: get_family(name).t_shape(128) for name in FAMILY_NAMES}
+    assert shapes == {"scalar": (), "diagonal": (128,), "gdn": (128, 128), "kda": (128, 128)}
+    assert get_family("gdn").t_bytes(128, torch.bfloat16) == 32768  # paper Table 3: 32 KB per head
+    assert get_family("diagonal").t_bytes(128, torch.float16) == 256
