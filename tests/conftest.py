@@ -11,6 +11,9 @@ from tokenizer_util import write_byte_level
 
 EOS_ID = 2  # <|im_end|> in the byte-level test tokenizer
 
+# Tiny models: one intra-op thread is far faster than two contending ones on a 2-core machine.
+torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():

@@ -142,9 +142,9 @@ class BatchBuilder:
     fresh sequence (has_state False) that read them would show."""
 
     def __init__(self, config: HybridConfig, *, block_size: int = 4, num_blocks: int = 96, num_slots: int = 8,
-                 dtype: torch.dtype = torch.float32) -> None:
-        self.block_size = block_size
-        self.caches = ModelCaches(config.cache_shape(), num_blocks, block_size, num_slots, dtype, torch.device("cpu"))
+                 dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu")) -> None:
+        self.block_size, self.device = block_size, device
+        self.caches = ModelCaches(config.cache_shape(), num_blocks, block_size, num_slots, dtype, device)
         for i in config.linear_layers:
             for pool in self.caches.state(i):
                 pool.normal_(0.0, 3.0)
@@ -168,13 +168,15 @@ class BatchBuilder:
         lens = [len(t) for _, t in pieces]
         width = max(len(s.blocks) for s, _ in pieces)
         tables = [s.blocks + [0] * (width - len(s.blocks)) for s, _ in pieces]
+        on = {"device": self.device}
         return ForwardBatch(
-            input_ids=torch.tensor([i for _, t in pieces for i in t]), positions=torch.tensor(positions),
-            cu_seqlens=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
-            slots=torch.tensor([s.slot for s, _ in pieces]), has_state=torch.tensor(has_state),
-            block_tables=torch.tensor(tables, dtype=torch.int32), kv_lens=torch.tensor(kv_lens, dtype=torch.int32),
-            kv_write_slots=torch.tensor(write_slots), logits_indices=torch.arange(sum(lens)),
-            num_decodes=num_decodes, seq_lens_cpu=tuple(lens), max_kv_len=max(kv_lens))
+            input_ids=torch.tensor([i for _, t in pieces for i in t], **on), positions=torch.tensor(positions, **on),
+            cu_seqlens=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, **on),
+            slots=torch.tensor([s.slot for s, _ in pieces], **on), has_state=torch.tensor(has_state, **on),
+            block_tables=torch.tensor(tables, dtype=torch.int32, **on),
+            kv_lens=torch.tensor(kv_lens, dtype=torch.int32, **on), kv_write_slots=torch.tensor(write_slots, **on),
+            logits_indices=torch.arange(sum(lens), **on), num_decodes=num_decodes, seq_lens_cpu=tuple(lens),
+            max_kv_len=max(kv_lens))
 
     def _place(self, seq: Seq, n: int, write_slots: list[int]) -> list[int]:
         positions = list(range(seq.length, seq.length + n))

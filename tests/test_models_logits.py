@@ -23,27 +23,27 @@ def _fused_with_mtp(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return add_mtp_and_vision(fuse_experts(tensors))
 
 
-CASES: dict[str, tuple[str, dict, Callable | None]] = {
-    # name: (kind, save_checkpoint kwargs, rewrite)
-    "qwen3_next-per-expert": ("qwen3_next", {}, None),
-    "qwen3_next-fused-experts": ("qwen3_next", {}, fuse_experts),
-    "qwen3_5_text-sharded": ("qwen3_5_text", {"max_shard_size": "40KB"}, None),
-    "qwen3_5_moe_text-per-expert-sharded": ("qwen3_5_moe_text", {"max_shard_size": "60KB"}, None),
-    "qwen3_5_moe_text-fused-mtp-vision": ("qwen3_5_moe_text", {}, _fused_with_mtp),
-    "qwen3_5-multimodal-mtp": ("qwen3_5", {}, add_mtp_and_vision),
+CASES: dict[str, tuple[str, dict, Callable | None, int]] = {
+    # name: (kind, save_checkpoint kwargs, rewrite, tokens); 75 tokens span two 64-token GDN chunks
+    "qwen3_next-per-expert": ("qwen3_next", {}, None, 75),
+    "qwen3_next-fused-experts": ("qwen3_next", {}, fuse_experts, 24),
+    "qwen3_5_text-sharded": ("qwen3_5_text", {"max_shard_size": "40KB"}, None, 75),
+    "qwen3_5_moe_text-per-expert-sharded": ("qwen3_5_moe_text", {"max_shard_size": "60KB"}, None, 24),
+    "qwen3_5_moe_text-fused-mtp-vision": ("qwen3_5_moe_text", {}, _fused_with_mtp, 24),
+    "qwen3_5-multimodal-mtp": ("qwen3_5", {}, add_mtp_and_vision, 24),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_transformers(case: str, tmp_path) -> None:
-    kind, save_kwargs, rewrite = CASES[case]
+    kind, save_kwargs, rewrite, length = CASES[case]
     hf = hf_model(kind)
     path = save_checkpoint(hf, tmp_path, rewrite=rewrite, **save_kwargs)
     if "sharded" in case:
         assert (tmp_path / "model.safetensors.index.json").is_file()
     model = load_model(str(path), device=CPU, dtype=torch.float32)
     builder = BatchBuilder(model.config)
-    ids = random_ids(75, seed=1)  # longer than one 64-token chunk of the GDN reference
+    ids = random_ids(length, seed=1)
     assert rel_err(run(model, builder, [(builder.new_seq(slot=5), ids)]), hf_logits(hf, ids)) < 1e-4
 
 

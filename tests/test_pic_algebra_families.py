@@ -142,3 +142,16 @@ def test_t_storage_shapes_and_bytes() -> None:
     assert shapes == {"scalar": (), "diagonal": (128,), "gdn": (128, 128), "kda": (128, 128)}
     assert get_family("gdn").t_bytes(128, torch.bfloat16) == 32768  # paper Table 3: 32 KB per head
     assert get_family("diagonal").t_bytes(128, torch.float16) == 256
+
+
+@pytest.mark.gpu
+def test_gdn_extraction_on_gpu_matches_float64_oracle() -> None:
+    """The identity trick through FLA's chunk kernel (value dim K, initial state I), bf16 inputs."""
+    family, gen = get_family("gdn"), torch.Generator().manual_seed(6)
+    lens = [100, 30]  # the first crosses a chunk boundary
+    tokens = random_tokens(family, sum(lens), gen, heads=(2, 4), dims=(128, 128))
+    T64, S064 = extract(family, tokens, lens)
+    cuda = {name: None if x is None else x.to("cuda", torch.bfloat16 if name in "qkv" else torch.float32)
+            for name, x in tokens.items()}
+    T, S0 = family.extract_tuple(cuda["k"], cuda["v"], cuda["g"], cuda["beta"], cu_of(lens).cuda())
+    assert rel_err(T.double().cpu(), T64) <= 2e-2 and rel_err(S0.double().cpu(), S064) <= 2e-2

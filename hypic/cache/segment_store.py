@@ -109,6 +109,16 @@ class SegmentLayout:
         return (self.conv_dim, self.conv_kernel - 1)
 
     @property
+    def t_layer_stride(self) -> int:
+        """Elements between consecutive linear layers' T blocks of an entry (`CachedPieces.shifted`)."""
+        return math.prod(self.t_shape)
+
+    @property
+    def s0_layer_stride(self) -> int:
+        """Elements between consecutive linear layers' S0 blocks of an entry."""
+        return math.prod(self.s0_shape)
+
+    @property
     def kv_token_stride(self) -> int:
         """Elements (model dtype) between consecutive tokens' K blocks of one layer."""
         return self.num_full * 2 * self.kv_heads * self.head_dim
@@ -155,13 +165,11 @@ class SegmentEntry:
 
     def t_offset(self, linear_index: int) -> int:
         """Element offset of linear layer `linear_index`'s T block in `SegmentStore.t_src`."""
-        per_layer = math.prod(self.layout.t_shape)
-        return self._block(0) // self.layout.t_dtype.itemsize + linear_index * per_layer
+        return self._block(0) // self.layout.t_dtype.itemsize + linear_index * self.layout.t_layer_stride
 
     def s0_offset(self, linear_index: int) -> int:
         """Element offset of linear layer `linear_index`'s S0 in `SegmentStore.s0_src`."""
-        per_layer = math.prod(self.layout.s0_shape)
-        return self._block(1) // self.layout.state_dtype.itemsize + linear_index * per_layer
+        return self._block(1) // self.layout.state_dtype.itemsize + linear_index * self.layout.s0_layer_stride
 
     def kv_offset(self, full_index: int, token: int = 0) -> int:
         """Element offset of interior token `token`'s K block of full layer `full_index` in

@@ -91,11 +91,14 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[str] | list[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, cache_salt: str | None = None,
-                       cache_mode: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields outputs as tokens arrive; leaving the loop early aborts the request."""
+                       cache_mode: str | None = None,
+                       add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+        """Yields outputs as tokens arrive; leaving the loop early aborts the request.
+        add_special_tokens=False for text that already has them (a rendered chat template)."""
         self._check_accepting()
         request_id = request_id or uuid.uuid4().hex
-        segmented = SegmentedPrompt.build(self.tokenizer, prompt, separator=self.config.segment_separator)
+        segmented = SegmentedPrompt.build(self.tokenizer, prompt, separator=self.config.segment_separator,
+                                          add_special_tokens=add_special_tokens)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         self._inbox.put(_Add(request_id, segmented, params or SamplingParams(), cache_salt, cache_mode))

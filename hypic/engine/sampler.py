@@ -87,8 +87,8 @@ class Sampler:
         if any(row.params.logprobs is not None for row in rows):
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
         processed = logits.to(torch.float32, copy=True)
-        _apply_logit_bias(processed, rows)
-        _apply_penalties(processed, rows)
+        apply_logit_bias(processed, rows)
+        apply_penalties(processed, rows)
         return self._result(self._choose(processed, rows), rows, raw_logprobs)
 
     def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -157,7 +157,8 @@ def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32).to(like.device, non_blocking=True).unsqueeze(1)
 
 
-def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Adds each row's logit_bias to logits [M, V] float32, in place."""
     entries = [(i, t, b) for i, row in enumerate(rows) for t, b in row.params.logit_bias.items()]
     if not entries:
         return
@@ -166,7 +167,8 @@ def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None
     logits.index_put_((index[0], index[1]), torch.tensor(bias).to(logits), accumulate=True)
 
 
-def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Repetition, frequency and presence penalties of each row, in place on logits [M, V] float32."""
     penalised = [i for i, row in enumerate(rows) if _has_penalties(row.params)]
     if not penalised:
         return

@@ -100,5 +100,6 @@ def _checked_token_ids(prompt: Sequence[object], vocab_size: int) -> tuple[int, 
         if isinstance(token, bool) or not isinstance(token, int):
             raise InvalidRequestError(f"a prompt list must hold only strings or only token ids; item {i} is {token!r}")
         if not 0 <= token < vocab_size:
-            raise InvalidRequestError(f"prompt token id {token} at index {i} is outside the vocabulary [0, {vocab_size})")
+            raise InvalidRequestError(
+                f"prompt token id {token} at index {i} is outside the vocabulary [0, {vocab_size})")
     return tuple(prompt)  # type: ignore[arg-type]

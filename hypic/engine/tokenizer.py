@@ -24,6 +24,7 @@ from hypic.errors import InvalidRequestError, UnsupportedModelError
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"})
 _NAMED_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the first is what templates read
 
 
 class Tokenizer:
@@ -92,7 +93,7 @@ class Tokenizer:
 
         Extra keyword arguments reach the template (e.g. `enable_thinking=False`, `documents=...`) and
         override the named special tokens. Text-only: content may be a string, None, or a list of
-        {"type": "text"} parts (joined with newlines)."""
+        {"type": "text"} parts (joined with newlines). Message keys set to None are dropped."""
         template = self._template_for(tools)
         context = {**self.named_tokens, **kwargs, "messages": _normalise_messages(messages),
                    "add_generation_prompt": add_generation_prompt, "tools": tools}
@@ -271,16 +272,24 @@ def _normalise_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str,
 
 
 def _normalise_message(index: int, message: Mapping[str, Any]) -> dict[str, Any]:
+    """As transformers does: keys set to None are dropped (templates handle a missing key, not None),
+    and a reasoning text given under any of its names is visible under all of them."""
     if not isinstance(message, Mapping):
         raise InvalidRequestError(f"messages[{index}] must be an object, got {type(message).__name__}")
-    role = message.get("role")
-    if role not in CHAT_ROLES:
-        raise InvalidRequestError(f"messages[{index}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}")
-    return {**message, "content": _text_content(index, message.get("content"))}
+    if message.get("role") not in CHAT_ROLES:
+        raise InvalidRequestError(
+            f"messages[{index}].role must be one of {sorted(CHAT_ROLES)}, got {message.get('role')!r}")
+    fields = {key: value for key, value in message.items() if value is not None}
+    if "content" in fields:
+        fields["content"] = _text_content(index, fields["content"])
+    reasoning = next((fields[key] for key in _REASONING_FIELDS if key in fields), None)
+    if reasoning is not None:
+        fields = {"thinking": reasoning, **fields, "reasoning_content": reasoning}
+    return fields
 
 
-def _text_content(index: int, content: Any) -> str | None:
-    if content is None or isinstance(content, str):
+def _text_content(index: int, content: Any) -> str:
+    if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise InvalidRequestError(f"messages[{index}].content must be a string or a list of parts")

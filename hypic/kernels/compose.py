@@ -30,11 +30,10 @@ triton_lazy); others the torch reference.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import math
 
 import torch
 
@@ -134,8 +133,8 @@ class _Walk:
             return state
         span = slice(start, end)
         beta = None if self.beta is None else self.beta[span]
-        o, state = self.family.recur(state, self.q[span], self.k[span], self.v[span], self.g[span],
-                                     beta, scale=self.scale)
+        o, state = self.family.run(state, self.q[span], self.k[span], self.v[span], self.g[span],
+                                   beta, scale=self.scale)
         self.out[span] = o.to(self.out.dtype)
         return state
 
@@ -185,14 +184,15 @@ def _compose_recur_kernel(q, k, v, g, beta, o, pool, slots, has_state, cu_seqlen
     S = tl.load(state_ptrs, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
     # where(), not a masked load alone: a recycled slot may hold inf/nan
     S = tl.where(tl.load(has_state + i_b) != 0, S, 0.0)
-    cursor = tl.load(cu_seqlens + i_b)
+    # token indices in int64 (N * HV * V may pass 2^31), one loop-carried type whatever the index dtypes
+    cursor = tl.load(cu_seqlens + i_b).to(tl.int64)
     for p in range(tl.load(ptr + i_b), tl.load(ptr + i_b + 1)):
-        stop = tl.load(at + p)
+        stop = tl.load(at + p).to(tl.int64)
         for t in range(cursor, stop):
             S = _token(S, t, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mk, mv, H, HV, K, V, FAMILY)
         S = _compose(S, p, t_off, s0_off, t_src, s0_src, i_hv, ok, ov, mk, mv, K, V, FAMILY)
         cursor = stop
-    for t in range(cursor, tl.load(cu_seqlens + i_b + 1)):
+    for t in range(cursor, tl.load(cu_seqlens + i_b + 1).to(tl.int64)):
         S = _token(S, t, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mk, mv, H, HV, K, V, FAMILY)
     tl.store(state_ptrs, S, mask=mk[:, None] & mv[None, :])
 

@@ -24,8 +24,10 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
+from torch import Tensor
 
 from hypic.errors import UnsupportedModelError
+from hypic.kernels.gdn import gated_delta_rule
 from hypic.kernels.scatter_kv import apply_rope
 
 
@@ -91,6 +93,11 @@ class LinearFamily(ABC):
             outputs.append(torch.einsum("hkv,hk->hv", state, q[t] * scale))
         return _stack(outputs, v), state
 
+    def run(self, state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            g: torch.Tensor, beta: torch.Tensor | None, *, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same contract as `recur` by the fastest exact path: here the token loop itself."""
+        return self.recur(state, q, k, v, g, beta, scale=scale)
+
     def final_states(self, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor | None, initial: torch.Tensor,
                      cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -131,19 +138,19 @@ class ScalarFamily(LinearFamily):
     def t_shape(self, key_dim: int) -> tuple[int, ...]:
         return ()
 
-    def step(self, state, k, v, g, beta):
+    def step(self, state: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None) -> Tensor:
         return g.exp()[:, None, None] * state + k[:, :, None] * v[:, None, :]
 
-    def token_T(self, k, g, beta):
+    def token_T(self, k: Tensor, g: Tensor, beta: Tensor | None) -> Tensor:
         return g
 
-    def apply_T(self, T, state):
+    def apply_T(self, T: Tensor, state: Tensor) -> Tensor:
         return T.exp()[..., None, None].to(state.dtype) * state
 
-    def combine_T(self, later, earlier):
+    def combine_T(self, later: Tensor, earlier: Tensor) -> Tensor:
         return later + earlier
 
-    def as_matrix(self, T, key_dim):
+    def as_matrix(self, T: Tensor, key_dim: int) -> Tensor:
         return T.exp()[..., None, None] * torch.eye(key_dim, dtype=T.dtype, device=T.device)
 
     def rotate_state(self, state: torch.Tensor, delta: torch.Tensor | int,
@@ -164,19 +171,19 @@ class DiagonalFamily(LinearFamily):
     def t_shape(self, key_dim: int) -> tuple[int, ...]:
         return (key_dim,)
 
-    def step(self, state, k, v, g, beta):
+    def step(self, state: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None) -> Tensor:
         return g.exp()[:, :, None] * state + k[:, :, None] * v[:, None, :]
 
-    def token_T(self, k, g, beta):
+    def token_T(self, k: Tensor, g: Tensor, beta: Tensor | None) -> Tensor:
         return g
 
-    def apply_T(self, T, state):
+    def apply_T(self, T: Tensor, state: Tensor) -> Tensor:
         return T.exp()[..., None].to(state.dtype) * state
 
-    def combine_T(self, later, earlier):
+    def combine_T(self, later: Tensor, earlier: Tensor) -> Tensor:
         return later + earlier
 
-    def as_matrix(self, T, key_dim):
+    def as_matrix(self, T: Tensor, key_dim: int) -> Tensor:
         return torch.diag_embed(T.exp())
 
 
@@ -188,13 +195,13 @@ class DenseFamily(LinearFamily):
     def t_shape(self, key_dim: int) -> tuple[int, ...]:
         return (key_dim, key_dim)
 
-    def apply_T(self, T, state):
+    def apply_T(self, T: Tensor, state: Tensor) -> Tensor:
         return T.to(state.dtype) @ state
 
-    def combine_T(self, later, earlier):
+    def combine_T(self, later: Tensor, earlier: Tensor) -> Tensor:
         return later @ earlier
 
-    def as_matrix(self, T, key_dim):
+    def as_matrix(self, T: Tensor, key_dim: int) -> Tensor:
         return T
 
     @staticmethod
@@ -215,26 +222,40 @@ class GatedDeltaFamily(DenseFamily):
 
     name, gate_per_key = "gdn", False
 
-    def step(self, state, k, v, g, beta):
+    def step(self, state: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None) -> Tensor:
         return self._delta_write(g.exp()[:, None, None] * state, k, v, beta)
 
-    def token_T(self, k, g, beta):
+    def token_T(self, k: Tensor, g: Tensor, beta: Tensor | None) -> Tensor:
         return g.exp()[:, None, None] * self._householder(k, beta)
 
-    def final_states(self, k, v, g, beta, initial, cu_seqlens):
-        """The chunked GDN kernel (FLA on cuda, chunked torch reference on cpu); float64 runs the
-        token recurrence, the exact oracle, because the kernel contract is float32 state."""
+    # The chunked GDN kernel (FLA on cuda, chunked torch reference on cpu) runs spans and tuple
+    # extraction; float64 keeps the token recurrence, the exact oracle: the kernel's state is float32.
+
+    def run(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, *,
+            scale: float) -> tuple[Tensor, Tensor]:
+        if state.dtype == torch.float64:
+            return self.recur(state, q, k, v, g, beta, scale=scale)
+        pool = state[None].to(torch.float32, copy=True)
+        o = self._kernel(q, k, v, g, beta, pool, torch.tensor([0, v.shape[0]], dtype=torch.int32), scale)
+        return o, pool[0]
+
+    def final_states(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor,
+                     cu_seqlens: Tensor) -> Tensor:
         if initial.dtype == torch.float64:
             return super().final_states(k, v, g, beta, initial, cu_seqlens)
-        from hypic.kernels.gdn import gated_delta_rule
-
         pool = initial.to(torch.float32, copy=True).contiguous()
-        num = pool.shape[0]
-        lens = tuple(int(n) for n in cu_seqlens.diff().tolist())
-        gated_delta_rule(k, k, v, g.float(), beta, pool,
-                         torch.arange(num, device=v.device), torch.ones(num, dtype=torch.bool, device=v.device),
-                         cu_seqlens.to(torch.int32), scale=1.0, num_decodes=0, seq_lens_cpu=lens)
+        self._kernel(k, k, v, g, beta, pool, cu_seqlens, 1.0)
         return pool
+
+    @staticmethod
+    def _kernel(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, cu_seqlens: Tensor,
+                scale: float) -> Tensor:
+        """Sequence b of the varlen batch runs from pool[b] and leaves its end state there."""
+        num, device = pool.shape[0], pool.device
+        lens = tuple(int(n) for n in cu_seqlens.diff().tolist())
+        return gated_delta_rule(q, k, v, g.float(), beta, pool, torch.arange(num, device=device),
+                                torch.ones(num, dtype=torch.bool, device=device),
+                                cu_seqlens.to(device, torch.int32), scale=scale, num_decodes=0, seq_lens_cpu=lens)
 
 
 class KimiDeltaFamily(DenseFamily):
@@ -242,10 +263,10 @@ class KimiDeltaFamily(DenseFamily):
 
     name, gate_per_key = "kda", True
 
-    def step(self, state, k, v, g, beta):
+    def step(self, state: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None) -> Tensor:
         return self._delta_write(g.exp()[:, :, None] * state, k, v, beta)
 
-    def token_T(self, k, g, beta):
+    def token_T(self, k: Tensor, g: Tensor, beta: Tensor | None) -> Tensor:
         return self._householder(k, beta) * g.exp()[:, None, :]
 
 

@@ -17,9 +17,9 @@ from hypic.serve.logprobs import completion_logprobs
 from hypic.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from hypic.serve.request_body import check_model, read_body, reject_unsupported
 from hypic.serve.request_group import submitted
-from hypic.serve.sampling import sampling_params
 from hypic.serve.responses import DONE, event, json_response, start_events, stream_errors
-from hypic.serve.state import STATE, ServerState
+from hypic.serve.sampling import sampling_params
+from hypic.serve.state import STATE
 
 log = logging.getLogger(__name__)
 _PARAM_NAMES = {name: name for name in CompletionRequest.__struct_fields__}
@@ -115,10 +115,9 @@ def _chunks(
     chunks = []
     for delta in filter(worth_sending, output.deltas):
         index = choice_index(prompt_index, body.n, delta)
-        logprobs = None
-        if body.logprobs is not None:
-            logprobs = completion_logprobs(delta.logprobs or (), offsets.get(index, 0))
-            offsets[index] = offsets.get(index, 0) + sum(len(item.token) for item in delta.logprobs or ())
+        offset, tokens = offsets.get(index, 0), delta.logprobs or ()
+        offsets[index] = offset + sum(len(item.token) for item in tokens)
+        logprobs = completion_logprobs(tokens, offset) if body.logprobs is not None else None
         choice = CompletionChoice(index, delta.text, logprobs, delta.finish_reason)
         chunks.append(event(replace(head, choices=[choice])))
     return b"".join(chunks)

@@ -5,7 +5,6 @@ import math
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import msgspec
 from aiohttp import web
@@ -32,15 +31,16 @@ _STATUS_TYPES = {
 }
 
 
-@dataclass(frozen=True)
 class ApiError(Exception):
     """An error answered to the client as is."""
 
-    status: int
-    message: str
-    param: str | None = None
-    code: str | None = None
-    headers: dict[str, str] = field(default_factory=dict)
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
 
     def response(self) -> web.Response:
         detail = ErrorDetail(self.message, _STATUS_TYPES.get(self.status, "error"), self.param, self.code)
@@ -62,9 +62,12 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 def from_body_error(error: msgspec.MsgspecError) -> ApiError:
     """A 400 for JSON that does not parse or does not match the schema, naming the field."""
-    if isinstance(error, msgspec.DecodeError):
-        return bad_request(f"request body is not valid JSON: {error}")
-    return bad_request(f"invalid request body: {error}", _field_of(str(error)))
+    if isinstance(error, msgspec.ValidationError):  # a subclass of DecodeError: test it first
+        field = _field_of(str(error))
+        if "unknown field" in str(error):
+            return bad_request(f"unknown parameter {field!r}: hypic does not implement it; remove it", field)
+        return bad_request(f"invalid request body: {error}", field)
+    return bad_request(f"request body is not valid JSON: {error}")
 
 
 def _field_of(message: str) -> str | None:

@@ -124,13 +124,13 @@ class CompletionChoice(Struct):
     finish_reason: str | None
 
 
-class CompletionResponse(Struct, omit_defaults=True):
+class CompletionResponse(Struct):
     id: str
     created: int
     model: str
     choices: list[CompletionChoice]
     object: str = "text_completion"
-    usage: Usage | None = None  # None on stream chunks unless it is the usage chunk
+    usage: Usage | None = None  # null on stream chunks but the usage chunk
 
 
 class TopLogprob(Struct):
@@ -183,13 +183,13 @@ class ChatChunkChoice(Struct):
     finish_reason: str | None
 
 
-class ChatChunk(Struct, omit_defaults=True):
+class ChatChunk(Struct):
     id: str
     created: int
     model: str
     choices: list[ChatChunkChoice]
     object: str = "chat.completion.chunk"
-    usage: Usage | None = None
+    usage: Usage | None = None  # null but on the usage chunk
 
 
 class ModelCard(Struct, kw_only=True):

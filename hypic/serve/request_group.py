@@ -41,13 +41,9 @@ class RequestGroup:
         """(prompt index, output) in arrival order, until every request has finished."""
         for index, output in enumerate(self._firsts):
             yield index, self._seen(index, output)
-        rest = self._streams[0] if len(self._streams) == 1 else None
-        if rest is not None:
-            async for output in rest:
-                yield 0, self._seen(0, output)
-            return
-        async for index, output in _merged(self._streams):
-            yield index, self._seen(index, output)
+        async with aclosing(_merged(self._streams)) as merged:  # closing it stops its pump tasks
+            async for index, output in merged:
+                yield index, self._seen(index, output)
 
     async def close(self) -> None:
         for index in sorted(self._unfinished):
@@ -89,7 +85,11 @@ async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 
 async def _merged(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several streams as their outputs arrive; an error in one is raised here."""
+    """Interleave the streams as their outputs arrive; an error in one is raised here."""
+    if len(streams) == 1:  # the common case needs no tasks
+        async for output in streams[0]:
+            yield 0, output
+        return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncGenerator[RequestOutput, None]) -> None:

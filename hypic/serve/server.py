@@ -35,8 +35,14 @@ def run_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     except HypicError as error:
         parser.error(str(error))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(config, settings, args.host, args.port, access_log=args.log_level == "debug")
+
+
+def run(config: EngineConfig, settings: ServerSettings, host: str, port: int, *, access_log: bool = False) -> int:
+    """Serve until SIGTERM/SIGINT (on uvloop where it exists). 0 after a graceful shutdown, 1 if the
+    server could not start; the reason is printed, without a stack trace."""
     try:
-        return _run(serve(config, settings, args.host, args.port, access_log=args.log_level == "debug"))
+        return _on_best_loop(serve(config, settings, host, port, access_log=access_log))
     except (HypicError, OSError) as error:  # model missing or unsupported, out of memory, port taken
         print(f"hypic: cannot serve: {error}", file=sys.stderr)
         return 1
@@ -100,8 +106,8 @@ async def _signalled() -> None:
     await stop.wait()
 
 
-def _run(main: Coroutine[Any, Any, int]) -> int:
-    """Run on uvloop where it exists (not on Windows)."""
+def _on_best_loop(main: Coroutine[Any, Any, int]) -> int:
+    """uvloop where it exists (not on Windows)."""
     if sys.platform == "win32":
         return asyncio.run(main)
     import uvloop

@@ -1,0 +1,212 @@
+"""Attention of a flat varlen batch of queries over paged KV, causal by position, with GQA.
+
+KV caches are [num_blocks, block_size, Hkv, D]; sequence b's KV index j lives in page
+block_tables[b, j // block_size] at offset j % block_size. Token i of sequence b attends every
+j < kv_lens[b] with j <= positions[i].
+
+Paths: CPU -> `paged_attention_ref` (gather pages, SDPA); CUDA -> our Triton kernel. One program
+takes a tile of query tokens times the G query heads of one KV head (rows = token x head), so each
+KV page is read once per group. Decodes split the KV range over several programs and merge the
+partial softmaxes; prefill tiles walk the whole causal range.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
+from hypic.kernels.varlen_tiles import num_tiles, tile_start
+
+tl: Any  # triton.language, bound by triton_lazy on first GPU use
+
+REF_QUERY_CHUNK = 256  # queries per SDPA call on CPU: bounds the [Hq, chunk, kv_len] score matrix
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             kv_write_slots: torch.Tensor) -> None:
+    """k, v: [N, Hkv, D]; token i goes to flat slot kv_write_slots[i] = block * block_size + offset."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, kv_write_slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, kv_write_slots, v.to(v_cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    kv_lens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, *, scale: float,
+                    num_decodes: int, seq_lens_cpu: tuple[int, ...], max_kv_len: int) -> torch.Tensor:
+    """q: [N, Hq, D], Hq a multiple of Hkv. Returns [N, Hq, D]. This step's K/V are already written."""
+    if q.device.type != "cuda":
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, kv_lens, positions, cu_seqlens, scale=scale,
+                                   num_decodes=num_decodes, seq_lens_cpu=seq_lens_cpu, max_kv_len=max_kv_len)
+    out = torch.empty_like(q)
+    nd = num_decodes
+    groups = ((0, 0, seq_lens_cpu[:nd]), (nd, nd, seq_lens_cpu[nd:]))  # decodes: first nd tokens
+    for first_seq, first_token, seq_lens in groups:
+        if seq_lens:
+            paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, positions, cu_seqlens,
+                                   scale=scale, out=out, first_seq=first_seq, first_token=first_token,
+                                   seq_lens=seq_lens, max_kv_len=max_kv_len)
+    return out
+
+
+# ----------------------------------------------------------------------------- torch reference
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        kv_lens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, *, scale: float,
+                        num_decodes: int, seq_lens_cpu: tuple[int, ...], max_kv_len: int) -> torch.Tensor:
+    """Same contract as `paged_attention`: gathers each sequence's pages, float32 SDPA."""
+    out = torch.empty_like(q)
+    starts = list(itertools.accumulate(seq_lens_cpu, initial=0))
+    for b, kv_len in enumerate(kv_lens.tolist()):
+        keys, values = (_gather_pages(cache, block_tables[b], kv_len) for cache in (k_cache, v_cache))
+        for s in range(starts[b], starts[b + 1], REF_QUERY_CHUNK):
+            e = min(s + REF_QUERY_CHUNK, starts[b + 1])
+            out[s:e] = _attend(q[s:e], keys, values, positions[s:e], scale)
+    return out
+
+
+def _gather_pages(cache: torch.Tensor, block_table: torch.Tensor, kv_len: int) -> torch.Tensor:
+    pages = block_table[: -(-kv_len // cache.shape[1])]
+    return cache[pages].flatten(0, 1)[:kv_len]  # [kv_len, Hkv, D]
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    mask = torch.arange(keys.shape[0], device=q.device)[None, :] <= positions[:, None]
+    heads_first = [t.float().transpose(0, 1)[None] for t in (q, keys, values)]
+    o = F.scaled_dot_product_attention(*heads_first, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------- GPU: Triton
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           kv_lens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, *, scale: float,
+                           out: torch.Tensor, first_seq: int, first_token: int, seq_lens: tuple[int, ...],
+                           max_kv_len: int) -> None:
+    """Sequences first_seq.. of the batch (their tokens start at first_token); when every one has a
+    single token (decodes) the KV range is split over several programs. The grid depends only on
+    host values (counts, max_kv_len): a graph captured with an upper bound for max_kv_len stays
+    correct for any shorter KV."""
+    tiling = Tiling.choose(q, k_cache, seq_lens, max_kv_len)
+    num_tokens = sum(seq_lens)
+    grid = (num_tiles(num_tokens, len(seq_lens), tiling.tokens), k_cache.shape[2], tiling.splits)
+    if tiling.splits == 1:
+        _launch(q, k_cache, v_cache, block_tables, kv_lens, positions, cu_seqlens, scale, out, None, grid,
+                tiling, first_seq, len(seq_lens))
+        return
+    partial = torch.empty((tiling.splits, *q.shape), dtype=torch.float32, device=q.device)
+    lse = torch.empty((tiling.splits, *q.shape[:2]), dtype=torch.float32, device=q.device)
+    _launch(q, k_cache, v_cache, block_tables, kv_lens, positions, cu_seqlens, scale, partial, lse, grid,
+            tiling, first_seq, len(seq_lens))
+    rows = slice(first_token, first_token + num_tokens)
+    out[rows] = _merge_splits(partial[:, rows], lse[:, rows]).to(out.dtype)
+
+
+def _merge_splits(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Softmax-weighted sum of per-split outputs; lse in log2 units, -inf for empty splits."""
+    weights = torch.exp2(lse - lse.amax(0, keepdim=True))
+    return (partial * weights[..., None]).sum(0) / weights.sum(0)[..., None]
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Rows per program (query tokens x padded head group), KV tile, splits of the KV range, warps."""
+
+    rows: int
+    group: int
+    kv_block: int
+    splits: int
+    warps: int
+
+    @property
+    def tokens(self) -> int:
+        return self.rows // self.group
+
+    @staticmethod
+    def choose(q: torch.Tensor, k_cache: torch.Tensor, seq_lens: tuple[int, ...], max_kv_len: int) -> Tiling:
+        group = next_power_of_2(q.shape[1] // k_cache.shape[2])
+        small_head = q.shape[2] <= 128
+        if max(seq_lens) > 1:
+            return Tiling(max(64, group), group, 64 if small_head else 32, 1, 4 if small_head else 8)
+        splits = _decode_splits(len(seq_lens) * k_cache.shape[2], max_kv_len, q.device)
+        return Tiling(max(16, group), group, 64 if small_head else 32, splits, 4)
+
+
+def _decode_splits(programs: int, max_kv_len: int, device: torch.device) -> int:
+    """Enough KV splits to give every SM about two programs, none shorter than 256 keys."""
+    # the interpreter (CPU) has no SMs: pretend a few so that tests exercise the split path
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(-(-2 * sms // programs), max_kv_len // 256, 64))
+
+
+def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            kv_lens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+            out: torch.Tensor, lse: torch.Tensor | None, grid: tuple[int, int, int], tiling: Tiling,
+            first_seq: int, num_seqs: int) -> None:
+    """`out` is [N, Hq, D], or [splits, N, Hq, D] float32 with `lse` [splits, N, Hq]."""
+    head_dim = q.shape[2]
+    lse_strides = lse.stride()[:2] if lse is not None else (0, 0)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, lse, block_tables, kv_lens, positions, cu_seqlens, first_seq, num_seqs,
+        scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(-3), out.stride(-2),
+        out.stride(0) if lse is not None else 0, *lse_strides, k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), block_tables.stride(0),
+        G=q.shape[1] // k_cache.shape[2], GP=tiling.group, D=head_dim, BD=next_power_of_2(head_dim),
+        BM=tiling.rows, BN=tiling.kv_block, PAGE=k_cache.shape[1], SPLITS=tiling.splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=tiling.warps, num_stages=2)
+
+
+@triton_kernel
+def _paged_attention_kernel(q, k_cache, v_cache, out, lse, block_tables, kv_lens, positions, cu_seqlens,
+                            first_seq, num_seqs, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+                            stride_os, stride_ls, stride_lt, stride_kb, stride_kt, stride_kh, stride_bt,
+                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                            BM: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
+                            DOT_PRECISION: tl.constexpr):
+    i_kvh, i_split = tl.program_id(1), tl.program_id(2)
+    seq, t0 = tile_start(cu_seqlens, first_seq, num_seqs, tl.program_id(0), BM // GP)
+    eos = tl.load(cu_seqlens + seq + 1)
+    # row r = query token t0 + r // GP, query head i_kvh * G + r % GP (rows past G are padding)
+    o_m = tl.arange(0, BM)
+    o_tok = t0 + o_m // GP
+    o_head = i_kvh * G + o_m % GP
+    m_row = (o_tok < eos) & (o_m % GP < G)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    p_q = q + o_tok.to(tl.int64)[:, None] * stride_qt + o_head[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
+    pos = tl.load(positions + o_tok, mask=m_row, other=-1).to(tl.int32)
+    kv_len = tl.load(kv_lens + seq)
+    # split i_split covers [start, start + split_len); causality caps it at the tile's last position
+    split_len = tl.cdiv(tl.cdiv(kv_len, SPLITS), BN) * BN
+    start = i_split * split_len
+    stop = tl.minimum(tl.minimum(kv_len, tl.max(pos, axis=0) + 1), start + split_len)
+    m_i = tl.full((BM,), -1.0e30, dtype=tl.float32)  # finite: fully masked rows stay NaN-free
+    l_i = tl.zeros((BM,), dtype=tl.float32)
+    acc = tl.zeros((BM, BD), dtype=tl.float32)
+    for j0 in range(start, stop, BN):
+        o_n = j0 + tl.arange(0, BN)
+        m_n = o_n < stop
+        page = tl.load(block_tables + seq * stride_bt + o_n // PAGE, mask=m_n, other=0).to(tl.int64)
+        p_kv = page * stride_kb + (o_n % PAGE) * stride_kt + i_kvh * stride_kh
+        b_kt = tl.load(k_cache + p_kv[None, :] + o_d[:, None], mask=m_n[None, :] & m_d[:, None], other=0.0)
+        scores = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION) * scale_log2
+        visible = m_n[None, :] & (o_n[None, :] <= pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        b_v = tl.load(v_cache + p_kv[:, None] + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    o = acc / tl.maximum(l_i, 1.0e-30)[:, None]
+    p_o = out + i_split * stride_os + o_tok.to(tl.int64)[:, None] * stride_ot + o_head[:, None] * stride_oh
+    tl.store(p_o + o_d[None, :], o.to(out.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
+    if SPLITS > 1:
+        row_lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1.0e-30)), float("-inf"))
+        tl.store(lse + i_split * stride_ls + o_tok * stride_lt + o_head, row_lse, mask=m_row)

@@ -1,0 +1,204 @@
+"""Engine-core speed on one GPU: prefill tokens/s and decode tokens/s, hypic against transformers.
+
+Both run the same random bf16 weights (built on the GPU from a seed, in the checkpoint's own
+naming) of a released shape (default: the Qwen3.5-35B-A3B text model). Prints a table and writes
+JSON under bench/results/.
+
+    python scripts/bench_engine.py --out bench/results/engine_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hypic import EngineConfig, SamplingParams
+from hypic.engine.llm_engine import LLMEngine
+from hypic.engine.segments import SegmentedPrompt
+from hypic.engine.setup import BUNDLED_MODEL
+from hypic.models.config import HybridConfig
+from hypic.models.random_weights import random_state_dict
+
+H200_BF16_FLOPS = 790e12  # measured dense bf16 matmul rate on this workplace's H200 (KINDS.md)
+
+
+def shape_config(name: str, max_len: int) -> dict:
+    import transformers as tf
+    configs = {"qwen3_5_moe": tf.Qwen3_5MoeTextConfig, "qwen3_5": tf.Qwen3_5TextConfig,
+               "qwen3_next": tf.Qwen3NextConfig}
+    config = configs[name](max_position_embeddings=max_len).to_dict()
+    config["architectures"] = [{"qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
+                                "qwen3_next": "Qwen3NextForCausalLM"}[name]]
+    return config
+
+
+def model_dir(config: dict) -> Path:
+    path = Path(tempfile.mkdtemp(prefix="hypic-bench-"))
+    (path / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUNDLED_MODEL / name, path / name)
+    return path
+
+
+def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor of the shape, random, bf16, on the GPU (transformers' names)."""
+    return random_state_dict(HybridConfig.from_dict(config), device=torch.device("cuda"),
+                             dtype=torch.bfloat16, seed=seed)
+
+
+def flops_per_token(c: dict, context: int) -> float:
+    """Matmul FLOPs of one prefill token (active parameters) plus attention over `context / 2` keys."""
+    h, layers = c["hidden_size"], c["layer_types"]
+    attn_proj = h * c["num_attention_heads"] * c["head_dim"] * 3 + 2 * h * c["num_key_value_heads"] * c["head_dim"]
+    k, v = c["linear_num_key_heads"] * c["linear_key_head_dim"], c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    lin_proj = h * (2 * k + v) + h * v + 2 * h * c["linear_num_value_heads"] + v * h
+    gdn = 6 * c["linear_num_value_heads"] * c["linear_key_head_dim"] * c["linear_value_head_dim"]
+    if "num_experts" in c:
+        mlp = 3 * h * c["moe_intermediate_size"] * c["num_experts_per_tok"] + 3 * h * c["shared_expert_intermediate_size"] + h * c["num_experts"]
+    else:
+        mlp = 3 * h * c["intermediate_size"]
+    attn_scores = 2 * c["num_attention_heads"] * c["head_dim"] * context / 2
+    per_layer = [(attn_proj + mlp) * 2 + 2 * attn_scores if t == "full_attention" else (lin_proj + mlp) * 2 + gdn
+                 for t in layers]
+    return float(sum(per_layer))
+
+
+def hypic_prefill(engine: LLMEngine, n: int) -> float:
+    ids = torch.randint(3, 3000, (n,)).tolist()
+    prompt = SegmentedPrompt.build(engine.tokenizer, ids, separator="<|segment|>")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), cache_salt=str(time.time()))
+    while engine.has_work():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def hypic_decode(engine: LLMEngine, batch: int, steps: int) -> float:
+    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        ids = torch.randint(3, 3000, (128,)).tolist()
+        engine.add_request(SegmentedPrompt.build(engine.tokenizer, ids, separator="<|segment|>"), params,
+                           cache_mode="none")
+    while any(not s.in_decode for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
+    return batch * steps / elapsed
+
+
+def bench_hypic(path: Path, weights: dict, args: argparse.Namespace) -> dict:
+    config = EngineConfig(model=str(path), device="cuda", state_dict=weights, max_model_len=max(args.lengths) + 64,
+                          max_num_seqs=max(args.batches), max_num_batched_tokens=args.chunk,
+                          gpu_memory_utilization=0.92, cache_mode="none")
+    engine = LLMEngine(config)
+    hypic_prefill(engine, 2048)
+    out = {"prefill": {}, "decode": {}}
+    for n in args.lengths:
+        hypic_prefill(engine, n)
+        out["prefill"][n] = n / min(hypic_prefill(engine, n) for _ in range(2))
+    for b in args.batches:
+        out["decode"][b] = hypic_decode(engine, b, args.steps)
+    del engine
+    return out
+
+
+def bench_transformers(config: dict, weights: dict, args: argparse.Namespace) -> dict:
+    import transformers as tf
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(**config), dtype=torch.bfloat16)
+    model.load_state_dict(weights, strict=False, assign=True)
+    model = model.cuda().eval()
+    out = {"prefill": {}, "decode": {}}
+    with torch.inference_mode():
+        _hf_prefill(model, 2048)
+        for n in args.hf_lengths:
+            out["prefill"][n] = n / min(_hf_prefill(model, n) for _ in range(2))
+        for b in args.batches:
+            out["decode"][b] = _hf_decode(model, b, max(4, args.steps // 4))
+    del model
+    return out
+
+
+def _hf_prefill(model, n: int) -> float:
+    ids = torch.randint(3, 3000, (1, n), device="cuda")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _hf_decode(model, batch: int, steps: int) -> float:
+    ids = torch.randint(3, 3000, (batch, 128), device="cuda")
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    torch.cuda.synchronize()
+    return batch * steps / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3_5_moe", choices=["qwen3_5_moe", "qwen3_5", "qwen3_next"])
+    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384, 65536])
+    parser.add_argument("--hf-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384, 32768])
+    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32, 128])
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--chunk", type=int, default=16384, help="max_num_batched_tokens")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/engine_h200.json"))
+    args = parser.parse_args()
+    config = shape_config(args.shape, max(max(args.lengths) + 64, 32768))
+    weights = random_weights(config, args.seed)
+    path = model_dir(config)
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
+              "params_b": sum(w.numel() for w in weights.values()) / 1e9, "chunk": args.chunk,
+              "hypic": bench_hypic(path, weights, args)}
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not args.skip_transformers:
+        result["transformers"] = bench_transformers(config, weights, args)
+    result["prefill_fraction_of_bf16_peak"] = {
+        n: tps * flops_per_token(config, n) / H200_BF16_FLOPS for n, tps in result["hypic"]["prefill"].items()}
+    report(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+
+
+def report(result: dict) -> None:
+    hf = result.get("transformers", {"prefill": {}, "decode": {}})
+    print(f"{result['device']}  {result['shape']}  {result['params_b']:.1f} B params")
+    for n, tps in result["hypic"]["prefill"].items():
+        base = hf["prefill"].get(n)
+        ratio = f"{tps / base:.2f}x" if base else "-"
+        print(f"prefill {n:>6}: hypic {tps:>9.0f} tok/s  transformers {base or 0:>9.0f}  {ratio}  "
+              f"({result['prefill_fraction_of_bf16_peak'][n]:.1%} of bf16 peak)")
+    for b, tps in result["hypic"]["decode"].items():
+        base = hf["decode"].get(b)
+        ratio = f"{tps / base:.1f}x" if base else "-"
+        print(f"decode batch {b:>3}: hypic {tps:>8.0f} tok/s  transformers {base or 0:>8.0f}  {ratio}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Times each GPU kernel of hypic.kernels at Qwen3.5-35B-A3B shapes and compares it with the roofline.
+
+For every case: median time (triton.testing.do_bench), the fewest bytes the kernel must move and
+the FLOPs it must do, and the fractions of this machine's ceilings they reach. Prints a table and
+writes JSON.
+
+    python scripts/bench_kernels.py --out bench/results/kernels_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from hypic.kernels.conv1d import causal_conv1d
+from hypic.kernels.gdn import gated_delta_rule
+from hypic.kernels.moe import moe_grouped_mm, moe_triton
+from hypic.kernels.paged_attention import paged_attention
+
+HBM_BYTES_PER_S = 4.3e12  # device-to-device copy measured on this workplace's H200 (KINDS.md)
+BF16_FLOPS = 790e12  # dense bf16 matmul measured there
+
+# Qwen3.5-35B-A3B
+LIN_HEADS, LIN_VALUE_HEADS, LIN_DIM, CONV_WIDTH = 16, 32, 128, 4
+CONV_DIM = 2 * LIN_HEADS * LIN_DIM + LIN_VALUE_HEADS * LIN_DIM
+ATTN_HEADS, ATTN_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 2, 256, 16
+EXPERTS, TOPK, HIDDEN, EXPERT_INTER = 256, 8, 2048, 512
+DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Case:
+    kernel: str
+    shape: str
+    run: Callable[[], object]
+    bytes: float  # fewest bytes moved through device memory
+    flops: float
+
+
+@dataclass(frozen=True)
+class Result:
+    kernel: str
+    shape: str
+    ms: float
+    gb_per_s: float
+    tflop_per_s: float
+    bandwidth_fraction: float
+    flop_fraction: float
+    bound: str  # the larger of the two roofline floors
+
+
+def measure(case: Case) -> Result:
+    from triton.testing import do_bench
+
+    ms = do_bench(case.run, warmup=25, rep=100, return_mode="median")
+    seconds = ms * 1e-3
+    byte_floor, flop_floor = case.bytes / HBM_BYTES_PER_S, case.flops / BF16_FLOPS
+    return Result(case.kernel, case.shape, ms, case.bytes / seconds / 1e9, case.flops / seconds / 1e12,
+                  byte_floor / seconds, flop_floor / seconds, "memory" if byte_floor >= flop_floor else "compute")
+
+
+# ----------------------------------------------------------------------------- batches
+
+def varlen(seq_lens: tuple[int, ...], num_decodes: int, num_slots: int) -> dict:
+    cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    return dict(slots=torch.randperm(num_slots, device="cuda")[: len(seq_lens)],
+                has_state=torch.ones(len(seq_lens), dtype=torch.bool, device="cuda"), cu_seqlens=cu,
+                num_decodes=num_decodes, seq_lens_cpu=seq_lens)
+
+
+def gdn_case(seq_lens: tuple[int, ...], num_decodes: int) -> Case:
+    n, b = sum(seq_lens), len(seq_lens)
+    q = F.normalize(torch.randn(n, LIN_HEADS, LIN_DIM, device="cuda"), dim=-1).to(DTYPE)
+    k = F.normalize(torch.randn(n, LIN_HEADS, LIN_DIM, device="cuda"), dim=-1).to(DTYPE)
+    v = torch.randn(n, LIN_VALUE_HEADS, LIN_DIM, device="cuda", dtype=DTYPE)
+    g = F.logsigmoid(torch.randn(n, LIN_VALUE_HEADS, device="cuda"))
+    beta = torch.rand(n, LIN_VALUE_HEADS, device="cuda", dtype=DTYPE)
+    pool = torch.zeros(b + 8, LIN_VALUE_HEADS, LIN_DIM, LIN_DIM, device="cuda")
+    batch = varlen(seq_lens, num_decodes, b + 8)
+    state = LIN_VALUE_HEADS * LIN_DIM * LIN_DIM * 4
+    io = n * (2 * LIN_HEADS * LIN_DIM + 2 * LIN_VALUE_HEADS * LIN_DIM) * 2 + n * LIN_VALUE_HEADS * 6
+    # decode: ~6 K*V flops per head and token; chunked prefill: ~6 K*V + 64 * (6K + 4V)
+    per_token = 6 * LIN_DIM ** 2 + (0 if num_decodes == b else 64 * 10 * LIN_DIM)
+    return Case("gdn " + ("decode (triton)" if num_decodes == b else "prefill (fla)"), shape_name(seq_lens),
+                lambda: gated_delta_rule(q, k, v, g, beta, pool, scale=LIN_DIM ** -0.5, **batch),
+                2 * b * state + io, n * LIN_VALUE_HEADS * per_token)
+
+
+def conv_case(seq_lens: tuple[int, ...], num_decodes: int) -> Case:
+    n, b = sum(seq_lens), len(seq_lens)
+    x = torch.randn(n, CONV_DIM, device="cuda", dtype=DTYPE)
+    weight = torch.randn(CONV_DIM, CONV_WIDTH, device="cuda", dtype=DTYPE)
+    pool = torch.zeros(b + 8, CONV_DIM, CONV_WIDTH - 1, device="cuda", dtype=DTYPE)
+    batch = varlen(seq_lens, num_decodes, b + 8)
+    window = CONV_DIM * (CONV_WIDTH - 1) * 2
+    return Case("conv1d " + ("decode" if num_decodes == b else "prefill"), shape_name(seq_lens),
+                lambda: causal_conv1d(x, weight, None, pool, activation="silu", **batch),
+                2 * n * CONV_DIM * 2 + 2 * b * window, n * CONV_DIM * (2 * CONV_WIDTH + 4))
+
+
+def attention_case(kv_lens: tuple[int, ...], q_lens: tuple[int, ...]) -> Case:
+    b, n = len(kv_lens), sum(q_lens)
+    blocks = [-(-kv // BLOCK_SIZE) for kv in kv_lens]
+    k_cache = torch.randn(sum(blocks), BLOCK_SIZE, ATTN_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    pages = torch.randperm(sum(blocks), device="cuda", dtype=torch.int32)  # shuffled, none shared
+    tables = torch.zeros(b, max(blocks), dtype=torch.int32, device="cuda")
+    for i, (start, count) in enumerate(zip(itertools.accumulate(blocks, initial=0), blocks)):
+        tables[i, :count] = pages[start:start + count]
+    positions = torch.cat([torch.arange(kv - t, kv, device="cuda") for kv, t in zip(kv_lens, q_lens)])
+    q = torch.randn(n, ATTN_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    kv_lens_t = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
+    num_decodes = sum(1 for t in q_lens if t == 1)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    kv_bytes = sum(kv_lens) * ATTN_KV_HEADS * HEAD_DIM * 2 * 2
+    pairs = sum(t * kv - t * (t - 1) / 2 for kv, t in zip(kv_lens, q_lens))  # causal (query, key) pairs
+    return Case("paged attention " + ("decode" if num_decodes == b else "prefill"),
+                f"kv={shape_name(kv_lens)} q={shape_name(q_lens)}",
+                lambda: paged_attention(q, k_cache, v_cache, tables, kv_lens_t, positions, cu,
+                                        scale=HEAD_DIM ** -0.5, num_decodes=num_decodes, seq_lens_cpu=q_lens,
+                                        max_kv_len=max(kv_lens)),
+                kv_bytes + 2 * n * ATTN_HEADS * HEAD_DIM * 2, 4 * pairs * ATTN_HEADS * HEAD_DIM)
+
+
+def moe_case(tokens: int, path: Callable, label: str) -> Case:
+    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=DTYPE)
+    w_gate_up = torch.randn(EXPERTS, 2 * EXPERT_INTER, HIDDEN, device="cuda", dtype=DTYPE) / HIDDEN ** 0.5
+    w_down = torch.randn(EXPERTS, HIDDEN, EXPERT_INTER, device="cuda", dtype=DTYPE) / EXPERT_INTER ** 0.5
+    weights, ids = torch.randn(tokens, EXPERTS, device="cuda").softmax(-1).topk(TOPK)
+    touched = ids.unique().numel()
+    weight_bytes = touched * 3 * HIDDEN * EXPERT_INTER * 2
+    return Case(f"moe {label}", f"tokens={tokens}", lambda: path(x, w_gate_up, w_down, weights, ids),
+                weight_bytes + 2 * tokens * HIDDEN * 2, tokens * TOPK * 6 * HIDDEN * EXPERT_INTER)
+
+
+def shape_name(lens: tuple[int, ...]) -> str:
+    return f"{lens[0]}x{len(lens)}" if len(set(lens)) == 1 else "+".join(map(str, lens))
+
+
+def cases() -> Iterator[Callable[[], Case]]:
+    for batch in (1, 32, 128):
+        yield lambda batch=batch: gdn_case((1,) * batch, batch)
+        yield lambda batch=batch: conv_case((1,) * batch, batch)
+        yield lambda batch=batch: attention_case((4096,) * batch, (1,) * batch)
+        yield lambda batch=batch: moe_case(batch, moe_grouped_mm, "torch._grouped_mm")
+        yield lambda batch=batch: moe_case(batch, moe_triton, "triton")
+    yield lambda: attention_case((32768,), (1,))
+    for lens in ((4096,), (512,) * 8):
+        yield lambda lens=lens: gdn_case(lens, 0)
+        yield lambda lens=lens: conv_case(lens, 0)
+        yield lambda lens=lens: attention_case(lens, lens)
+    yield lambda: attention_case((8192,), (2048,))  # a chunk continuing 6k tokens of paged KV
+    for tokens in (4096, 16384):
+        yield lambda tokens=tokens: moe_case(tokens, moe_grouped_mm, "torch._grouped_mm")
+        yield lambda tokens=tokens: moe_case(tokens, moe_triton, "triton")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/kernels.json"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    results = []
+    print(f"{'kernel':34} {'shape':28} {'ms':>9} {'GB/s':>8} {'TFLOP/s':>8} {'%bw':>6} {'%flop':>6}  bound")
+    for make in cases():
+        result = measure(make())
+        results.append(result)
+        print(f"{result.kernel:34} {result.shape:28} {result.ms:9.4f} {result.gb_per_s:8.0f} "
+              f"{result.tflop_per_s:8.1f} {100 * result.bandwidth_fraction:6.1f} {100 * result.flop_fraction:6.1f}"
+              f"  {result.bound}")
+        torch.cuda.empty_cache()
+    report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype=str(DTYPE),
+                  hbm_bytes_per_s=HBM_BYTES_PER_S, bf16_flops=BF16_FLOPS,
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(), results=[asdict(r) for r in results])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

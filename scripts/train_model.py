@@ -1,0 +1,304 @@
+"""Trains the bundled Qwen3.5 text model on the notes task, in resumable time-limited runs.
+
+    python scripts/train_model.py --ckpt runs/notes --time-limit 540        # one GPU run (resumes)
+    python scripts/train_model.py --ckpt /tmp/smoke --smoke                 # CPU, under a minute
+    python scripts/make_default_model.py --out hypic/assets/default_model --weights runs/notes/weights.safetensors
+
+Loss is on answer tokens only ("Answer: X<|im_end|>", several questions per context). A curriculum
+(scripts/train_data.py STAGES) starts from two short notes and single-token names and moves on
+when the running exact match of a stage passes its gate. The learning rate follows the cumulative
+training time: warm-up, constant, then linear decay over the last `--decay-frac` of `--budget-s`.
+
+The checkpoint directory is compact (each file < 16 MiB): weights.safetensors (bf16, `model.*`
+names), optimizer.safetensors (Adam's second moments, bf16; first moments restart at zero and
+rebuild in a few steps), state.json (step, stage, time, schedule) and curve.json (loss curve,
+throughput and evaluations). Exact match is measured teacher-forced: all answer tokens are the
+argmax given the gold prefix, which is exactly when greedy decoding reproduces the answer.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import multiprocessing
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from train_data import STAGES, Batch, collate, encode, init_worker, make_group  # noqa: E402
+from train_net import Qwen35ForTraining  # noqa: E402
+
+from hypic.data.tasks import EVAL_SPEC, KINDS, eval_prompts, make_prompts  # noqa: E402
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "hypic" / "assets" / "default_model"
+SMOKE_DIMS = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "head_dim": 16,
+              "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+              "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ckpt", type=Path, required=True, help="checkpoint directory (created or resumed)")
+    p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL, help="config.json + tokenizer.json")
+    p.add_argument("--time-limit", type=float, default=540.0, help="wall seconds of this run, all included")
+    p.add_argument("--budget-s", type=float, default=1080.0, help="training seconds of all runs together")
+    p.add_argument("--decay-frac", type=float, default=0.25)
+    p.add_argument("--tokens-per-step", type=int, default=65536)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100, help="steps (30 after a resume)")
+    p.add_argument("--chunk", type=int, default=64, help="Gated DeltaNet chunk length")
+    p.add_argument("--workers", type=int, default=max(1, min(12, (multiprocessing.cpu_count() or 2) - 2)))
+    p.add_argument("--eval-per-kind", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (pads to 256)")
+    p.add_argument("--tiny", action="store_true", help="a 0.4 M parameter model of the same layout")
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, about 20 s")
+    args = p.parse_args()
+    if args.smoke:
+        args.tiny = True
+        args.time_limit, args.budget_s, args.tokens_per_step = 20.0, 12.0, 2048
+        args.eval_per_kind, args.workers, args.warmup = 1, 1, 5
+    return args
+
+
+def build_model(args: argparse.Namespace, device: torch.device) -> Qwen35ForTraining:
+    cfg = json.loads((args.model_dir / "config.json").read_text())
+    if args.tiny:
+        cfg.update(SMOKE_DIMS, num_hidden_layers=len(SMOKE_DIMS["layer_types"]))
+    torch.manual_seed(args.seed)
+    return Qwen35ForTraining(cfg, chunk=args.chunk).to(device)
+
+
+class Checkpoint:
+    """Compact resumable state in one directory."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def exists(self) -> bool:
+        return (self.path / "state.json").exists()
+
+    def save(self, net: Qwen35ForTraining, opt: torch.optim.Optimizer, state: dict, curve: dict) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        names = {p: n for n, p in net.named_parameters()}
+        weights = {n: p.detach().to(torch.bfloat16).cpu().contiguous() for n, p in net.named_parameters()}
+        moments = {names[p]: s["exp_avg_sq"].to(torch.bfloat16).cpu().contiguous()
+                   for p, s in opt.state.items() if "exp_avg_sq" in s}
+        save_file(weights, str(self.path / "weights.safetensors"), metadata={"format": "pt"})
+        save_file(moments, str(self.path / "optimizer.safetensors"))
+        (self.path / "state.json").write_text(json.dumps(state, indent=1))
+        (self.path / "curve.json").write_text(json.dumps(curve))
+
+    def load(self, net: Qwen35ForTraining, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+        device = next(net.parameters()).device
+        weights = load_file(str(self.path / "weights.safetensors"))
+        net.load_state_dict({n: t.float() for n, t in weights.items()})
+        moments, state = load_file(str(self.path / "optimizer.safetensors")), json.loads((self.path / "state.json").read_text())
+        for name, p in net.named_parameters():
+            if name in moments:
+                step_device = device if opt.param_groups[0]["fused"] else "cpu"
+                opt.state[p] = {"step": torch.tensor(float(state["step"]), device=step_device),
+                                "exp_avg": torch.zeros_like(p),
+                                "exp_avg_sq": moments[name].to(device, torch.float32)}
+        return state, json.loads((self.path / "curve.json").read_text())
+
+
+class Feed:
+    """Prefetches batch groups from worker processes; batches of the current stage come first."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        tokenizer = str(args.model_dir / "tokenizer.json")
+        self.args, self.multiple = args, 256 if args.compile else args.chunk
+        self.pool = multiprocessing.get_context("fork").Pool(args.workers, init_worker, (tokenizer,))
+        self.pending: collections.deque = collections.deque()
+        self.ready: collections.deque = collections.deque()
+        self.stage, self.group = 0, 0
+
+    def restart(self, stage: int, group: int) -> None:
+        self.stage, self.group = stage, group
+        self.pending.clear()
+        self.ready.clear()
+
+    def _submit(self) -> None:
+        a = self.args
+        self.pending.append(self.pool.apply_async(
+            make_group, (self.stage, a.seed, self.group, a.tokens_per_step, self.multiple)))
+        self.group += 1
+
+    def next(self) -> Batch:
+        while len(self.pending) < 2 * self.args.workers:
+            self._submit()
+        if not self.ready:
+            self.ready.extend(self.pending.popleft().get())
+        return self.ready.popleft()
+
+
+def lr_at(args: argparse.Namespace, train_s: float, run_step: int, resumed: bool) -> float:
+    warm = min(1.0, (run_step + 1) / (30 if resumed else args.warmup))
+    decay_start = args.budget_s * (1 - args.decay_frac)
+    frac = min(1.0, max(0.0, (train_s - decay_start) / max(1e-9, args.budget_s - decay_start)))
+    return args.lr * warm * (1.0 - 0.9 * frac)
+
+
+def to_device(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]:
+    fields = ("ids", "positions", "targets", "answer", "kinds", "current")
+    return {f: torch.from_numpy(getattr(batch, f)).to(device, non_blocking=True).long() for f in fields}
+
+
+def answer_loss(net, b: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy over supervised tokens, and per-answer correctness (all tokens argmax)."""
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        logits = net(b["ids"], b["positions"]).float()
+    loss = F.cross_entropy(logits, b["targets"])
+    wrong = torch.zeros(len(b["kinds"]), device=device).index_add_(
+        0, b["answer"], (logits.argmax(-1) != b["targets"]).float())
+    return loss, wrong == 0
+
+
+class Meter:
+    """Running exact match per kind of the current stage's answers, and loss, on the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.hits = torch.zeros(len(KINDS), device=self.device)
+        self.count = torch.zeros(len(KINDS), device=self.device)
+        self.loss, self.steps, self.tokens = torch.zeros((), device=self.device), 0, 0
+
+    def add(self, loss: torch.Tensor, correct: torch.Tensor, b: dict[str, torch.Tensor], tokens: int) -> None:
+        cur = b["current"].bool()
+        self.hits.index_add_(0, b["kinds"][cur], correct[cur].float())
+        self.count.index_add_(0, b["kinds"][cur], torch.ones_like(correct[cur], dtype=torch.float))
+        self.loss += loss.detach()
+        self.steps, self.tokens = self.steps + 1, self.tokens + tokens
+
+    def read(self) -> dict:
+        hits, count = self.hits.tolist(), self.count.tolist()
+        em = {k: round(h / c, 4) for k, h, c in zip(KINDS, hits, count) if c}
+        return {"loss": round(self.loss.item() / max(1, self.steps), 4), "em": em,
+                "em_mean": round(sum(hits) / max(1.0, sum(count)), 4)}
+
+
+@torch.no_grad()
+def evaluate(net, prompts, tokenizer, device: torch.device, token_budget: int) -> dict[str, float]:
+    """Teacher-forced exact match of the first answer, per question kind."""
+    net.eval()
+    rows = sorted((encode(tokenizer, p, all_questions=False) + ([KINDS.index(p.kind)], True) for p in prompts),
+                  key=lambda r: len(r[0]))
+    hits, count = collections.Counter(), collections.Counter()
+    start = 0
+    while start < len(rows):
+        end = start + 1
+        while end < len(rows) and (end + 1 - start) * len(rows[end][0]) <= token_budget:
+            end += 1
+        b = to_device(collate(rows[start:end], 64), device)
+        _, correct = answer_loss(net, b, device)
+        for kind, ok in zip(b["kinds"].tolist(), correct.tolist()):
+            hits[KINDS[kind]] += ok
+            count[KINDS[kind]] += 1
+        start = end
+    net.train()
+    return {k: round(hits[k] / count[k], 4) for k in KINDS if count[k]}
+
+
+def run_evals(net, args, tokenizer, device, stage: int) -> dict:
+    n = args.eval_per_kind
+    spec = STAGES[stage].spec
+    return {"eval_spec": evaluate(net, eval_prompts(n, "validation", EVAL_SPEC), tokenizer, device, args.tokens_per_step),
+            f"stage{stage}": evaluate(net, make_prompts(spec, "validation", 4 * n), tokenizer, device, args.tokens_per_step)}
+
+
+def main() -> None:
+    args = parse_args()
+    started = time.monotonic()
+    feed = Feed(args)  # fork before CUDA is touched
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    net = build_model(args, device)
+    opt = torch.optim.AdamW(net.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05,
+                            fused=device.type == "cuda")
+    ckpt = Checkpoint(args.ckpt)
+    resumed = ckpt.exists()
+    state, curve = ckpt.load(net, opt) if resumed else (
+        {"step": 0, "stage": 0, "train_s": 0.0, "group": 0, "stage_step": 0, "runs": 0}, {"points": [], "evals": []})
+    model = torch.compile(net) if args.compile else net
+    tokenizer = Tokenizer.from_file(str(args.model_dir / "tokenizer.json"))
+    feed.restart(state["stage"], state["group"])
+    params = sum(p.numel() for p in net.parameters())
+    print(f"device {device} params {params / 1e6:.2f}M resumed={resumed} state={state}", flush=True)
+    train(args, model, net, opt, feed, device, state, curve, resumed, started, ckpt)
+    curve["evals"].append({"step": state["step"], "stage": state["stage"],
+                           **run_evals(net, args, tokenizer, device, state["stage"])})
+    print(json.dumps(curve["evals"][-1]), flush=True)
+    state["runs"] += 1
+    ckpt.save(net, opt, state, curve)
+    feed.pool.terminate()
+    print(f"saved {args.ckpt} after {time.monotonic() - started:.0f}s", flush=True)
+
+
+def train(args, model, net, opt, feed: Feed, device, state: dict, curve: dict, resumed: bool,
+          started: float, ckpt: Checkpoint) -> None:
+    reserve = 8.0 if args.smoke else 45.0  # evaluation + save at the end
+    meter, gate_meter = Meter(device), Meter(device)
+    run_step, last_log, last_save = 0, time.monotonic(), time.monotonic()
+    while time.monotonic() - started < args.time_limit - reserve:
+        t0 = time.monotonic()
+        batch = feed.next()
+        b = to_device(batch, device)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(args, state["train_s"], run_step, resumed)
+        loss, correct = answer_loss(model, b, device)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        meter.add(loss, correct, b, batch.tokens)
+        gate_meter.add(loss, correct, b, batch.tokens)
+        state["step"], state["stage_step"], run_step = state["step"] + 1, state["stage_step"] + 1, run_step + 1
+        if state["step"] % 25 == 0:
+            log_point(args, meter, state, curve, opt, last_log)
+            meter.reset()
+            last_log = time.monotonic()
+            maybe_advance(gate_meter, state, feed)
+        state["train_s"] += time.monotonic() - t0
+        if time.monotonic() - last_save > 150:
+            state["group"] = feed.group
+            ckpt.save(net, opt, state, curve)
+            last_save = time.monotonic()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    state["group"] = feed.group
+
+
+def log_point(args, meter: Meter, state: dict, curve: dict, opt, since: float) -> None:
+    point = {"step": state["step"], "stage": state["stage"], "train_s": round(state["train_s"], 1),
+             "lr": opt.param_groups[0]["lr"], **meter.read(),
+             "tok_per_s": round(meter.tokens / max(1e-9, time.monotonic() - since))}
+    curve["points"].append(point)
+    print(json.dumps(point), flush=True)
+
+
+def maybe_advance(gate_meter: Meter, state: dict, feed: Feed) -> None:
+    """Next stage once the stage's answers (last >= 100 steps) pass its gate on every kind seen."""
+    if gate_meter.steps < 100:
+        return
+    em = gate_meter.read()["em"]
+    if state["stage"] + 1 < len(STAGES) and em and min(em.values()) >= STAGES[state["stage"]].gate:
+        state["stage"], state["stage_step"] = state["stage"] + 1, 0
+        feed.restart(state["stage"], feed.group)
+        print(f"stage -> {state['stage']} at step {state['step']} (em {em})", flush=True)
+    gate_meter.reset()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The notes task generator: determinism, split disjointness, kinds, and answerability."""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import json
+
+import jinja2
+import pytest
+
+from hypic.config import PIC_SEPARATOR
+from hypic.data import EVAL_SPEC, KINDS, NotePool, TaskSpec, eval_prompts, is_correct, make_prompt, make_prompts
+from hypic.data.tasks import PREFIX_SEGMENT, reply_text
+
+SMALL = TaskSpec(min_notes=2, max_notes=4, min_note_tokens=32, max_note_tokens=96, rich_names=False, questions=4)
+MODEL_DIR = Path(__file__).resolve().parents[1] / "hypic" / "assets" / "default_model"
+
+
+def test_same_seed_same_prompt_and_different_index_differs() -> None:
+    assert make_prompt(EVAL_SPEC, "train", 7, seed=3) == make_prompt(EVAL_SPEC, "train", 7, seed=3)
+    assert make_prompt(EVAL_SPEC, "train", 7, seed=3) != make_prompt(EVAL_SPEC, "train", 8, seed=3)
+    assert make_prompt(EVAL_SPEC, "train", 7, seed=3) != make_prompt(EVAL_SPEC, "train", 7, seed=4)
+    assert eval_prompts(3) == eval_prompts(3)
+
+
+def test_splits_are_disjoint() -> None:
+    texts = {split: {p.text() for p in make_prompts(SMALL, split, 60)} for split in ("train", "validation", "test")}
+    assert not texts["train"] & texts["validation"] and not texts["train"] & texts["test"]
+    assert not texts["validation"] & texts["test"]
+    notes = {split: set(NotePool(EVAL_SPEC, split).notes[i].text for i in range(48)) for split in ("validation", "test")}
+    assert not notes["validation"] & notes["test"]
+
+
+def test_every_kind_is_generated() -> None:
+    assert set(Counter(p.kind for p in make_prompts(EVAL_SPEC, "train", 80))) == set(KINDS)
+    assert Counter(p.kind for p in eval_prompts(5)) == {k: 5 for k in KINDS}
+    assert {qa.kind for p in make_prompts(SMALL, "train", 40) for qa in p.qas} == set(KINDS)
+
+
+@pytest.mark.parametrize("spec", [SMALL, EVAL_SPEC])
+def test_layout_and_answers_appear_where_they_should(spec: TaskSpec) -> None:
+    prompts = make_prompts(spec, "validation", 40)
+    assert all(spec.min_notes <= len(p.notes) <= spec.max_notes for p in prompts)
+    for p in prompts + eval_prompts(4, "validation", spec=EVAL_SPEC):
+        assert p.segments[0] == PREFIX_SEGMENT and p.segments[-1].startswith(f"Question: {p.qas[0].question}")
+        assert all(PIC_SEPARATOR not in s for s in p.segments)
+        for qa in p.qas:
+            check_answerable(p.notes, qa)
+
+
+def check_answerable(notes: tuple[str, ...], qa) -> None:
+    holding = [i for i, n in enumerate(notes) if qa.answer in n]
+    assert holding, qa
+    if qa.kind == "linked":  # "The person above" opens the note right after the one signed by the person
+        person = qa.question.removeprefix("Where does ").removesuffix(" work?")
+        i = next(i for i in holding if notes[i].startswith(f"Note: The person above works at {qa.answer}."))
+        assert i > 0 and notes[i - 1].endswith(f" Filed by {person}.\n")
+    if qa.kind == "two_hop":
+        person = qa.question.split("where ")[1].removesuffix(" lives?")
+        home = next(i for i, n in enumerate(notes) if f"{person} lives in " in n)
+        city = notes[home].split(f"{person} lives in ")[1].split(".")[0]
+        assert any(f"{qa.answer} is based in {city}." in n for j, n in enumerate(notes) if j != home)
+    if qa.kind == "long":
+        person = qa.question.removeprefix("What is ").removesuffix("'s locker code?")
+        assert any(n.startswith(f"Note: This note is about {person}.") and f"Their locker code is {qa.answer}." in n
+                   for n in notes)
+
+
+def test_pool_requests_share_notes() -> None:
+    prompts = eval_prompts(10)
+    uses = Counter(note for p in prompts for note in p.notes)
+    assert max(uses.values()) >= 3  # segments recur across requests, as PIC needs
+
+
+def test_chat_template_renders_the_prompt_text() -> None:
+    template = json.loads((MODEL_DIR / "tokenizer_config.json").read_text())["chat_template"]
+    for p in eval_prompts(2):
+        rendered = jinja2.Template(template).render(messages=p.chat_messages(), add_generation_prompt=True)
+        assert rendered == p.text()
+
+
+def test_reply_format_and_exact_match() -> None:
+    assert reply_text("Oslo") == "Answer: Oslo<|im_end|>"
+    assert is_correct("Answer: Oslo", "Oslo") and is_correct(" Answer: Oslo<|im_end|>", "Oslo")
+    assert not is_correct("Answer: Oslo Harbor", "Oslo")
+
+
+def test_note_lengths_follow_the_spec_in_tokens() -> None:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    lengths = [len(tokenizer.encode(n).ids) for p in make_prompts(EVAL_SPEC, "test", 30) for n in p.notes]
+    assert min(lengths) >= 0.8 * EVAL_SPEC.min_note_tokens and max(lengths) <= 1.2 * EVAL_SPEC.max_note_tokens

@@ -1,0 +1,72 @@
+"""The model on CUDA (FLA / Triton kernels): logits against transformers on the CPU, in float32 and
+bfloat16, through prefill chunks, mixed batches and decode steps; a decode step captured in a CUDA graph."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hypic.models.registry import load_model
+from models_util import BatchBuilder, hf_logits, make_hf_model, random_ids, rel_err, run, save_checkpoint
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 5e-2}
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe_text"])
+def checkpoint(request, tmp_path_factory):
+    hf = make_hf_model(request.param, seed=11)
+    return hf, save_checkpoint(hf, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_chunks_batches_and_decodes_match_transformers(checkpoint, dtype) -> None:
+    hf, path = checkpoint
+    model = load_model(str(path), device=CUDA, dtype=dtype)
+    builder = BatchBuilder(model.config, block_size=16, num_blocks=64, num_slots=8, dtype=dtype, device=CUDA)
+    prompts = [random_ids(n, seed=n) for n in (150, 70, 33)]
+    seqs = [builder.new_seq(slot=s) for s in (5, 1, 7)]
+    logits: list[list[torch.Tensor]] = [[], [], []]
+    steps = [[(seqs[0], prompts[0][:100]), (seqs[1], prompts[1][:60])],  # two fresh prefills
+             [(seqs[1], prompts[1][60:61]), (seqs[0], prompts[0][100:]), (seqs[2], prompts[2][:30])]]
+    steps += [[(seqs[b], prompts[b][n:n + 1]) for b, n in ((1, 61 + i), (2, 30 + i))] for i in range(3)]
+    for pieces in steps:
+        out, start = run(model, builder, pieces).float().cpu(), 0
+        for seq, tokens in pieces:
+            logits[seqs.index(seq)].append(out[start:start + len(tokens)])
+            start += len(tokens)
+    for b, length in enumerate((150, 64, 33)):
+        expected = hf_logits(hf, prompts[b][:length])
+        assert rel_err(torch.cat(logits[b]), expected) < TOLERANCE[dtype], f"sequence {b}"
+
+
+def test_decode_step_replays_from_a_cuda_graph(checkpoint) -> None:
+    _, path = checkpoint
+    model = load_model(str(path), device=CUDA, dtype=torch.bfloat16)
+    builder = BatchBuilder(model.config, block_size=16, num_blocks=32, num_slots=8, dtype=torch.bfloat16,
+                           device=CUDA)
+    seqs = [builder.new_seq(slot=s) for s in (2, 6, 3)]
+    run(model, builder, [(seq, random_ids(20 + 9 * i, seed=i)) for i, seq in enumerate(seqs)])
+    batch = builder.batch([(seq, [7 + i]) for i, seq in enumerate(seqs)])
+    tensors = [t for pair in builder.caches._kv.values() for t in pair]
+    tensors += [t for pair in builder.caches._state.values() for t in pair]
+    saved = [t.clone() for t in tensors]
+
+    def restore() -> None:
+        for t, s in zip(tensors, saved):
+            t.copy_(s)
+
+    eager = model(batch, builder.caches).clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        restore()
+        model(batch, builder.caches)  # warm-up (Triton compilation) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = model(batch, builder.caches)
+    restore()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, eager, rtol=1e-3, atol=1e-3)

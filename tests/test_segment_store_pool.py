@@ -1,0 +1,246 @@
+"""The public pool: keys, layout, LRU, pins, budget, flush by salt, accounting, dtype fidelity."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentStore, SegmentTuple
+from hypic.kernels.compose import CachedPieces, compose_and_recur, compose_and_recur_ref
+from hypic.kernels.linear_families import get_family
+from hypic.kernels.scatter_kv import apply_rope, rope_inv_freq, scatter_kv_ref
+from tests.test_pic_algebra_families import random_tokens, rel_err
+
+HV, KD, VD, CONV, KV_HEADS, HEAD_DIM = 2, 4, 4, 6, 1, 8
+
+
+def layout(state_dtype: torch.dtype = torch.float32, family: str = "gdn",
+           model_dtype: torch.dtype = torch.float32) -> SegmentLayout:
+    return SegmentLayout(get_family(family), num_linear=2, num_full=1, value_heads=HV, key_dim=KD, value_dim=VD,
+                         conv_dim=CONV, conv_kernel=4, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                         state_dtype=state_dtype, model_dtype=model_dtype)
+
+
+def random_tuple(lay: SegmentLayout, interior_len: int, seed: int = 0) -> SegmentTuple:
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda n, *shape: [torch.randn(*shape, generator=gen) for _ in range(n)]  # noqa: E731
+    kv = (interior_len, KV_HEADS, HEAD_DIM)
+    return SegmentTuple((4, 4 + interior_len), rand(2, *lay.t_shape), rand(2, *lay.s0_shape),
+                        rand(2, *lay.conv_shape), rand(1, *kv), rand(1, *kv))
+
+
+def key(name: str, salt: str | None = None) -> SegmentKey:
+    return SegmentKey.of("model-abc", 8, salt, [ord(c) for c in name])
+
+
+def store_for(entries: int, interior_len: int = 5, **kwargs) -> SegmentStore:
+    lay = layout(**kwargs)
+    return SegmentStore(lay, entries * lay.entry_bytes(interior_len), "cpu")
+
+
+def test_key_is_content_address() -> None:
+    base = SegmentKey.of("fp", 8, None, [1, 2, 3])
+    assert base == SegmentKey.of("fp", 8, None, [1, 2, 3])
+    variants = [SegmentKey.of("fp", 8, None, [1, 2, 4]), SegmentKey.of("fp", 4, None, [1, 2, 3]),
+                SegmentKey.of("fp", 8, "", [1, 2, 3]), SegmentKey.of("fp2", 8, None, [1, 2, 3]),
+                SegmentKey.of("fp", 8, "tenant", [1, 2, 3])]
+    assert len({base, *variants}) == 6
+
+
+def test_put_get_round_trip_and_kernel_offsets() -> None:
+    store = store_for(2)
+    tup = random_tuple(store.layout, 5)
+    assert store.put(key("a"), tup)
+    entry = store.get(key("a"))
+    assert entry is not None and entry.pins == 1 and entry.interior == (4, 9)
+    for i in range(2):
+        assert torch.equal(entry.T(i), tup.T[i]) and torch.equal(entry.S0(i), tup.S0[i])
+        assert torch.equal(entry.conv_tail(i), tup.conv_tail[i])
+        t_numel = tup.T[i].numel()
+        assert torch.equal(store.t_src[entry.t_offset(i): entry.t_offset(i) + t_numel].view_as(tup.T[i]), tup.T[i])
+        s0 = store.s0_src[entry.s0_offset(i): entry.s0_offset(i) + tup.S0[i].numel()]
+        assert torch.equal(s0.view_as(tup.S0[i]), tup.S0[i])
+    assert torch.equal(entry.K(0), tup.K[0]) and torch.equal(entry.V(0), tup.V[0])
+    row = KV_HEADS * HEAD_DIM
+    for t in range(5):
+        at = entry.kv_offset(0, t)
+        assert torch.equal(store.kv_src[at: at + row].view(KV_HEADS, HEAD_DIM), tup.K[0][t])
+        assert torch.equal(store.kv_src[at + row: at + 2 * row].view(KV_HEADS, HEAD_DIM), tup.V[0][t])
+    assert store.get(key("b")) is None
+    stats = store.stats()
+    assert (stats.entries, stats.hits, stats.misses, stats.pinned) == (1, 1, 1, 1)
+    assert stats.bytes == store.layout.entry_bytes(5)
+
+
+def test_lru_evicts_least_recently_used_unpinned() -> None:
+    store = store_for(3)
+    for name in "abc":
+        assert store.put(key(name), random_tuple(store.layout, 5))
+    store.unpin(store.get(key("a")))  # a is now the most recent
+    assert store.put(key("d"), random_tuple(store.layout, 5))
+    assert key("b") not in store and all(key(n) in store for n in "acd")
+    assert store.stats().evictions == 1
+
+
+def test_pins_block_eviction_and_put_fails_when_nothing_can_go() -> None:
+    store = store_for(2)
+    for name in "ab":
+        store.put(key(name), random_tuple(store.layout, 5))
+    pinned = [store.get(key(n)) for n in "ab"]
+    assert not store.put(key("c"), random_tuple(store.layout, 5))
+    assert store.stats().evictions == 0 and all(key(n) in store for n in "ab")
+    store.unpin(pinned[1])
+    assert store.put(key("c"), random_tuple(store.layout, 5))
+    assert key("b") not in store and key("a") in store
+    entry = store.get(key("c"))
+    store.unpin(entry)
+    with pytest.raises(ValueError):
+        store.unpin(entry)
+
+
+def test_too_large_entry_is_refused_without_evicting() -> None:
+    store = store_for(2)
+    store.put(key("a"), random_tuple(store.layout, 5))
+    assert not store.put(key("huge"), random_tuple(store.layout, 200))
+    assert key("a") in store and store.stats().evictions == 0
+
+
+def test_put_of_present_key_touches_without_copying() -> None:
+    store = store_for(2)
+    store.put(key("a"), random_tuple(store.layout, 5, seed=1))
+    store.put(key("b"), random_tuple(store.layout, 5))
+    assert store.put(key("a"), random_tuple(store.layout, 5, seed=2))  # a becomes most recent
+    store.put(key("c"), random_tuple(store.layout, 5))
+    assert key("b") not in store
+    entry = store.get(key("a"))
+    assert torch.equal(entry.T(0), random_tuple(store.layout, 5, seed=1).T[0])
+
+
+def test_flush_by_salt_frees_pinned_entries_on_last_unpin() -> None:
+    store = store_for(4)
+    for name, salt in (("a", "x"), ("b", "x"), ("c", "y"), ("d", None)):
+        store.put(key(name, salt), random_tuple(store.layout, 5))
+    held = store.get(key("a", "x"))
+    held_twice = store.get(key("a", "x"))
+    assert store.flush("x") == 2
+    assert store.get(key("a", "x")) is None and store.get(key("b", "x")) is None
+    per_entry = store.layout.entry_bytes(5)
+    assert store.stats().bytes == 3 * per_entry and store.stats().entries == 2
+    store.unpin(held)
+    assert store.stats().bytes == 3 * per_entry  # still one pin
+    store.unpin(held_twice)
+    assert store.stats().bytes == 2 * per_entry
+    assert store.flush() == 2 and store.stats().bytes == 0
+    assert store.put(key("big"), random_tuple(store.layout, 5 * 4 + 8))  # holes merged back into one
+
+
+def test_random_operations_keep_the_books() -> None:
+    """Everything allocated is freed: bytes always equal the live entries' bytes; zero at the end."""
+    store, rng = store_for(6, interior_len=8), random.Random(0)
+    pins: list = []
+    for step in range(400):
+        op = rng.random()
+        name = str(rng.randrange(12))
+        if op < 0.45:
+            store.put(key(name, rng.choice("xy")), random_tuple(store.layout, rng.randrange(1, 12), seed=step))
+        elif op < 0.75:
+            entry = store.get(key(name, rng.choice("xy")))
+            if entry is not None:
+                pins.append(entry)
+        elif op < 0.95 and pins:
+            store.unpin(pins.pop(rng.randrange(len(pins))))
+        else:
+            store.flush(rng.choice(["x", "y", None]))
+        live = list(store._index.values()) + store._flushed
+        assert store.stats().bytes == sum(e.nbytes for e in live) <= store.capacity_bytes
+        spans = sorted((e.offset, e.offset + e.nbytes) for e in live)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no overlap
+    for entry in pins:
+        store.unpin(entry)
+    store.flush()
+    assert store.stats().bytes == 0 and store.stats().pinned == 0
+    assert store._free._holes == [(0, store.capacity_bytes)]  # every hole merged back
+
+
+def test_log_gate_T_is_kept_in_float32() -> None:
+    assert layout(torch.bfloat16, family="scalar").t_dtype == torch.float32
+    assert layout(torch.bfloat16, family="diagonal").t_dtype == torch.float32
+    assert layout(torch.bfloat16, family="kda").t_dtype == torch.bfloat16
+    with pytest.raises(ValueError):
+        layout(torch.float16)
+
+
+@pytest.mark.parametrize(("state_dtype", "bound"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_composed_from_store_matches_sequential(state_dtype: torch.dtype, bound: float) -> None:
+    """Tuples of two GDN segments, stored then composed in place through entry offsets."""
+    family, gen = get_family("gdn"), torch.Generator().manual_seed(0)
+    tokens = random_tokens(family, 24, gen, heads=(1, HV), dims=(KD, VD))
+    store = store_for(2, interior_len=3, state_dtype=state_dtype)
+    rows = []
+    for n, (start, end) in enumerate(((0, 12), (12, 24))):
+        args = [None if tokens[x] is None else tokens[x][start:end].float() for x in ("k", "v", "g", "beta")]
+        T, S0 = family.extract_tuple(*args, torch.tensor([0, end - start]))
+        tup = random_tuple(store.layout, 3)
+        tup = SegmentTuple(tup.interior, [T[0], T[0]], [S0[0], S0[0]], tup.conv_tail, tup.K, tup.V)
+        store.put(key(str(n)), tup)
+        entry = store.get(key(str(n)))
+        rows.append((0, entry.t_offset(1), entry.s0_offset(1)))  # layer 1 of each entry
+    zero = torch.zeros(HV, KD, VD, dtype=torch.float64)
+    truth = family.recur(zero, *(tokens[x] for x in ("q", "k", "v", "g", "beta")), scale=1.0)[1]
+    pool = torch.zeros(1, HV, KD, VD)
+    empty = torch.zeros(0, 1, KD)
+    compose_and_recur_ref(empty, empty, torch.zeros(0, HV, VD), torch.zeros(0, HV), torch.zeros(0, HV), pool,
+                          torch.tensor([0]), torch.tensor([False]), torch.tensor([0, 0], dtype=torch.int32),
+                          CachedPieces.build([rows]), store.t_src, store.s0_src, family=family, scale=1.0)
+    assert rel_err(pool[0].double(), truth) <= bound
+
+
+def test_scatter_reads_entry_kv_in_place() -> None:
+    store = store_for(1, model_dtype=torch.float32)
+    tup = random_tuple(store.layout, 5)
+    store.put(key("a"), tup)
+    entry = store.get(key("a"))
+    src_off = torch.tensor([entry.kv_offset(0, t) for t in range(5)])
+    positions = torch.arange(100, 105)
+    k_cache = torch.zeros(2, 4, KV_HEADS, HEAD_DIM)
+    v_cache = torch.zeros_like(k_cache)
+    dst = torch.tensor([7, 0, 3, 4, 5])
+    inv_freq = rope_inv_freq(4, 10000.0)
+    scatter_kv_ref(store.kv_src, src_off, positions, k_cache, v_cache, dst, inv_freq)
+    expected = apply_rope(tup.K[0], positions[:, None], inv_freq)
+    assert torch.allclose(k_cache.view(-1, KV_HEADS, HEAD_DIM)[dst], expected, atol=1e-6)
+    assert torch.equal(v_cache.view(-1, KV_HEADS, HEAD_DIM)[dst], tup.V[0])
+
+
+@pytest.mark.gpu
+def test_store_on_gpu_feeds_the_triton_kernels() -> None:
+    """Arena views (bf16 T/S0, bf16 KV) read in place by compose_and_recur and scatter_kv on cuda."""
+    family, gen = get_family("gdn"), torch.Generator().manual_seed(1)
+    lay = SegmentLayout(family, num_linear=2, num_full=1, value_heads=32, key_dim=128, value_dim=128, conv_dim=64,
+                        conv_kernel=4, kv_heads=2, head_dim=256, state_dtype=torch.bfloat16,
+                        model_dtype=torch.bfloat16)
+    store = SegmentStore(lay, 3 * lay.entry_bytes(40), "cuda")
+    tokens = random_tokens(family, 90, gen, heads=(16, 32), dims=(128, 128))
+    cuda = {n: None if x is None else x.to("cuda", torch.float32) for n, x in tokens.items()}
+    rows = []
+    for n, (start, end, at) in enumerate(((10, 50, 10), (55, 85, 15))):  # at: flat index of the next seam token
+        part = [cuda[x][start:end] for x in ("k", "v", "g", "beta")]
+        T, S0 = family.extract_tuple(*part, torch.tensor([0, end - start], device="cuda"))
+        kv = [torch.randn(end - start, 2, 256, generator=gen).to("cuda", torch.bfloat16)]
+        conv = [torch.zeros(64, 3, device="cuda")] * 2
+        assert store.put(key(str(n)), SegmentTuple((start, end), [T[0]] * 2, [S0[0]] * 2, conv, kv, kv))
+        entry = store.get(key(str(n)))
+        rows.append((at, entry.t_offset(1), entry.s0_offset(1)))
+    keep = torch.cat([torch.arange(0, 10), torch.arange(50, 55), torch.arange(85, 90)]).cuda()
+    seam = {n: None if x is None else x[keep].to(torch.bfloat16 if n in "qkv" else torch.float32)
+            for n, x in cuda.items()}
+    args = (seam["q"], seam["k"], seam["v"], seam["g"], seam["beta"])
+    outs = []
+    for fn in (compose_and_recur, compose_and_recur_ref):
+        pool = torch.zeros(2, 32, 128, 128, device="cuda")
+        o = fn(*args, pool, torch.tensor([1], device="cuda"), torch.tensor([False], device="cuda"),
+               torch.tensor([0, 20], dtype=torch.int32, device="cuda"), CachedPieces.build([rows], "cuda"),
+               store.t_src, store.s0_src, family=family, scale=0.1)
+        outs.append((o.float(), pool[1]))
+    assert rel_err(outs[0][0], outs[1][0]) <= 1e-2 and rel_err(outs[0][1], outs[1][1]) <= 1e-4

@@ -1,0 +1,136 @@
+"""`python -m hypic.serve` as a real process on a free port, driven by the official openai client.
+
+Checks compare the server with itself through independent paths: streamed vs whole text, /tokenize
+vs usage, a stop string cut where the unstopped text has it, repeated prompts hitting the cache.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NAME = "tiny"
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[subprocess.Popen, str]]:
+    command = [sys.executable, "-m", "hypic.serve", "--device", "cpu", "--port", "0", "--max-model-len", "512",
+               "--cpu-cache-bytes", "64MiB", "--served-model-name", NAME, "--log-level", "warning"]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    line = process.stdout.readline()  # the start-up line, or '' if it died
+    match = re.search(r"at (http://\S+) on (\S+): KV cache (\d+) tokens", line)
+    assert match, f"no start-up line; got {line!r}"
+    yield process, match.group(1)
+    if process.poll() is None:
+        process.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _tokenize(client: openai.OpenAI, body: dict) -> int:
+    url = str(client.base_url).removesuffix("/").removesuffix("/v1") + "/tokenize"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())["count"]
+
+
+def test_models_lists_the_served_name(client) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [NAME]
+    assert client.models.retrieve(NAME).id == NAME
+
+
+def test_completion_whole_and_streamed_agree(client) -> None:
+    whole = client.completions.create(model=NAME, prompt="The quick brown fox", max_tokens=8, **GREEDY)
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 8
+    assert whole.usage.prompt_tokens == _tokenize(client, {"prompt": "The quick brown fox"})
+    chunks = list(client.completions.create(model=NAME, prompt="The quick brown fox", max_tokens=8, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_chat_whole_and_streamed_agree(client) -> None:
+    whole = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=6, **GREEDY)
+    message = whole.choices[0].message
+    assert message.role == "assistant" and whole.usage.completion_tokens == 6
+    assert whole.usage.prompt_tokens == _tokenize(client, {"messages": CHAT})
+    chunks = list(client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=6, stream=True, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_completions_are_indexed(client) -> None:
+    response = client.completions.create(model=NAME, prompt="Hello", max_tokens=4, n=2, seed=3,
+                                         extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in response.choices) == [0, 1]
+    assert response.usage.completion_tokens == 8
+    chat = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=3, n=2, **GREEDY)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: the same text
+
+
+def test_stop_string_cuts_where_the_text_has_it(client) -> None:
+    free = client.completions.create(model=NAME, prompt="Count: 1 2 3", max_tokens=24, **GREEDY).choices[0].text
+    stop = next(free[i:i + 2] for i in range(2, len(free) - 1) if free[i:i + 2].strip())
+    cut = client.completions.create(model=NAME, prompt="Count: 1 2 3", max_tokens=24, stop=[stop], **GREEDY)
+    assert cut.choices[0].text == free[: free.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_in_both_formats(client) -> None:
+    legacy = client.completions.create(model=NAME, prompt="Hi", max_tokens=4, logprobs=2, **GREEDY).choices[0]
+    assert len(legacy.logprobs.tokens) == 4 and "".join(legacy.logprobs.tokens) == legacy.text
+    for chosen, top, logprob in zip(legacy.logprobs.tokens, legacy.logprobs.top_logprobs, legacy.logprobs.token_logprobs):
+        assert chosen in top and len(top) <= 3 and logprob <= 0
+        assert logprob == pytest.approx(max(top.values()))  # greedy picks the most likely token
+    chat = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=3, logprobs=True, top_logprobs=2,
+                                          **GREEDY).choices[0]
+    assert len(chat.logprobs.content) == 3
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in chat.logprobs.content)
+
+
+def test_repeated_prompt_reports_cached_tokens(client) -> None:
+    prompt = "A long shared preamble about caching. " * 6
+    first = client.completions.create(model=NAME, prompt=prompt, max_tokens=1, **GREEDY).usage
+    again = client.completions.create(model=NAME, prompt=prompt, max_tokens=1, **GREEDY).usage
+    assert first.prompt_tokens_details.cached_tokens == 0
+    assert 0 < again.prompt_tokens_details.cached_tokens < again.prompt_tokens
+
+
+def test_max_tokens_zero_returns_an_empty_completion_with_usage(client) -> None:
+    response = client.completions.create(model=NAME, prompt="warm up", max_tokens=0)
+    assert response.choices[0].text == "" and response.usage.completion_tokens == 0
+    assert response.usage.prompt_tokens > 0
+
+
+def test_bad_request_raises_the_clients_typed_error(client) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=NAME, messages=CHAT, tools=[{"type": "function", "function": {"name": "f"}}])
+    assert caught.value.body["param"] == "tools"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x", max_tokens=1)
+
+
+def test_sigterm_exits_zero(server, client) -> None:
+    process, _ = server
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
