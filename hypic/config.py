@@ -35,8 +35,17 @@ class EngineConfig:
     """Token budget of one step (decode tokens + prefill chunk tokens)."""
     max_waiting: int = 1024
     """Most requests queued before submit() raises an overload error."""
-    cache_mode: CacheMode = "prefix"
-    """Default cache mode of requests: none | prefix (naive | hypic once PIC is enabled)."""
+    cache_mode: CacheMode = "hypic"
+    """Default cache mode of requests: none (full recompute), prefix (exact prefix cache only),
+    naive (the paper's strawman: whole-segment states summed, only the query computed) or hypic."""
+    seam_width: int = 8
+    """Tokens recomputed on each side of a segment boundary (w)."""
+    segment_pool_bytes: int | None = None
+    """Byte budget of the public segment pool; None: a quarter of the cache budget."""
+    segment_state_dtype: str = "float32"
+    """Storage dtype of cached T and S0: "float32" or "bfloat16"."""
+    max_segments: int = 256
+    """Most segments in one prompt."""
     prefix_cache_fraction: float = 0.5
     """Most state slots that prefix-cache checkpoints may hold, as a fraction of all slots."""
     segment_separator: str = PIC_SEPARATOR
@@ -58,5 +67,11 @@ class EngineConfig:
                 raise InvalidRequestError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.prefix_cache_fraction < 1.0:
             raise InvalidRequestError("prefix_cache_fraction must be in [0, 1)")
+        if self.seam_width < 0:
+            raise InvalidRequestError(f"seam_width must be >= 0, got {self.seam_width}")
+        if self.segment_state_dtype not in ("float32", "bfloat16"):
+            raise InvalidRequestError("segment_state_dtype must be float32 or bfloat16")
+        if self.segment_pool_bytes is not None and self.segment_pool_bytes < 0:
+            raise InvalidRequestError("segment_pool_bytes must be >= 0")
         if not self.segment_separator:
             raise InvalidRequestError("segment_separator must not be empty")

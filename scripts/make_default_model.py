@@ -65,13 +65,33 @@ def generation_config() -> dict:
             "do_sample": False, "max_new_tokens": 32}
 
 
-def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
-    """Hugging Face's own initialisation of the architecture (transformers is needed here only)."""
+def hf_model(config: dict, weights: dict[str, torch.Tensor] | None = None, seed: int = 0):
+    """transformers' Qwen3_5ForCausalLM (needed by this script only): random, or loaded strictly."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**config))
-    return {name: t for name, t in model.state_dict().items() if name != "lm_head.weight"}
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**config)).float().eval()
+    if weights is not None:
+        model.load_state_dict({n: t.float() for n, t in weights.items()}, strict=False)
+        missing = set(model.state_dict()) - set(weights) - {"lm_head.weight"}
+        if missing or set(weights) - set(model.state_dict()):
+            raise ValueError(f"weights do not fit the config: missing {sorted(missing)[:3]}")
+    return model
+
+
+def greedy_check(model, tokenizer_dir: Path, per_kind: int) -> dict[str, float]:
+    """Exact match per kind on test requests, greedy decoding through transformers' generate."""
+    from tokenizers import Tokenizer
+
+    from hypic.data import eval_prompts, is_correct
+
+    tokenizer, hits = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")), {}
+    for prompt in eval_prompts(per_kind, "test"):
+        ids = [i for s in prompt.segments for i in tokenizer.encode(s, add_special_tokens=False).ids]
+        out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=EOS_TOKEN_ID)
+        reply = tokenizer.decode(out[0, len(ids):].tolist())
+        hits.setdefault(prompt.kind, []).append(is_correct(reply, prompt.answer))
+    return {kind: sum(v) / len(v) for kind, v in hits.items()}
 
 
 def write_weights(out: Path, weights: dict[str, torch.Tensor]) -> None:
@@ -85,15 +105,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="holds tokenizer.json already")
     parser.add_argument("--weights", type=Path, help="safetensors with `model.*` names (a training checkpoint)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--check", type=int, default=0, help="greedy exact match on N test requests per kind")
     args = parser.parse_args()
     vocab_size = Tokenizer.from_file(str(args.out / "tokenizer.json")).get_vocab_size()
     config = model_config(vocab_size)
-    weights = load_file(str(args.weights)) if args.weights else random_weights(config, args.seed)
+    weights = load_file(str(args.weights)) if args.weights else None
+    model = hf_model(config, weights, args.seed)
+    weights = weights or {n: t for n, t in model.state_dict().items() if n != "lm_head.weight"}
     (args.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (args.out / "generation_config.json").write_text(json.dumps(generation_config(), indent=2) + "\n")
     write_weights(args.out, weights)
     count = sum(t.numel() for t in weights.values() if t.ndim)
     print(f"{count / 1e6:.2f} M parameters -> {args.out}")
+    if args.check:
+        print("greedy exact match (transformers):", greedy_check(model, args.out, args.check))
 
 
 if __name__ == "__main__":

@@ -20,16 +20,19 @@ PAD_ID = 0  # <|endoftext|>
 class Stage:
     spec: TaskSpec
     gate: float
-    """Advance once the running exact match of this stage's answers reaches this."""
+    """Advance once the running exact match of every kind of this stage's answers reaches this."""
+    until: float
+    """... or once training time passes this fraction of the budget, whatever was learned."""
 
 
 STAGES: tuple[Stage, ...] = (
-    # Two or three short notes, single-token names, mostly lookups: the retrieval phase transition.
-    Stage(TaskSpec(2, 3, 24, 64, (3.0, 1.0, 1.0, 1.0), rich_names=False, questions=8), gate=0.85),
-    Stage(TaskSpec(2, 5, 32, 128, rich_names=False, questions=8), gate=0.85),
-    Stage(TaskSpec(2, 6, 48, 160, rich_names=True, questions=6), gate=0.85),
-    Stage(TaskSpec(3, 8, 64, 256, rich_names=True, questions=6), gate=0.9),
-    Stage(TaskSpec(4, 12, 64, 512, rich_names=True, questions=4), gate=1.01),
+    # Two or three short notes dense with facts, single-token names: the retrieval phase transition.
+    Stage(TaskSpec(2, 3, 24, 64, (3.0, 1.0, 1.0, 1.0), rich_names=False, questions=8, facts_per_note=(2, 4)),
+          gate=0.85, until=0.3),
+    Stage(TaskSpec(2, 5, 32, 128, rich_names=False, questions=8, facts_per_note=(1, 4)), gate=0.85, until=0.45),
+    Stage(TaskSpec(2, 6, 48, 160, rich_names=True, questions=6), gate=0.85, until=0.6),
+    Stage(TaskSpec(3, 8, 64, 256, rich_names=True, questions=6), gate=0.9, until=1.0),
+    Stage(TaskSpec(4, 12, 64, 512, rich_names=True, questions=4), gate=1.01, until=1.0),
 )
 REPLAY = 0.2
 """Share of prompts drawn from earlier stages, so later stages do not erase earlier skills."""

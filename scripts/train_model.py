@@ -17,18 +17,21 @@ argmax given the gold prefix, which is exactly when greedy decoding reproduces t
 """
 from __future__ import annotations
 
-import argparse
-import collections
-import json
-import multiprocessing
-import sys
 import time
-from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer
+STARTED = time.monotonic()  # the run's time limit counts from here, imports included
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import json  # noqa: E402
+import multiprocessing  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,7 +52,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ckpt", type=Path, required=True, help="checkpoint directory (created or resumed)")
     p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL, help="config.json + tokenizer.json")
     p.add_argument("--time-limit", type=float, default=540.0, help="wall seconds of this run, all included")
-    p.add_argument("--budget-s", type=float, default=1080.0, help="training seconds of all runs together")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="training seconds of all runs together (LR decay and stage deadlines follow it)")
     p.add_argument("--decay-frac", type=float, default=0.25)
     p.add_argument("--tokens-per-step", type=int, default=65536)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -176,9 +180,9 @@ class Meter:
         self.loss, self.steps, self.tokens = torch.zeros((), device=self.device), 0, 0
 
     def add(self, loss: torch.Tensor, correct: torch.Tensor, b: dict[str, torch.Tensor], tokens: int) -> None:
-        cur = b["current"].bool()
-        self.hits.index_add_(0, b["kinds"][cur], correct[cur].float())
-        self.count.index_add_(0, b["kinds"][cur], torch.ones_like(correct[cur], dtype=torch.float))
+        current = b["current"].float()  # weights, not a mask: masking would wait for the GPU
+        self.hits.index_add_(0, b["kinds"], correct.float() * current)
+        self.count.index_add_(0, b["kinds"], current)
         self.loss += loss.detach()
         self.steps, self.tokens = self.steps + 1, self.tokens + tokens
 
@@ -219,10 +223,11 @@ def run_evals(net, args, tokenizer, device, stage: int) -> dict:
 
 
 def main() -> None:
-    args = parse_args()
-    started = time.monotonic()
+    args, started = parse_args(), STARTED
     feed = Feed(args)  # fork before CUDA is touched
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # the data workers take the other cores; oversubscribed OpenMP crawls
     torch.backends.cuda.matmul.allow_tf32 = True
     net = build_model(args, device)
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05,
@@ -269,7 +274,7 @@ def train(args, model, net, opt, feed: Feed, device, state: dict, curve: dict, r
             log_point(args, meter, state, curve, opt, last_log)
             meter.reset()
             last_log = time.monotonic()
-            maybe_advance(gate_meter, state, feed)
+            maybe_advance(args, gate_meter, state, feed)
         state["train_s"] += time.monotonic() - t0
         if time.monotonic() - last_save > 150:
             state["group"] = feed.group
@@ -288,12 +293,16 @@ def log_point(args, meter: Meter, state: dict, curve: dict, opt, since: float) -
     print(json.dumps(point), flush=True)
 
 
-def maybe_advance(gate_meter: Meter, state: dict, feed: Feed) -> None:
-    """Next stage once the stage's answers (last >= 100 steps) pass its gate on every kind seen."""
-    if gate_meter.steps < 100:
+def maybe_advance(args, gate_meter: Meter, state: dict, feed: Feed) -> None:
+    """Next stage once the stage's answers (last >= 100 steps) pass its gate on every kind seen,
+    or once the stage's share of the time budget is spent."""
+    stage = STAGES[state["stage"]]
+    late = state["train_s"] >= stage.until * args.budget_s
+    if gate_meter.steps < 100 and not late:
         return
     em = gate_meter.read()["em"]
-    if state["stage"] + 1 < len(STAGES) and em and min(em.values()) >= STAGES[state["stage"]].gate:
+    passed = bool(em) and min(em.values()) >= stage.gate
+    if state["stage"] + 1 < len(STAGES) and (passed or late):
         state["stage"], state["stage_step"] = state["stage"] + 1, 0
         feed.restart(state["stage"], feed.group)
         print(f"stage -> {state['stage']} at step {state['step']} (em {em})", flush=True)

@@ -104,7 +104,8 @@ class GatedDeltaNet(nn.Module):
         if pad:
             q, k, v = (F.pad(y, (0, 0, 0, pad)) for y in (q, k, v))
             g, beta = (F.pad(y, (0, pad)) for y in (g, beta))
-        o = chunked_delta_rule(q, k, v, g, beta, self.chunk)[:, :, :t].transpose(1, 2)
+        with torch.autocast(x.device.type, enabled=False):  # the recurrence stays in fp32
+            o = chunked_delta_rule(q, k, v, g, beta, self.chunk)[:, :, :t].transpose(1, 2)
         z = self.in_proj_z(x).reshape(bsz, t, self.hv, self.dv)
         return self.out_proj(self.norm(o.to(z.dtype), z).reshape(bsz, t, -1))
 

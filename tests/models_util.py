@@ -6,7 +6,6 @@ qwen3_next alternates dense and MoE MLPs (decoder_sparse_step=2 and mlp_only_lay
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,6 @@ from hypic.engine.forward_batch import ForwardBatch
 from hypic.models.config import HybridConfig
 
 TOKENIZER_VOCAB = 300  # ids the tests feed; the model's vocab_size (320) is padded past it
-KINDS: tuple[str, ...] = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5")
 
 TEXT_CONFIG = dict(
     vocab_size=320, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
@@ -36,7 +34,8 @@ VISION_CONFIG = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
 
 
 def make_hf_model(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
-    """A tiny random transformers causal LM of `kind` (one of KINDS), float32, eval mode."""
+    """A tiny random transformers causal LM, float32, eval mode. `kind`: qwen3_next, qwen3_5_text,
+    qwen3_5_moe_text or qwen3_5 (multimodal: the text model above a one-block vision tower)."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -118,12 +117,6 @@ def fuse_experts(tensors: dict[str, torch.Tensor], transposed: bool = False) -> 
             gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
         out[f"{prefix}.mlp.experts.gate_up_proj"], out[f"{prefix}.mlp.experts.down_proj"] = gate_up, down
     return out
-
-
-def write_config(path: Path, config: dict) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    return path
 
 
 # ---- hand-built batches ------------------------------------------------------------------------------

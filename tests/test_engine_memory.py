@@ -46,7 +46,8 @@ def test_abort_mid_prefill_and_mid_decode_frees_everything(tiny_model_dir):
 
 def test_preemption_under_a_tiny_budget_keeps_outputs_right(tiny_model_dir):
     # Room for ~2 sequences' pages: 4 concurrent requests must preempt and recompute.
-    config = cpu_config(tiny_model_dir, cpu_cache_bytes=60_000, max_model_len=64, max_num_seqs=4)
+    config = cpu_config(tiny_model_dir, cpu_cache_bytes=60_000, segment_pool_bytes=0, max_model_len=64,
+                        max_num_seqs=4)
     engine = LLMEngine(config)
     prompts = [ids(20, s) for s in range(4)]
     request_ids = [add(engine, p, greedy(12)) for p in prompts]

@@ -85,7 +85,9 @@ def gpu_case(prefill_lens: tuple[int, ...], num_decodes: int, dtype: torch.dtype
     fresh = tuple(range(num_decodes, num_decodes + len(prefill_lens), 2))
     vl = make_varlen(prefill_lens, num_decodes, GPU_SLOTS, gen, fresh=fresh)
     x = make_gdn_inputs(vl.num_tokens, GPU_HEADS, GPU_VALUE_HEADS, GPU_DIM, GPU_DIM, gen).to("cuda", dtype)
-    pool = (0.1 * torch.randn(GPU_SLOTS, GPU_VALUE_HEADS, GPU_DIM, GPU_DIM, generator=gen)).cuda()
+    pool = 0.1 * torch.randn(GPU_SLOTS, GPU_VALUE_HEADS, GPU_DIM, GPU_DIM, generator=gen)
+    pool[vl.slots[~vl.has_state]] = float("nan")  # recycled slots of fresh sequences must not be read
+    pool = pool.cuda()
     cuda_vl = Varlen(vl.seq_lens, vl.num_decodes, vl.slots.cuda(), vl.has_state.cuda())
     return x, cuda_vl, pool
 

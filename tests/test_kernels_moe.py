@@ -11,12 +11,12 @@ from kernel_cases import interpreted, moe_dense_f64, rel_err
 
 def make_case(tokens: int, experts: int, topk: int, hidden: int, inter: int, seed: int,
               dtype: torch.dtype = torch.float32, device: str = "cpu") -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=gen)
-    w_gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
-    w_down = torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5
-    weights, ids = torch.randn(tokens, experts, generator=gen).softmax(-1).topk(topk)
-    return (*(t.to(device, dtype) for t in (x, w_gate_up, w_down)), weights.to(device), ids.to(device))
+    gen = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen, device=device)
+    w_gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen, device=device) / hidden ** 0.5
+    w_down = torch.randn(experts, hidden, inter, generator=gen, device=device) / inter ** 0.5
+    weights, ids = torch.randn(tokens, experts, generator=gen, device=device).softmax(-1).topk(topk)
+    return (*(t.to(dtype) for t in (x, w_gate_up, w_down)), weights, ids)
 
 
 @pytest.mark.parametrize("tokens,experts,topk", [(1, 8, 2), (13, 6, 3), (40, 16, 4)])

@@ -69,12 +69,15 @@ def run_triton(pb: PagedBatch, num_decodes: int, scale: float) -> torch.Tensor:
 
 
 @interpreted
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2)])
-def test_triton_interpreted_matches_reference(heads: int, kv_heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("heads,kv_heads,q_lens", [
+    (4, 2, [1, 1, 12, 19]),  # 600 keys: decodes split the KV range; 19 tokens: prefill tiles straddle pages
+    (6, 2, [1, 1, 1, 1]),  # the second group is single tokens too: split results land at its own rows
+])
+def test_triton_interpreted_matches_reference(heads: int, kv_heads: int, q_lens: list[int],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     gen = torch.Generator().manual_seed(heads)
-    # 600 keys: the decode path splits the KV range; 19 tokens: prefill tiles straddle pages
-    pb = make_paged([600, 3, 40, 19], [1, 1, 12, 19], heads, kv_heads, head_dim=24, block_size=8, gen=gen)
+    pb = make_paged([600, 3, 40, 519], q_lens, heads, kv_heads, head_dim=24, block_size=8, gen=gen)
     expected = call(paged_attention_ref, pb, 2, scale=0.2)
     torch.testing.assert_close(run_triton(pb, 2, scale=0.2), expected, rtol=1e-5, atol=1e-5)
 

@@ -10,7 +10,9 @@ from models_util import BatchBuilder, hf_logits, make_hf_model, random_ids, rel_
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
-TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 5e-2}
+# A tiny random net is touchy in bf16: transformers' own bf16 logits are ~17% (relative L2) off its fp32
+# ones on these checkpoints; a wrong kernel is off by ~100%.
+TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 0.3}
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe_text"])
@@ -48,8 +50,9 @@ def test_decode_step_replays_from_a_cuda_graph(checkpoint) -> None:
     seqs = [builder.new_seq(slot=s) for s in (2, 6, 3)]
     run(model, builder, [(seq, random_ids(20 + 9 * i, seed=i)) for i, seq in enumerate(seqs)])
     batch = builder.batch([(seq, [7 + i]) for i, seq in enumerate(seqs)])
-    tensors = [t for pair in builder.caches._kv.values() for t in pair]
-    tensors += [t for pair in builder.caches._state.values() for t in pair]
+    config, caches = model.config, builder.caches
+    tensors = [t for i in config.full_layers for t in caches.kv(i)]
+    tensors += [t for i in config.linear_layers for t in caches.state(i)]
     saved = [t.clone() for t in tensors]
 
     def restore() -> None:

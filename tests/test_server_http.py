@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -13,6 +14,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 import pytest
+import torch
 from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -61,8 +63,9 @@ async def _serve(client: InProcessEngineClient, settings: ServerSettings) -> Ser
     return Served(client, runner, f"http://127.0.0.1:{runner.addresses[0][1]}", aiohttp.ClientSession())
 
 
-async def _engine(**options: Any) -> InProcessEngineClient:
-    client = InProcessEngineClient(EngineConfig(device="cpu", max_model_len=MODEL_LEN, cpu_cache_bytes=32 << 20, **options))
+async def _engine(device: str = "cpu", **options: Any) -> InProcessEngineClient:
+    config = EngineConfig(device=device, max_model_len=MODEL_LEN, cpu_cache_bytes=32 << 20, **options)
+    client = InProcessEngineClient(config)
     await client.start()
     return client
 
@@ -145,6 +148,7 @@ def _idle_and_accounted(client: InProcessEngineClient) -> bool:
         ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
         ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
         ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
+        ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
         ("/v1/completions", {"prompt": [1, 999999]}, 400, "prompt"),
         ("/v1/completions", {"prompt": ""}, 400, "any"),
@@ -329,3 +333,20 @@ async def _graceful_shutdown(served: Served) -> None:
 
 def test_graceful_shutdown_finishes_in_flight_and_refuses_new(loop, single) -> None:
     loop.run(_graceful_shutdown(single))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_metrics_come_from_nvml(loop) -> None:
+    pytest.importorskip("pynvml", reason="nvidia-ml-py is not installed")
+    engine = loop.run(_engine("cuda", gpu_memory_utilization=0.05, enforce_eager=True))
+    served = loop.run(_serve(engine, ServerSettings()))
+    try:
+        status, text = loop.run(get(served, "/metrics"))
+        assert status == 200
+        used = re.search(r'^hypic_gpu_memory_used_bytes\{gpu="\d+"\} (\S+)$', text, re.MULTILINE)
+        total = re.search(r'^hypic_gpu_memory_total_bytes\{gpu="\d+"\} (\S+)$', text, re.MULTILINE)
+        assert used and total and 0 < float(used.group(1)) <= float(total.group(1))
+        assert re.search(r"^hypic_gpu_utilization_ratio\{", text, re.MULTILINE)
+    finally:
+        loop.run(_close(served, stop_engine=True))

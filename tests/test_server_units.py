@@ -173,3 +173,14 @@ def test_seam_width_is_refused_until_the_engine_has_it() -> None:
     else:
         with pytest.raises(InvalidRequestError, match="seam-width"):
             engine_config(args)
+
+
+def test_console_script_has_the_serve_command(capsys) -> None:
+    from hypic.cli import main
+
+    with pytest.raises(SystemExit) as caught:
+        main(["serve", "--help"])
+    assert caught.value.code == 0 and "--served-model-name" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as caught:
+        main(["serve", "--cpu-cache-bytes", "lots"])
+    assert caught.value.code == 2 and "--cpu-cache-bytes" in capsys.readouterr().err

@@ -133,11 +133,11 @@ def signer_of(note: Note) -> str:
     return note.text.rsplit(" Filed by ", 1)[1][:-2]
 
 
-def dependent_note(world: World, index: int, anchor: Note, target_tokens: int) -> Note:
-    """A note that starts "The person above works at X": X is the employer of `anchor`'s signer."""
+def dependent_note(world: World, index: int, anchor: int, notes: list[Note], target_tokens: int) -> Note:
+    """A note that starts "The person above works at X": X employs the signer of notes[anchor]."""
     note, company = Note(), world.company()
-    person = signer_of(anchor)
-    note.candidates.append(Candidate("linked", f"Where does {person} work?", company, (index - 1, index)))
+    person = signer_of(notes[anchor])
+    note.candidates.append(Candidate("linked", f"Where does {person} work?", company, (anchor, index)))
     body = _fill(world, [], target_tokens, 60)
     return _finish(note, [f"The person above works at {company}."] + body, world.person())
 

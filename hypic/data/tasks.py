@@ -45,6 +45,8 @@ class TaskSpec:
     """Multi-token invented names (True) or single-token common words (False)."""
     questions: int = 1
     """Questions per prompt: the first sits in the query segment, the rest follow as chat turns."""
+    facts_per_note: tuple[int, int] = (1, 3)
+    """Fewest and most fact sentences in an ordinary note (planted two-hop facts included)."""
 
     def __post_init__(self) -> None:
         if not 2 <= self.min_notes <= self.max_notes:
@@ -55,6 +57,8 @@ class TaskSpec:
             raise ValueError(f"kind_weights needs {len(KINDS)} non-negative weights, not all zero")
         if self.questions < 1:
             raise ValueError("questions must be >= 1")
+        if not 1 <= self.facts_per_note[0] <= self.facts_per_note[1]:
+            raise ValueError(f"need 1 <= fewest <= most facts_per_note, got {self.facts_per_note}")
 
 
 EVAL_SPEC = TaskSpec(min_notes=4, max_notes=8, min_note_tokens=64, max_note_tokens=256)
@@ -166,21 +170,16 @@ def _build(world: World, spec: TaskSpec, plan: _Plan) -> tuple[list[Note], list[
         city = world.city()
         chains[i].append((world.person(), city))
         bases[j].append((city, world.company()))
-    notes = [fact_note(world, i, _lengths(rng, spec)[0], rng.randint(1, 3), chains[i], bases[i])
+    notes = [fact_note(world, i, _lengths(rng, spec)[0], rng.randint(*spec.facts_per_note), chains[i], bases[i])
              for i in range(n_fact_like)]
     units: list[tuple[int, ...]] = [(i,) for i in range(plan.facts)]
     for anchor in range(plan.facts, n_fact_like):
-        notes.append(dependent_note(world, len(notes), notes[anchor], _lengths(rng, spec)[0]))
-        notes[-1].candidates[0] = _relink(notes[-1].candidates[0], anchor)
+        notes.append(dependent_note(world, len(notes), anchor, notes, _lengths(rng, spec)[0]))
         units.append((anchor, len(notes) - 1))
     for _ in range(plan.longs):
         notes.append(long_note(world, len(notes), _lengths(rng, spec)[1]))
         units.append((len(notes) - 1,))
     return notes, units
-
-
-def _relink(candidate: Candidate, anchor: int) -> Candidate:
-    return Candidate(candidate.kind, candidate.question, candidate.answer, (anchor, candidate.notes[1]))
 
 
 def _candidates(notes: list[Note], included: set[int]) -> list[Candidate]:

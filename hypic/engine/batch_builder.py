@@ -11,26 +11,26 @@ from hypic.engine.scheduler import ScheduledBatch
 
 def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.device) -> ForwardBatch:
     chunks = batch.chunks
-    seq_lens = tuple(len(c.piece.token_ids) for c in chunks)
+    seq_lens = tuple(c.chunk.num_tokens for c in chunks)
     cu = [0, *itertools.accumulate(seq_lens)]
-    positions = torch.cat([torch.arange(c.piece.start, c.piece.end) for c in chunks])
+    positions = torch.tensor([p for c in chunks for p in c.chunk.positions], dtype=torch.long)
     block_tables = _pad([c.seq.block_ids for c in chunks])
     seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(seq_lens))
     pages = block_tables[seq_of_token, positions // block_size].long()
     host = ForwardBatch(
-        input_ids=torch.tensor([t for c in chunks for t in c.piece.token_ids], dtype=torch.long),
+        input_ids=torch.tensor([t for c in chunks for t in c.chunk.token_ids], dtype=torch.long),
         positions=positions,
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         slots=torch.tensor([c.seq.slot for c in chunks], dtype=torch.long),
-        has_state=torch.tensor([c.piece.start > 0 for c in chunks], dtype=torch.bool),
+        has_state=torch.tensor([c.chunk.start > 0 for c in chunks], dtype=torch.bool),
         block_tables=block_tables,
-        kv_lens=torch.tensor([c.piece.end for c in chunks], dtype=torch.int32),
+        kv_lens=torch.tensor([c.chunk.end for c in chunks], dtype=torch.int32),
         kv_write_slots=pages * block_size + positions % block_size,
         logits_indices=torch.tensor([cu[i + 1] - 1 for i, c in enumerate(chunks) if c.samples],
                                     dtype=torch.long),
         num_decodes=batch.num_decodes,
         seq_lens_cpu=seq_lens,
-        max_kv_len=max(c.piece.end for c in chunks),
+        max_kv_len=max(c.chunk.end for c in chunks),
     )
     return to_device(host, device)
 

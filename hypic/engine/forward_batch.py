@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from hypic.engine.pic_step import PicStep
 
 
 @dataclass
@@ -26,6 +30,7 @@ class ForwardBatch:
     num_decodes: int  # the first num_decodes sequences have exactly one token each
     seq_lens_cpu: tuple[int, ...]  # [B] tokens of each sequence in this step (host copy)
     max_kv_len: int  # max(kv_lens), host copy
+    pic: PicStep | None = None  # PIC assembly and cold-segment capture of this step, if any
 
     @property
     def num_seqs(self) -> int:

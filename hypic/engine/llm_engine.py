@@ -6,13 +6,16 @@ import uuid
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from hypic.cache.block_pool import BlockPool
 from hypic.cache.memory_plan import CachePlan, plan_cache
 from hypic.cache.model_caches import ModelCaches
 from hypic.cache.prefix_cache import PrefixCache, PrefixCacheStats
+from hypic.cache.segment_store import SegmentLayout, SegmentStore
 from hypic.cache.slot_pool import SlotPool
 from hypic.config import CACHE_MODES, EngineConfig
+from hypic.engine.pic_assembly import PicAssembler
 from hypic.engine.request_state import Completion, RequestState
 from hypic.engine.runner import ModelRunner, RunnerSettings
 from hypic.engine.sampler import Sampler, SamplingRow, make_generator, validate_for_vocab
@@ -23,6 +26,8 @@ from hypic.engine.setup import (cache_budget_bytes, resolve_device, resolve_dtyp
                                 resolve_model_dir)
 from hypic.engine.tokenizer import Tokenizer
 from hypic.errors import InvalidRequestError, PromptTooLongError
+from hypic.kernels.linear_families import get_family
+from hypic.kernels.scatter_kv import rope_inv_freq
 from hypic.models.registry import load_model
 from hypic.outputs import CompletionDelta, RequestOutput
 from hypic.sampling_params import SamplingParams
@@ -57,8 +62,9 @@ class LLMEngine:
         self.model = load_model(str(self.model_dir), device=self.device, dtype=self.dtype,
                                 state_dict=config.state_dict)
         self.model_config = self.model.config
-        self.plan, self.max_model_len = self._plan_memory()
-        self._build_caches(self.plan)
+        self.family = get_family("gdn")
+        self.plan, self.max_model_len, pool_bytes = self._plan_memory()
+        self._build_caches(self.plan, pool_bytes)
         self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.token_text, seed=config.seed)
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
@@ -74,8 +80,12 @@ class LLMEngine:
         info = self._request_info(prompt, params, request_id, cache_salt, cache_mode)
         state = RequestState(info)
         self.requests[request_id] = state
-        self._new_completion(state, Sequence(info, 0))
-        self.scheduler.add(state.completions[0].seq)
+        seq = Sequence(info, 0)
+        self._new_completion(state, seq)
+        planned = self.pic.plan(prompt, info.cache_mode, cache_salt)
+        for job in self.pic.attach(seq, planned):
+            self.scheduler.add(job, first=True)
+        self.scheduler.add(seq)
         self.counters["prompt"] += len(info.prompt_ids)
         return request_id
 
@@ -96,8 +106,11 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.chunks:
             return []
-        logits = self.runner.execute(batch)
+        self.pic.scatter(batch)
+        logits, capture = self.runner.execute(batch)
         self.scheduler.after_step(batch)
+        for job in self.pic.after_step(batch, capture):
+            self.scheduler.finish(job, "stop")
         rows = self._sampling_rows(batch)
         deltas: dict[str, list[CompletionDelta]] = {}
         if rows:
@@ -152,6 +165,7 @@ class LLMEngine:
 
     def _finish(self, completion: Completion, reason: str) -> CompletionDelta | None:
         self.scheduler.finish(completion.seq, reason)
+        self.pic.release(completion.seq)
         return completion.delta(reason)
 
     def _outputs(self, deltas: dict[str, list[CompletionDelta]]) -> list[RequestOutput]:
@@ -202,12 +216,23 @@ class LLMEngine:
         budget = len(tokens) + (params.max_tokens or 0)
         if len(tokens) >= self.max_model_len or budget > self.max_model_len:
             raise PromptTooLongError(len(tokens), self.max_model_len, params.max_tokens or 0)
-        return RequestInfo(request_id, params, tuple(tokens), prompt.boundaries[1:], cache_salt, mode)
+        if len(prompt.segments) > self.config.max_segments:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt.segments)} segments, more than max_segments={self.config.max_segments}")
+        longest = max(len(s) for s in prompt.segments)
+        if mode in ("hypic", "naive") and len(prompt.segments) > 2 and longest > self.config.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"a segment has {longest} tokens; segments are prefilled in one step, so at most "
+                f"max_num_batched_tokens={self.config.max_num_batched_tokens}: split it or raise that limit")
+        return RequestInfo(request_id, params, tuple(tokens), prompt.boundaries[1:], cache_salt, mode,
+                           self.config.seam_width)
 
-    def _plan_memory(self) -> tuple[CachePlan, int]:
+    def _plan_memory(self) -> tuple[CachePlan, int, int]:
         shape = self.model_config.cache_shape()
-        budget = cache_budget_bytes(self.config, self.device, self.config.max_num_batched_tokens,
-                                    self.model_config.hidden_size)
+        total = cache_budget_bytes(self.config, self.device, self.config.max_num_batched_tokens,
+                                   self.model_config.hidden_size)
+        pool = total // 4 if self.config.segment_pool_bytes is None else self.config.segment_pool_bytes
+        budget = total - pool
         model_max = self.model_config.max_position_embeddings
         wanted = min(self.config.max_model_len or model_max, model_max)
         if self.config.max_model_len and self.config.max_model_len > model_max:
@@ -217,9 +242,9 @@ class LLMEngine:
                          max_num_seqs=self.config.max_num_seqs)
         if self.config.max_model_len is None:
             wanted = min(wanted, _tokens_that_fit(shape, budget, self.config.block_size, self.dtype))
-        return plan_cache(shape, max_model_len=wanted, **plan_args), wanted
+        return plan_cache(shape, max_model_len=wanted, **plan_args), wanted, pool
 
-    def _build_caches(self, plan: CachePlan) -> None:
+    def _build_caches(self, plan: CachePlan, pool_bytes: int) -> None:
         bs, shape = self.config.block_size, self.model_config.cache_shape()
         # One extra page and slot: the scratch that CUDA-graph padding rows write into.
         self.caches = ModelCaches(shape, plan.num_blocks + 1, bs, plan.num_slots + 1, self.dtype, self.device)
@@ -231,9 +256,21 @@ class LLMEngine:
         settings = RunnerSettings(bs, self.config.max_num_seqs, self.max_model_len,
                                   self.tokenizer.vocab_size,
                                   not self.config.enforce_eager and self.device.type == "cuda")
-        self.runner = ModelRunner(self.model, self.caches, settings,
-                                  scratch_slot=plan.num_slots, scratch_block=plan.num_blocks)
+        state_dtype = torch.float32 if self.config.segment_state_dtype == "float32" else torch.bfloat16
+        layout = SegmentLayout.from_cache_shape(shape, self.family, state_dtype, self.dtype)
+        self.store = SegmentStore(layout, pool_bytes, self.device)
+        c = self.model_config
+        inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta).to(self.device)
+        self.pic = PicAssembler(self.store, self.caches, inv_freq, self._fingerprint(),
+                                shape.conv_kernel, self.config.seam_width)
+        self.runner = ModelRunner(self.model, self.caches, settings, scratch_slot=plan.num_slots,
+                                  scratch_block=plan.num_blocks, store=self.store, family=self.family)
         self.runner.capture_graphs()
+
+    def _fingerprint(self) -> str:
+        """What makes two engines' segment tuples interchangeable: the model and its precision."""
+        config = (self.model_dir / "config.json").read_bytes()
+        return f"{xxhash.xxh64(config).hexdigest()}:{self.dtype}"
 
     def stats(self) -> EngineStats:
         c = self.counters

@@ -1,23 +1,58 @@
-"""A prefill is an ordered list of pieces (DESIGN §3.5).
+"""A prefill is an ordered list of pieces (DESIGN §3.5): `Compute` tokens and `Cached` interiors.
 
-The scheduler walks the pieces in order: it chunks `Compute` pieces under the step's token budget;
-the PIC assembly adds `Cached` pieces (a segment's tuple) that linear layers compose in one step.
+A sequence keeps its `Cached` pieces (sorted, non-overlapping interiors); every other position of
+its tokens is computed. Each step the scheduler cuts the next `Chunk` off that walk: the tokens to
+run (at their global positions) and the cached pieces composed between them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
-class Compute:
-    """Tokens to run through the model at consecutive global positions start, start + 1, ..."""
+class Cached:
+    """A PIC segment's interior served from the segment store: positions [start, end)."""
 
-    token_ids: tuple[int, ...]
     start: int
+    end: int
+    entry: Any  # the pinned hypic.cache.segment_store.SegmentEntry
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One step's share of a sequence: positions [start, end), computed tokens and composed pieces."""
+
+    start: int
+    end: int
+    token_ids: tuple[int, ...]
+    positions: tuple[int, ...]  # global position of each token (KV index == position)
+    cached: tuple[tuple[int, Cached], ...] = ()  # (tokens of this chunk before it, piece)
 
     @property
-    def end(self) -> int:
-        return self.start + len(self.token_ids)
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
-Piece = Compute
+def cut_chunk(token_ids: list[int], start: int, limit: int, budget: int,
+              cached: list[Cached]) -> Chunk:
+    """Walk from `start` to at most `limit`, taking at most `budget` tokens; cached pieces met on the
+    way (even at the very end) are composed, so no chunk ends inside an interior."""
+    pieces = iter(p for p in cached if p.start >= start)
+    piece, pos = next(pieces, None), start
+    tokens: list[int] = []
+    positions: list[int] = []
+    composed: list[tuple[int, Cached]] = []
+    while pos < limit:
+        if piece is not None and piece.start == pos:
+            composed.append((len(tokens), piece))
+            pos, piece = piece.end, next(pieces, None)
+            continue
+        room = budget - len(tokens)
+        if room <= 0:
+            break
+        stop = min(limit, pos + room, piece.start if piece is not None else limit)
+        tokens += token_ids[pos:stop]
+        positions += range(pos, stop)
+        pos = stop
+    return Chunk(start, pos, tuple(tokens), tuple(positions), tuple(composed))

@@ -14,29 +14,30 @@ from hypic.cache.block_pool import BlockPool, NoFreeBlocks
 from hypic.cache.model_caches import ModelCaches
 from hypic.cache.prefix_cache import PrefixCache, accepted_provenances
 from hypic.cache.slot_pool import SlotPool
-from hypic.engine.pieces import Compute
+from hypic.engine.pieces import Chunk
 from hypic.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
 class ScheduledChunk:
     seq: Sequence
-    piece: Compute
+    chunk: Chunk
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the end of the known tokens, so its last logits pick the next token."""
-        return self.piece.end == len(self.seq.token_ids)
+        return self.chunk.end == len(self.seq.token_ids) and self.seq.segment_job is None
 
 
 @dataclass
 class ScheduledBatch:
     chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first
     num_decodes: int = 0
+    admitted: list[Sequence] = field(default_factory=list)  # got a slot and pages this step
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(c.piece.token_ids) for c in self.chunks)
+        return sum(c.chunk.num_tokens for c in self.chunks)
 
 
 @dataclass(frozen=True)
@@ -54,25 +55,29 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
-    def add(self, seq: Sequence) -> None:
-        seq.checkpoints = self._checkpoint_positions(seq)
-        self.waiting.append(seq)
+    def add(self, seq: Sequence, *, first: bool = False) -> None:
+        if first:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def schedule(self) -> ScheduledBatch:
         batch, budget = ScheduledBatch(), self.limits.max_num_batched_tokens
         for seq in [s for s in self.running if s.in_decode]:
             if budget > 0 and seq in self.running and self._reserve(seq, seq.num_computed + 1, batch):
-                batch.chunks.append(ScheduledChunk(seq, seq.next_piece(1)))
+                batch.chunks.append(ScheduledChunk(seq, seq.next_chunk(1)))
                 budget -= 1
         batch.num_decodes = len(batch.chunks)
         for seq in [s for s in self.running if not s.in_decode]:
             if seq in self.running:
                 budget -= self._schedule_prefill(seq, budget, batch)
-        while budget > 0 and self.waiting and len(self.running) < self.limits.max_num_seqs:
-            if not self._admit(self.waiting[0]):
+        for seq in [s for s in self.waiting if not s.blocked]:
+            if budget <= 0 or len(self.running) >= self.limits.max_num_seqs or not self._admit(seq):
                 break
-            self.running.append(self.waiting.popleft())
-            budget -= self._schedule_prefill(self.running[-1], budget, batch)
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            batch.admitted.append(seq)
+            budget -= self._schedule_prefill(seq, budget, batch)
         return batch
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -88,10 +93,12 @@ class Scheduler:
 
     def after_step(self, batch: ScheduledBatch) -> None:
         """Advance computed counts and keep the checkpoints this step reached."""
-        for chunk in batch.chunks:
-            chunk.seq.num_computed = chunk.piece.end
-            if chunk.piece.end in chunk.seq.checkpoints:
-                self._checkpoint(chunk.seq, chunk.piece.end)
+        for scheduled in batch.chunks:
+            seq, end = scheduled.seq, scheduled.chunk.end
+            seq.num_computed = end
+            seq.cached = [p for p in seq.cached if p.start >= end]
+            if end in seq.checkpoints:
+                self._checkpoint(seq, end)
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
         """Give `child` a copy of `parent`'s cache (n > 1 completions share one prefill)."""
@@ -117,15 +124,17 @@ class Scheduler:
     def _schedule_prefill(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         if budget <= 0:
             return 0
-        piece = seq.next_piece(min(budget, self._fitting_tokens(seq)))
-        if not piece.token_ids and self._reserve(seq, seq.num_computed + 1, batch):
-            piece = seq.next_piece(min(budget, self._fitting_tokens(seq)))
-        if not piece.token_ids or not self._reserve(seq, piece.end, batch):
+        chunk = seq.next_chunk(min(budget, self._fitting_tokens(seq)))
+        if not chunk.token_ids and self._reserve(seq, seq.num_computed + 1, batch):
+            chunk = seq.next_chunk(min(budget, self._fitting_tokens(seq)))
+        if seq.segment_job is not None and chunk.end < len(seq.token_ids):
+            return 0  # a cold segment is prefilled in one piece, so its tuple is taken at once
+        if not chunk.token_ids or not self._reserve(seq, chunk.end, batch):
             return 0
         if seq.info.first_scheduled_time is None:
             seq.info.first_scheduled_time = time.monotonic()
-        batch.chunks.append(ScheduledChunk(seq, piece))
-        return len(piece.token_ids)
+        batch.chunks.append(ScheduledChunk(seq, chunk))
+        return chunk.num_tokens
 
     def _fitting_tokens(self, seq: Sequence) -> int:
         capacity = (len(seq.block_ids) + self.blocks.num_free) * self.limits.block_size
@@ -156,7 +165,6 @@ class Scheduler:
         self.running.remove(seq)
         self._free(seq)
         seq.reset_for_recompute()
-        seq.checkpoints = self._checkpoint_positions(seq)
         self.waiting.appendleft(seq)
 
     def _admit(self, seq: Sequence) -> bool:
@@ -164,11 +172,25 @@ class Scheduler:
         if seq.slot is None:
             return False
         seq.status = SequenceStatus.RUNNING
+        seq.checkpoints = self._checkpoint_positions(seq)
         self._attach_prefix_hit(seq)
-        if self._fitting_tokens(seq) == 0:
+        scattered_end = max((p.end for p in seq.cached), default=0)
+        while self._fitting_tokens(seq) == 0 and self.prefix.evict_one():
+            pass  # checkpoints may hold every free page: make room for at least one token
+        if self._fitting_tokens(seq) == 0 or not self._take_pages(seq, scattered_end):
             self._free(seq)
-            seq.status = SequenceStatus.WAITING
+            seq.num_computed, seq.status = 0, SequenceStatus.WAITING
             return False
+        return True
+
+    def _take_pages(self, seq: Sequence, end: int) -> bool:
+        """Pages for positions [0, end) without preempting anyone (admission never preempts)."""
+        need = -(-end // self.limits.block_size) - len(seq.block_ids)
+        while need > self.blocks.num_free:
+            if not self.prefix.evict_one():
+                return False
+        if need > 0:
+            seq.block_ids.extend(self.blocks.allocate(need))
         return True
 
     def _take_slot(self) -> int | None:
@@ -179,7 +201,9 @@ class Scheduler:
 
     def _attach_prefix_hit(self, seq: Sequence) -> None:
         accept = accepted_provenances(seq.info.cache_mode, self.limits.seam_width)
-        hit = self.prefix.lookup(seq.token_ids, seq.info.cache_salt, accept) if accept else None
+        # A hit must not end inside a cached interior: look only up to the first one.
+        tokens = seq.token_ids[: seq.cached[0].start + 1] if seq.cached else seq.token_ids
+        hit = self.prefix.lookup(tokens, seq.info.cache_salt, accept) if accept and seq.segment_job is None else None
         if hit is None:
             return
         try:
@@ -190,8 +214,7 @@ class Scheduler:
         self.caches.copy_slot(hit.state_slot, seq.slot)
         self.prefix.release(hit)
         seq.num_computed = hit.num_tokens
-        if seq.info.first_scheduled_time is None:
-            seq.info.cached_tokens = hit.num_tokens
+        if seq.info.first_scheduled_time is None:  # counted once, not again after a preemption
             seq.info.cached_tokens_by_kind["prefix"] = hit.num_tokens
 
     def _share_blocks(self, block_ids: list[int], num_tokens: int) -> list[int]:
@@ -214,15 +237,16 @@ class Scheduler:
 
     def _checkpoint_positions(self, seq: Sequence) -> list[int]:
         """End of the first segment (a shared system prompt) and the last page boundary before
-        the end of the prompt (an identical prompt repeated)."""
-        if seq.info.cache_mode == "none":
+        the end of the prompt (an identical prompt repeated), never inside a cached interior."""
+        if seq.info.cache_mode == "none" or seq.segment_job is not None:
             return []
         prompt_len, bs = len(seq.info.prompt_ids), self.limits.block_size
         marks = {seq.info.segment_ends[0] if len(seq.info.segment_ends) > 1 else 0,
                  (prompt_len - 1) // bs * bs}
-        return sorted(m for m in marks if 0 < m < prompt_len)
+        inside = [(p.start, p.end) for p in seq.cached]
+        return sorted(m for m in marks if 0 < m < prompt_len and not any(a < m <= b for a, b in inside))
 
     def _checkpoint(self, seq: Sequence, length: int) -> None:
-        if seq.info.cache_mode != "none":
-            self.prefix.insert(seq.token_ids[:length], seq.info.cache_salt, "exact",
+        if seq.info.cache_mode != "none" and seq.segment_job is None:
+            self.prefix.insert(seq.token_ids[:length], seq.info.cache_salt, seq.provenance(length),
                                seq.block_ids, seq.slot)

@@ -5,7 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from hypic.engine.pieces import Compute
+from hypic.engine.pieces import Cached, Chunk, cut_chunk
 from hypic.sampling_params import SamplingParams
 
 
@@ -25,11 +25,16 @@ class RequestInfo:
     segment_ends: tuple[int, ...]  # token offsets where each prompt segment ends
     cache_salt: str | None
     cache_mode: str
+    seam_width: int = 8
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    cached_tokens: int = 0
-    cached_tokens_by_kind: dict[str, int] = field(default_factory=dict)
+    cached_tokens_by_kind: dict[str, int] = field(default_factory=dict)  # "prefix", "pic"
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from a cache; at least the last one is always computed."""
+        return min(sum(self.cached_tokens_by_kind.values()), len(self.prompt_ids) - 1)
 
 
 class Sequence:
@@ -48,6 +53,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.checkpoints: list[int] = []  # prefix lengths whose state is kept once computed
+        self.cached: list[Cached] = []  # interiors still to compose, served from the segment store (PIC)
+        self.approximate_from: int | None = None  # first position whose state comes from PIC assembly
+        self.awaiting: set = set()  # keys of cold segments this sequence waits for
+        self.segment_job = None  # set on the isolated prefill of a cold PIC segment (no sampling)
 
     @property
     def remaining(self) -> int:
@@ -58,14 +67,25 @@ class Sequence:
         return self.remaining == 1 and self.num_computed > 0
 
     @property
+    def blocked(self) -> bool:
+        """Waiting for cold segments to be prefilled before it can be assembled."""
+        return bool(self.awaiting)
+
+    def provenance(self, length: int) -> str:
+        """How the state after `length` tokens was computed (prefix-cache checkpoints carry it)."""
+        if self.approximate_from is None or length <= self.approximate_from:
+            return "exact"
+        mode = self.info.cache_mode
+        return "naive" if mode == "naive" else f"hypic:{self.info.seam_width}"
+
+    @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def next_piece(self, budget: int) -> Compute:
+    def next_chunk(self, budget: int) -> Chunk:
         """The next chunk of at most `budget` tokens, cut at the next checkpoint position."""
-        end = min(len(self.token_ids), self.num_computed + budget)
-        end = min([end] + [c for c in self.checkpoints if c > self.num_computed])
-        return Compute(tuple(self.token_ids[self.num_computed:end]), self.num_computed)
+        limit = min([len(self.token_ids)] + [c for c in self.checkpoints if c > self.num_computed])
+        return cut_chunk(self.token_ids, self.num_computed, limit, budget, self.cached)
 
     def append(self, token_id: int) -> None:
         self.output_ids.append(token_id)

@@ -33,6 +33,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if x.device.type != "cuda":
         return causal_conv1d_ref(x, weight, bias, conv_pool, slots, has_state, cu_seqlens,
                                  num_decodes=num_decodes, seq_lens_cpu=seq_lens_cpu, activation=activation)
+    x, weight = (x if x.stride(1) == 1 else x.contiguous()), weight.contiguous()  # kernels index dense rows
     y = torch.empty_like(x)
     nd = num_decodes
     if nd:
@@ -99,15 +100,15 @@ def conv1d_varlen_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          seq_lens: tuple[int, ...]) -> None:
     """Sequences first_seq.. (any lengths): outputs first, then the windows (which the outputs read)."""
     dim, width = weight.shape
-    block_t, block_d = 64, 64
-    tiles = num_tiles(sum(seq_lens), len(seq_lens), block_t)
-    _conv_varlen_kernel[(-(-dim // block_d), tiles)](
+    block_t, block_d = 16, 128  # larger tiles spill registers (pointer tiles are 64-bit)
+    tiles = num_tiles(sum(seq_lens), len(seq_lens), block_t)  # axis 0: no 65535 limit
+    _conv_varlen_kernel[(tiles, -(-dim // block_d))](
         x, weight, bias, out, conv_pool, slots, has_state, cu_seqlens, first_seq, len(seq_lens),
         x.stride(0), out.stride(0), D=dim, W=width, BT=block_t, BD=block_d,
         HAS_BIAS=bias is not None, SILU=activation == "silu")
-    _conv_window_kernel[(len(seq_lens), -(-dim // block_d))](
+    _conv_window_kernel[(len(seq_lens), -(-dim // 64))](
         x, conv_pool, slots, has_state, cu_seqlens, first_seq, x.stride(0),
-        D=dim, W=width, BD=block_d, BW=next_power_of_2(width))
+        D=dim, W=width, BD=64, BW=next_power_of_2(width))
 
 
 @triton_kernel
@@ -145,8 +146,8 @@ def _conv_decode_kernel(x, w, bias, y, pool, slots, has_state, stride_x, stride_
 def _conv_varlen_kernel(x, w, bias, y, pool, slots, has_state, cu_seqlens, first_seq, num_seqs,
                         stride_x, stride_y, D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
                         BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
-    i_d = tl.program_id(0)
-    seq, t0 = tile_start(cu_seqlens, first_seq, num_seqs, tl.program_id(1), BT)
+    i_d = tl.program_id(1)
+    seq, t0 = tile_start(cu_seqlens, first_seq, num_seqs, tl.program_id(0), BT)
     bos, eos = tl.load(cu_seqlens + seq), tl.load(cu_seqlens + seq + 1)
     slot = tl.load(slots + seq).to(tl.int64)
     keep = tl.load(has_state + seq) != 0

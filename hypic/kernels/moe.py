@@ -121,19 +121,20 @@ def moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, t
                topk_ids: torch.Tensor) -> torch.Tensor:
     num_experts, inter, hidden = w_down.shape[0], w_down.shape[2], x.shape[1]
     pairs = topk_ids.numel()
-    blocks = expert_blocks(topk_ids, num_experts, 16 if pairs < 32 * num_experts else 64)
+    # 64-row blocks once experts average 32+ rows; float32 always 16 (its 64-row tiles spill)
+    many_rows = pairs >= 32 * num_experts and x.dtype != torch.float32
+    blocks = expert_blocks(topk_ids, num_experts, 64 if many_rows else 16)
+    launch = dict(BM=blocks.block, BN=64, BK=64, num_warps=8 if many_rows else 4,
+                  DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    block_n, block_k = 64, 64
-    _moe_gate_up_kernel[(blocks.num_blocks, -(-inter // block_n))](
+    _moe_gate_up_kernel[(blocks.num_blocks, -(-inter // 64))](
         x, w_gate_up, blocks.rows, blocks.block_expert, act, pairs, x.stride(0), w_gate_up.stride(0),
         w_gate_up.stride(1), act.stride(0), TOPK=topk_ids.shape[1], NUM_EXPERTS=num_experts, I=inter,
-        H=hidden, BM=blocks.block, BN=block_n, BK=block_k, DOT_PRECISION=precision)
+        H=hidden, **launch)
     pair_out = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
-    _moe_down_kernel[(blocks.num_blocks, -(-hidden // block_n))](
+    _moe_down_kernel[(blocks.num_blocks, -(-hidden // 64))](
         act, w_down, blocks.rows, blocks.block_expert, pair_out, pairs, act.stride(0), w_down.stride(0),
-        w_down.stride(1), pair_out.stride(0), NUM_EXPERTS=num_experts, I=inter, H=hidden, BM=blocks.block,
-        BN=block_n, BK=block_k, DOT_PRECISION=precision)
+        w_down.stride(1), pair_out.stride(0), NUM_EXPERTS=num_experts, I=inter, H=hidden, **launch)
     return _weighted_sum(pair_out, topk_weights, x.dtype)
 
 

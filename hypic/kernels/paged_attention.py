@@ -88,22 +88,22 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor, first_seq: int, first_token: int, seq_lens: tuple[int, ...],
                            max_kv_len: int) -> None:
     """Sequences first_seq.. of the batch (their tokens start at first_token); when every one has a
-    single token (decodes) the KV range is split over several programs. The grid depends only on
-    host values (counts, max_kv_len): a graph captured with an upper bound for max_kv_len stays
-    correct for any shorter KV."""
+    single token (decodes) the KV range is split over several programs. Programs read KV lengths on
+    the device and host values only size the grid (max_kv_len picks the split count), so a captured
+    CUDA graph stays correct for any KV lengths at replay."""
     tiling = Tiling.choose(q, k_cache, seq_lens, max_kv_len)
     num_tokens = sum(seq_lens)
     grid = (num_tiles(num_tokens, len(seq_lens), tiling.tokens), k_cache.shape[2], tiling.splits)
     if tiling.splits == 1:
-        _launch(q, k_cache, v_cache, block_tables, kv_lens, positions, cu_seqlens, scale, out, None, grid,
+        _launch(q, k_cache, v_cache, block_tables, kv_lens, positions, cu_seqlens, scale, out, None, 0, grid,
                 tiling, first_seq, len(seq_lens))
         return
-    partial = torch.empty((tiling.splits, *q.shape), dtype=torch.float32, device=q.device)
-    lse = torch.empty((tiling.splits, *q.shape[:2]), dtype=torch.float32, device=q.device)
-    _launch(q, k_cache, v_cache, block_tables, kv_lens, positions, cu_seqlens, scale, partial, lse, grid,
-            tiling, first_seq, len(seq_lens))
-    rows = slice(first_token, first_token + num_tokens)
-    out[rows] = _merge_splits(partial[:, rows], lse[:, rows]).to(out.dtype)
+    # per-split results of this group's tokens only: row 0 is token first_token
+    partial = torch.empty((tiling.splits, num_tokens, *q.shape[1:]), dtype=torch.float32, device=q.device)
+    lse = torch.empty(partial.shape[:3], dtype=torch.float32, device=q.device)
+    _launch(q, k_cache, v_cache, block_tables, kv_lens, positions, cu_seqlens, scale, partial, lse, first_token,
+            grid, tiling, first_seq, len(seq_lens))
+    out[first_token:first_token + num_tokens] = _merge_splits(partial, lse).to(out.dtype)
 
 
 def _merge_splits(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -128,31 +128,35 @@ class Tiling:
 
     @staticmethod
     def choose(q: torch.Tensor, k_cache: torch.Tensor, seq_lens: tuple[int, ...], max_kv_len: int) -> Tiling:
+        """Sizes that compile without register spills on sm90 (checked with ptxas, D = 128 and 256)."""
         group = next_power_of_2(q.shape[1] // k_cache.shape[2])
-        small_head = q.shape[2] <= 128
-        if max(seq_lens) > 1:
-            return Tiling(max(64, group), group, 64 if small_head else 32, 1, 4 if small_head else 8)
-        splits = _decode_splits(len(seq_lens) * k_cache.shape[2], max_kv_len, q.device)
-        return Tiling(max(16, group), group, 64 if small_head else 32, splits, 4)
+        decode = max(seq_lens) == 1
+        splits = _decode_splits(len(seq_lens) * k_cache.shape[2], max_kv_len, q.device) if decode else 1
+        if q.dtype == torch.float32:  # twice the bytes per element: small tiles
+            return Tiling(max(16, group), group, 16, splits, 4)
+        if decode:
+            return Tiling(max(16, group), group, 32, splits, 4)
+        return Tiling(max(64, group), group, 64 if q.shape[2] <= 128 else 32, 1, 8)
 
 
 def _decode_splits(programs: int, max_kv_len: int, device: torch.device) -> int:
-    """Enough KV splits to give every SM about two programs, none shorter than 256 keys."""
+    """Enough KV splits to give every SM about two programs, none shorter than 128 keys."""
     # the interpreter (CPU) has no SMs: pretend a few so that tests exercise the split path
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(-(-2 * sms // programs), max_kv_len // 256, 64))
+    return max(1, min(-(-2 * sms // programs), max_kv_len // 128, 64))
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
             kv_lens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-            out: torch.Tensor, lse: torch.Tensor | None, grid: tuple[int, int, int], tiling: Tiling,
-            first_seq: int, num_seqs: int) -> None:
-    """`out` is [N, Hq, D], or [splits, N, Hq, D] float32 with `lse` [splits, N, Hq]."""
+            out: torch.Tensor, lse: torch.Tensor | None, out_row0: int, grid: tuple[int, int, int],
+            tiling: Tiling, first_seq: int, num_seqs: int) -> None:
+    """`out` is [N, Hq, D], or [splits, tokens, Hq, D] float32 with `lse` [splits, tokens, Hq];
+    out's row 0 holds query token out_row0."""
     head_dim = q.shape[2]
     lse_strides = lse.stride()[:2] if lse is not None else (0, 0)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, lse, block_tables, kv_lens, positions, cu_seqlens, first_seq, num_seqs,
-        scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(-3), out.stride(-2),
+        q, k_cache, v_cache, out, lse, out_row0, block_tables, kv_lens, positions, cu_seqlens, first_seq,
+        num_seqs, scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(-3), out.stride(-2),
         out.stride(0) if lse is not None else 0, *lse_strides, k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_tables.stride(0),
         G=q.shape[1] // k_cache.shape[2], GP=tiling.group, D=head_dim, BD=next_power_of_2(head_dim),
@@ -161,7 +165,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
 
 
 @triton_kernel
-def _paged_attention_kernel(q, k_cache, v_cache, out, lse, block_tables, kv_lens, positions, cu_seqlens,
+def _paged_attention_kernel(q, k_cache, v_cache, out, lse, out_row0, block_tables, kv_lens, positions, cu_seqlens,
                             first_seq, num_seqs, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_os, stride_ls, stride_lt, stride_kb, stride_kt, stride_kh, stride_bt,
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
@@ -205,8 +209,9 @@ def _paged_attention_kernel(q, k_cache, v_cache, out, lse, block_tables, kv_lens
         acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
         m_i = m_new
     o = acc / tl.maximum(l_i, 1.0e-30)[:, None]
-    p_o = out + i_split * stride_os + o_tok.to(tl.int64)[:, None] * stride_ot + o_head[:, None] * stride_oh
+    o_row = (o_tok - out_row0).to(tl.int64)
+    p_o = out + i_split * stride_os + o_row[:, None] * stride_ot + o_head[:, None] * stride_oh
     tl.store(p_o + o_d[None, :], o.to(out.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
     if SPLITS > 1:
         row_lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1.0e-30)), float("-inf"))
-        tl.store(lse + i_split * stride_ls + o_tok * stride_lt + o_head, row_lse, mask=m_row)
+        tl.store(lse + i_split * stride_ls + o_row * stride_lt + o_head, row_lse, mask=m_row)

@@ -57,5 +57,7 @@ class GatedAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
         q, gate, k, v = self.qkv(hidden, batch.positions)
+        if batch.pic is not None:
+            batch.pic.capture_full(k, v)
         write_kv(self.rotary(k, batch.positions), v, k_cache, v_cache, batch.kv_write_slots)
         return self.output(self.attend(q, k_cache, v_cache, batch), gate)

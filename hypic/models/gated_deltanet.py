@@ -86,6 +86,18 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(o, z).reshape(o.shape[0], self.value_dim))
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, ssm_pool: torch.Tensor,
-                conv_pool: torch.Tensor) -> torch.Tensor:
-        q, k, v, g, beta, z = self.project(hidden, conv_pool, batch)
-        return self.output(self.recur(q, k, v, g, beta, ssm_pool, batch), z)
+                conv_pool: torch.Tensor, linear_index: int) -> torch.Tensor:
+        if batch.pic is None:
+            q, k, v, g, beta, z = self.project(hidden, conv_pool, batch)
+            return self.output(self.recur(q, k, v, g, beta, ssm_pool, batch), z)
+        return self.forward_pic(hidden, batch, ssm_pool, conv_pool, linear_index)
+
+    def forward_pic(self, hidden: torch.Tensor, batch: ForwardBatch, ssm_pool: torch.Tensor,
+                    conv_pool: torch.Tensor, linear_index: int) -> torch.Tensor:
+        """The same layer when the step composes cached interiors or captures cold segments."""
+        pic = batch.pic
+        mixed_qkv, z, b, a = self.in_projection(hidden)
+        q, k, v = self.split_heads(pic.conv(self, mixed_qkv, conv_pool, batch, linear_index))
+        g, beta = self.gates(b, a)
+        pic.capture_linear(mixed_qkv, k, v, g, beta)
+        return self.output(pic.recur(self, q, k, v, g, beta, ssm_pool, batch, linear_index), z)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ from hypic.errors import UnsupportedModelError
 from hypic.models.checkpoint import LM_HEAD, CheckpointReader
 from hypic.models.config import HybridConfig
 
+ModelT = TypeVar("ModelT", bound=nn.Module)
 FLOAT32_PARAMS: tuple[str, ...] = ("A_log", "dt_bias")  # decay parameters stay float32 in any model dtype
 Tensors = list[torch.Tensor]
 
@@ -34,8 +36,8 @@ class Recipe:
     build: Callable[[Tensors], torch.Tensor] = _first
 
 
-def load_weights(model_cls: type[nn.Module], config: HybridConfig, reader: CheckpointReader,
-                 device: torch.device, dtype: torch.dtype) -> nn.Module:
+def load_weights(model_cls: type[ModelT], config: HybridConfig, reader: CheckpointReader,
+                 device: torch.device, dtype: torch.dtype) -> ModelT:
     """Instantiate model_cls on the meta device, then assign every parameter from its recipe."""
     recipes = weight_recipes(config, reader.names.keys())
     _check_names(recipes, reader, config)
@@ -44,7 +46,7 @@ def load_weights(model_cls: type[nn.Module], config: HybridConfig, reader: Check
     state = {name: _build(name, recipe, reader, device, dtype) for name, recipe in recipes.items()}
     _check_shapes(model, state)
     model.load_state_dict(state, strict=True, assign=True)
-    return model.eval()
+    return model.requires_grad_(False).eval()
 
 
 def _build(name: str, recipe: Recipe, reader: CheckpointReader, device: torch.device,

@@ -33,6 +33,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.is_linear = config.layer_types[layer_id] == "linear_attention"
+        self.linear_index = config.linear_layers.index(layer_id) if self.is_linear else -1
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(config)
         else:
@@ -43,7 +44,7 @@ class DecoderLayer(nn.Module):
 
     def mix(self, hidden: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         if self.is_linear:
-            return self.linear_attn(hidden, batch, *caches.state(self.layer_id))
+            return self.linear_attn(hidden, batch, *caches.state(self.layer_id), self.linear_index)
         return self.self_attn(hidden, batch, *caches.kv(self.layer_id))
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:

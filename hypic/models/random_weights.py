@@ -22,7 +22,8 @@ def random_state_dict(config: HybridConfig, *, device: torch.device, dtype: torc
 
 def checkpoint_shapes(config: HybridConfig) -> Shapes:
     c = config
-    shapes: Shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
+    shapes: Shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+                      "model.norm.weight": (c.hidden_size,)}
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     for i in range(c.num_hidden_layers):
@@ -31,8 +32,9 @@ def checkpoint_shapes(config: HybridConfig) -> Shapes:
                        p + "post_attention_layernorm.weight": (c.hidden_size,)})
         linear = c.layer_types[i] == "linear_attention"
         shapes.update(_gdn_shapes(c, p + "linear_attn.") if linear else _attention_shapes(c, p + "self_attn."))
-        shapes.update(_moe_shapes(c, p + "mlp.") if i in c.moe_layers else _mlp_shapes(c.hidden_size,
-                                                                                        c.intermediate_size, p + "mlp."))
+        moe = i in c.moe_layers
+        mlp = _moe_shapes(c, p + "mlp.") if moe else _mlp_shapes(c.hidden_size, c.intermediate_size, p + "mlp.")
+        shapes.update(mlp)
     return shapes
 
 
@@ -49,7 +51,8 @@ def _attention_shapes(c: HybridConfig, p: str) -> Shapes:
     hidden, q_dim, kv_dim = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     shapes = {p + "q_proj.weight": (q_dim * (2 if c.attn_output_gate else 1), hidden),
               p + "k_proj.weight": (kv_dim, hidden), p + "v_proj.weight": (kv_dim, hidden),
-              p + "o_proj.weight": (hidden, q_dim), p + "q_norm.weight": (c.head_dim,), p + "k_norm.weight": (c.head_dim,)}
+              p + "o_proj.weight": (hidden, q_dim), p + "q_norm.weight": (c.head_dim,),
+              p + "k_norm.weight": (c.head_dim,)}
     if c.attention_bias:
         shapes.update({p + "q_proj.bias": (shapes[p + "q_proj.weight"][0],), p + "k_proj.bias": (kv_dim,),
                        p + "v_proj.bias": (kv_dim,), p + "o_proj.bias": (hidden,)})

@@ -24,7 +24,7 @@ from hypic.serve.protocol import (
     ChatResponse,
     unsupported_fields,
 )
-from hypic.serve.request_body import check_model, read_body, reject_unsupported
+from hypic.serve.request_body import check_model, check_stream_options, read_body, reject_unsupported
 from hypic.serve.request_group import submitted
 from hypic.serve.responses import DONE, event, json_response, start_events, stream_errors
 from hypic.serve.sampling import sampling_params
@@ -41,6 +41,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     body = await read_body(request, ChatRequest)
     check_model(state, body.model)
     reject_unsupported(unsupported_fields(body, UNSUPPORTED))
+    check_stream_options(body.stream, body.stream_options)
     prompt = render_chat(state.client.tokenizer, body.messages, body.chat_template_kwargs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     log.debug("%s: %d message(s), n=%d, user=%s", request_id, len(body.messages), body.n, body.user)

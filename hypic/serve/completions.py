@@ -15,7 +15,7 @@ from hypic.serve.engine_client import GenerateRequest
 from hypic.serve.http_errors import bad_request, engine_errors
 from hypic.serve.logprobs import completion_logprobs
 from hypic.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from hypic.serve.request_body import check_model, read_body, reject_unsupported
+from hypic.serve.request_body import check_model, check_stream_options, read_body, reject_unsupported
 from hypic.serve.request_group import submitted
 from hypic.serve.responses import DONE, event, json_response, start_events, stream_errors
 from hypic.serve.sampling import sampling_params
@@ -32,6 +32,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     body = await read_body(request, CompletionRequest)
     check_model(state, body.model)
     _reject_unsupported(body)
+    check_stream_options(body.stream, body.stream_options)
     prompts = completion_prompts(body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     log.debug("%s: %d prompt(s), n=%d, user=%s", request_id, len(prompts), body.n, body.user)

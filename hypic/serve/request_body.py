@@ -30,6 +30,11 @@ def check_model(state: ServerState, requested: str | None) -> None:
         )
 
 
+def check_stream_options(stream: bool, stream_options: object | None) -> None:
+    if stream_options is not None and not stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+
+
 def reject_unsupported(fields: list[str]) -> None:
     if fields:
         raise bad_request(f"{fields[0]} is not supported by hypic yet; remove it from the request", fields[0])

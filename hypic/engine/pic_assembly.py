@@ -1,0 +1,130 @@
+"""The engine's PIC side: plans segments, runs cold ones as child jobs, feeds tuples to requests.
+
+Flow (DESIGN §3): a request's middle segments are looked up in the segment store; hits become
+`Cached` pieces of its sequence (pinned), misses become cold child jobs (one per key, however many
+requests want it). A cold job is an isolated prefill whose tuple is captured during its step and
+stored; the requests waiting for it then get their pieces. When nothing is awaited the sequence is
+admitted like any other: its interiors' K/V are scattered into its pages at admission, and linear
+layers compose the pieces as its chunks reach them.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from hypic.cache.segment_store import SegmentKey, SegmentStore, SegmentTuple
+from hypic.engine.pic_plan import PicPolicy, PlannedSegment, SegmentJob, plan_segments
+from hypic.engine.pic_step import Capture
+from hypic.engine.pieces import Cached
+from hypic.engine.scheduler import ScheduledBatch
+from hypic.engine.segments import SegmentedPrompt
+from hypic.engine.sequence import RequestInfo, Sequence
+from hypic.kernels.scatter_kv import scatter_kv
+
+
+class PicAssembler:
+    def __init__(self, store: SegmentStore, caches, inv_freq: torch.Tensor, fingerprint: str,
+                 conv_kernel: int, seam_width: int) -> None:
+        self.store, self.caches, self.inv_freq = store, caches, inv_freq
+        self.fingerprint, self.conv_kernel, self.seam_width = fingerprint, conv_kernel, seam_width
+        self.jobs: dict[SegmentKey, Sequence] = {}  # cold segments being prefilled
+        self.waiters: dict[SegmentKey, list[tuple[Sequence, PlannedSegment]]] = defaultdict(list)
+        self.finished_jobs: list[tuple[SegmentKey, bool]] = []  # (key, stored) since the last take
+
+    def plan(self, prompt: SegmentedPrompt, mode: str, salt: str | None) -> list[PlannedSegment]:
+        if mode not in ("hypic", "naive"):
+            return []
+        return plan_segments(prompt, PicPolicy(mode, self.seam_width, self.conv_kernel), self.fingerprint, salt)
+
+    def attach(self, seq: Sequence, planned: list[PlannedSegment]) -> list[Sequence]:
+        """Pieces for the hits, waits for the misses; returns the new cold jobs to schedule."""
+        new_jobs = []
+        last_computed = len(seq.token_ids) - 1  # the last prompt token is always computed (logits)
+        for segment in planned:
+            if segment.span[1] > last_computed:
+                continue
+            entry = self.store.get(segment.job.key)
+            if entry is not None:
+                self._add_piece(seq, segment, entry)
+                seq.info.cached_tokens_by_kind["pic"] = seq.info.cached_tokens_by_kind.get("pic", 0) + \
+                    segment.span[1] - segment.span[0]
+                continue
+            seq.awaiting.add(segment.job.key)
+            self.waiters[segment.job.key].append((seq, segment))
+            if segment.job.key not in self.jobs:
+                self.jobs[segment.job.key] = job = self._job_sequence(seq.info, segment.job)
+                new_jobs.append(job)
+        if planned:
+            seq.approximate_from = planned[0].span[0]
+        return new_jobs
+
+    def scatter(self, batch: ScheduledBatch) -> None:
+        """Interior K (rotated to its global positions) and V into the pages of admitted sequences."""
+        for seq in batch.admitted:
+            for piece in seq.cached:
+                self._scatter_piece(seq, piece)
+
+    def after_step(self, batch: ScheduledBatch, capture: Capture | None) -> list[Sequence]:
+        """Unpins composed pieces, stores captured tuples; returns the finished job sequences."""
+        for scheduled in batch.chunks:
+            for _, piece in scheduled.chunk.cached:
+                self.store.unpin(piece.entry)
+        if capture is None:
+            return []
+        done = []
+        for j, job in enumerate(capture.jobs):
+            stored = self.store.put(job.key, _tuple_of(capture, j, job))
+            self._wake(job.key, stored)
+            done.append(self.jobs.pop(job.key))
+            self.finished_jobs.append((job.key, stored))
+        return done
+
+    def release(self, seq: Sequence) -> None:
+        """A finished or aborted sequence gives back its pins and stops waiting."""
+        for piece in seq.cached:
+            self.store.unpin(piece.entry)
+        seq.cached = []
+        for key in seq.awaiting:
+            self.waiters[key] = [(s, p) for s, p in self.waiters[key] if s is not seq]
+        seq.awaiting.clear()
+
+    def _wake(self, key: SegmentKey, stored: bool) -> None:
+        for seq, segment in self.waiters.pop(key, []):
+            seq.awaiting.discard(key)
+            entry = self.store.get(key) if stored else None
+            if entry is not None:  # else the segment is computed in full: exact, only slower
+                self._add_piece(seq, segment, entry)
+
+    @staticmethod
+    def _add_piece(seq: Sequence, segment: PlannedSegment, entry) -> None:
+        start, end = segment.span
+        seq.cached = sorted([*seq.cached, Cached(start, end, entry)], key=lambda p: p.start)
+
+    def _job_sequence(self, info: RequestInfo, job: SegmentJob) -> Sequence:
+        job_info = RequestInfo(f"segment-{job.key.digest.hex()[:16]}", info.params, job.token_ids,
+                               (len(job.token_ids),), job.key.salt, "none", self.seam_width)
+        seq = Sequence(job_info, 0)
+        seq.segment_job = job
+        return seq
+
+    def _scatter_piece(self, seq: Sequence, piece: Cached) -> None:
+        bs, entry = self.caches.block_size, piece.entry
+        positions = torch.arange(piece.start, piece.end)
+        pages = torch.tensor(seq.block_ids, dtype=torch.long)[positions // bs]
+        device = self.store.kv_src.device
+        dst = (pages * bs + positions % bs).to(device)
+        tokens = torch.arange(entry.interior_len, device=device) * entry.layout.kv_token_stride
+        for full_index, layer_id in enumerate(self.caches.shape.full_layers):
+            k_cache, v_cache = self.caches.kv(layer_id)
+            src = entry.kv_offset(full_index) + tokens
+            scatter_kv(self.store.kv_src, src, positions.to(device), k_cache, v_cache, dst, self.inv_freq)
+
+
+def _tuple_of(capture: Capture, j: int, job: SegmentJob) -> SegmentTuple:
+    start, end = capture.cu_seqlens[j].item(), capture.cu_seqlens[j + 1].item()
+    return SegmentTuple(
+        interior=job.interior,
+        T=[t[j] for t in capture.T], S0=[s[j] for s in capture.S0],
+        conv_tail=[c[j] for c in capture.conv_tail],
+        K=[k[start:end] for k in capture.K], V=[v[start:end] for v in capture.V])

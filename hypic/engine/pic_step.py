@@ -1,0 +1,192 @@
+"""What a step with PIC work adds to its ForwardBatch, and the per-layer operations that use it.
+
+Two kinds of PIC work ride in an ordinary step:
+- assembly chunks: sequences whose chunk composes cached interiors. At each linear layer their
+  recurrence runs through `compose_and_recur` (S <- T S + S0 at a piece, token recurrence between
+  pieces) and each interior's conv tail is spliced into the conv input right where the interior
+  sits, so the seam tokens after it see the interior's last k-1 pre-conv inputs (DESIGN §2).
+- cold segments: isolated prefills whose interior inputs are captured at every layer; the tuple
+  (T, S0, conv tail, pre-RoPE K and V) is built from them right there.
+Sequences without pieces in the same step take the ordinary kernels.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from hypic.engine.forward_batch import ForwardBatch
+from hypic.engine.pic_plan import SegmentJob
+from hypic.kernels.compose import CachedPieces, compose_and_recur
+from hypic.kernels.conv1d import causal_conv1d
+from hypic.kernels.gdn import gated_delta_rule
+from hypic.kernels.linear_families import LinearFamily
+
+
+@dataclass
+class Assembly:
+    """Sequences of the step that compose cached pieces (their batch indices and piece table)."""
+
+    seq_index: torch.Tensor  # [A] batch indices of the assembling sequences
+    rows: torch.Tensor  # [R] their token rows in the flat batch, in order
+    cu_seqlens: torch.Tensor  # [A+1] int32, offsets into rows
+    pieces: CachedPieces  # `at` indexes `rows`; offsets of linear layer 0
+    plain_seq_index: torch.Tensor  # [B-A] the other sequences
+    plain_rows: torch.Tensor  # their token rows
+    plain_cu_seqlens: torch.Tensor
+    plain_lens: tuple[int, ...]
+    plain_decodes: int
+    tails: list  # per composed piece (in piece order) its SegmentEntry, for conv tails
+    conv_index: torch.Tensor  # rows of cat([x, tails]) forming the spliced conv input
+    conv_keep: torch.Tensor  # rows of the spliced conv output that belong to real tokens
+    conv_cu_seqlens: torch.Tensor
+    conv_lens: tuple[int, ...]
+
+
+@dataclass
+class Capture:
+    """Cold segments of the step: where their interiors and conv tails sit in the flat batch."""
+
+    jobs: list[SegmentJob]
+    rows: torch.Tensor  # [R] interior token rows, job after job
+    cu_seqlens: torch.Tensor  # [J+1] int32 offsets into rows
+    tail_rows: torch.Tensor  # [J, W-1] rows of the pre-conv inputs just before each interior's end
+    T: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, HV, *t_shape]
+    S0: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, HV, K, V]
+    conv_tail: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, conv_dim, W-1]
+    K: list[torch.Tensor] = field(default_factory=list)  # per full layer [R, Hkv, D] pre-RoPE
+    V: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class PicStep:
+    family: LinearFamily
+    assembly: Assembly | None
+    capture: Capture | None
+    t_src: torch.Tensor | None = None
+    s0_src: torch.Tensor | None = None
+    t_stride: int = 0
+    s0_stride: int = 0
+
+    # -- linear layers -------------------------------------------------------------------------
+
+    def conv(self, layer, mixed_qkv: torch.Tensor, conv_pool: torch.Tensor, batch: ForwardBatch,
+             linear_index: int) -> torch.Tensor:
+        """Causal conv1d with every composed interior's conv tail spliced in before its seam tokens."""
+        a = self.assembly
+        if a is None:
+            return layer.conv(mixed_qkv, conv_pool, batch)
+        tails = [e.conv_tail(linear_index).transpose(0, 1) for e in a.tails]
+        spliced = torch.cat([mixed_qkv, *tails])[a.conv_index]
+        out = causal_conv1d(spliced, layer.conv1d_weight, None, conv_pool, batch.slots, batch.has_state,
+                            a.conv_cu_seqlens, num_decodes=batch.num_decodes, seq_lens_cpu=a.conv_lens,
+                            activation="silu")
+        return out[a.conv_keep]
+
+    def recur(self, layer, q, k, v, g, beta, ssm_pool: torch.Tensor, batch: ForwardBatch,
+              linear_index: int) -> torch.Tensor:
+        a = self.assembly
+        if a is None:
+            return layer.recur(q, k, v, g, beta, ssm_pool, batch)
+        o = torch.empty_like(v)
+        if a.plain_rows.numel():
+            r = a.plain_rows
+            o[r] = gated_delta_rule(q[r], k[r], v[r], g[r], beta[r], ssm_pool, batch.slots[a.plain_seq_index],
+                                    batch.has_state[a.plain_seq_index], a.plain_cu_seqlens, scale=layer.scale,
+                                    num_decodes=a.plain_decodes, seq_lens_cpu=a.plain_lens)
+        r = a.rows
+        pieces = a.pieces.shifted(linear_index * self.t_stride, linear_index * self.s0_stride)
+        o[r] = compose_and_recur(q[r], k[r], v[r], g[r], beta[r], ssm_pool, batch.slots[a.seq_index],
+                                 batch.has_state[a.seq_index], a.cu_seqlens, pieces, self.t_src, self.s0_src,
+                                 family=self.family, scale=layer.scale)
+        return o
+
+    def capture_linear(self, mixed_qkv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor) -> None:
+        c = self.capture
+        if c is None:
+            return
+        r = c.rows
+        T, S0 = self.family.extract_tuple(k[r], v[r], g[r], beta[r], c.cu_seqlens)
+        for j, job in enumerate(c.jobs):
+            if job.identity_T:
+                T[j] = self.family.identity_T(T.shape[1], k.shape[-1], T.dtype, T.device)
+        c.T.append(T)
+        c.S0.append(S0)
+        c.conv_tail.append(mixed_qkv[c.tail_rows].transpose(1, 2).contiguous())
+
+    def capture_full(self, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
+        if self.capture is not None:
+            self.capture.K.append(k_pre_rope[self.capture.rows])
+            self.capture.V.append(v[self.capture.rows])
+
+
+# -- building a step's PIC part on the host --------------------------------------------------------
+
+def build_assembly(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, conv_width: int,
+                   device: torch.device) -> Assembly | None:
+    """`chunks`: the step's ScheduledChunks (decodes first). None when no chunk composes pieces."""
+    composing = [i for i, c in enumerate(chunks) if c.chunk.cached]
+    if not composing:
+        return None
+    cu = [0, *itertools.accumulate(seq_lens)]
+    plain = [i for i in range(len(chunks)) if i not in set(composing)]
+    rows = [r for i in composing for r in range(cu[i], cu[i + 1])]
+    piece_rows, tails, offset = [], [], 0
+    for i in composing:
+        piece_rows.append([(offset + at, p.entry.t_offset(0), p.entry.s0_offset(0))
+                           for at, p in chunks[i].chunk.cached])
+        tails += [p.entry for _, p in chunks[i].chunk.cached]
+        offset += seq_lens[i]
+    conv_index, conv_keep, conv_lens = _splice(chunks, cu, seq_lens, conv_width)
+    return Assembly(
+        seq_index=_long(composing, device), rows=_long(rows, device),
+        cu_seqlens=_cumsum([seq_lens[i] for i in composing], device),
+        pieces=CachedPieces.build(piece_rows, device),
+        plain_seq_index=_long(plain, device), plain_rows=_long([r for i in plain for r in range(cu[i], cu[i + 1])], device),
+        plain_cu_seqlens=_cumsum([seq_lens[i] for i in plain], device),
+        plain_lens=tuple(seq_lens[i] for i in plain), plain_decodes=num_decodes,
+        tails=tails, conv_index=_long(conv_index, device), conv_keep=_long(conv_keep, device),
+        conv_cu_seqlens=_cumsum(conv_lens, device), conv_lens=tuple(conv_lens))
+
+
+def _splice(chunks: list, cu: list[int], seq_lens: tuple[int, ...], width: int):
+    """Rows of cat([x, tails]) for the spliced conv input: each piece's W-1 tail rows go right
+    before the token the piece is composed in front of (or at the end of the sequence)."""
+    tail_base = cu[-1]
+    index, keep, lens = [], [], []
+    for i, scheduled in enumerate(chunks):
+        start = len(index)
+        cursor = 0
+        for at, _ in scheduled.chunk.cached:
+            keep += range(len(index), len(index) + at - cursor)
+            index += range(cu[i] + cursor, cu[i] + at)
+            index += range(tail_base, tail_base + width - 1)
+            tail_base += width - 1
+            cursor = at
+        keep += range(len(index), len(index) + seq_lens[i] - cursor)
+        index += range(cu[i] + cursor, cu[i + 1])
+        lens.append(len(index) - start)
+    return index, keep, lens
+
+
+def build_capture(chunks: list, seq_lens: tuple[int, ...], conv_width: int,
+                  device: torch.device) -> Capture | None:
+    cu = [0, *itertools.accumulate(seq_lens)]
+    jobs = [(i, c.seq.segment_job) for i, c in enumerate(chunks) if c.seq.segment_job is not None]
+    if not jobs:
+        return None
+    rows = [r for i, job in jobs for r in range(cu[i] + job.interior[0], cu[i] + job.interior[1])]
+    tails = [[cu[i] + job.interior[1] - conv_width + 1 + t for t in range(conv_width - 1)] for i, job in jobs]
+    return Capture(jobs=[job for _, job in jobs], rows=_long(rows, device),
+                   cu_seqlens=_cumsum([job.interior[1] - job.interior[0] for _, job in jobs], device),
+                   tail_rows=torch.tensor(tails, dtype=torch.long, device=device))
+
+
+def _long(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _cumsum(lengths: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)

@@ -1,0 +1,58 @@
+"""The model bundled in the package: files, sizes, tokenizer and transformers loading."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from hypic.config import PIC_SEPARATOR
+from hypic.data import eval_prompts, lexicon
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / "hypic" / "assets" / "default_model"
+FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def test_files_exist_and_fit_the_size_limits() -> None:
+    sizes = {name: (MODEL_DIR / name).stat().st_size for name in FILES}
+    assert max(sizes.values()) < 16 * 10**6 and sum(sizes.values()) <= 30 * 10**6
+
+
+def test_config_is_a_qwen35_text_hybrid() -> None:
+    cfg = json.loads((MODEL_DIR / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_5_text" and cfg["architectures"] == ["Qwen3_5ForCausalLM"]
+    expected = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(cfg["num_hidden_layers"])]
+    assert cfg["layer_types"] == expected
+    with safe_open(str(MODEL_DIR / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert all(n.startswith("model.") for n in names) and f.get_tensor("model.norm.weight").dtype == torch.bfloat16
+        count = sum(math.prod(f.get_slice(n).get_shape()) for n in names)
+    assert 5e6 <= count <= 15e6
+    assert "model.layers.0.linear_attn.conv1d.weight" in names and "model.layers.3.self_attn.q_proj.weight" in names
+
+
+def test_tokenizer_specials_names_and_separator() -> None:
+    tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    assert [tokenizer.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [0, 1, 2]
+    assert tokenizer.token_to_id(PIC_SEPARATOR) is None  # hypic splits on it; it never reaches the model
+    for word in lexicon.FIRST_NAMES + lexicon.CITIES + lexicon.COMPANIES:
+        assert len(tokenizer.encode(" " + word).ids) == 1, word
+    text = eval_prompts(1)[0].segments[1]
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+def test_transformers_loads_the_bundled_model_and_tokenizer() -> None:
+    transformers = pytest.importorskip("transformers")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(MODEL_DIR)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token_id == 0
+    prompt = eval_prompts(1)[0]
+    assert tokenizer.apply_chat_template(prompt.chat_messages(), tokenize=False, add_generation_prompt=True) == prompt.text()
+    model = transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
+    ids = torch.tensor([sum((tokenizer(s, add_special_tokens=False)["input_ids"] for s in prompt.segments), [])])
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, ids.shape[1], model.config.vocab_size) and torch.isfinite(logits).all()
