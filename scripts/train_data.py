@@ -5,6 +5,7 @@ by length and cut them into padded batches of about `token_budget` tokens each.
 """
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 
@@ -85,6 +86,7 @@ _TOKENIZER: Tokenizer | None = None
 
 def init_worker(tokenizer_path: str) -> None:
     global _TOKENIZER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process: the pool is the parallelism
     _TOKENIZER = Tokenizer.from_file(tokenizer_path)
 
 

@@ -24,9 +24,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-def make_model_dir(path: Path, kind: str = "qwen3_5_text", seed: int = 0) -> Path:
-    """A tiny random checkpoint of `kind` with a trained byte-level tokenizer beside it."""
-    save_checkpoint(make_hf_model(kind, seed=seed, eos_token_id=EOS_ID), path)
+def make_model_dir(path: Path, kind: str = "qwen3_5_text", seed: int = 0, slow_decay: bool = False,
+                   **overrides: object) -> Path:
+    """A tiny random checkpoint of `kind` with a trained byte-level tokenizer beside it.
+    slow_decay: linear layers remember hundreds of tokens (random init forgets within a few), so
+    that errors early in a prompt still show in the final state."""
+    model = make_hf_model(kind, seed=seed, eos_token_id=EOS_ID, **overrides)
+    if slow_decay:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("A_log"):
+                    param.fill_(-4.0)  # exp(A_log) = 0.018
+                elif name.endswith("dt_bias"):
+                    param.fill_(-2.0)
+    save_checkpoint(model, path)
     write_byte_level(path, vocab_size=300)
     return path
 
@@ -34,6 +45,11 @@ def make_model_dir(path: Path, kind: str = "qwen3_5_text", seed: int = 0) -> Pat
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model_dir(tmp_path_factory.mktemp("tiny_qwen3_5"))
+
+
+@pytest.fixture(scope="session")
+def slow_decay_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("tiny_slow_decay"), slow_decay=True)
 
 
 @pytest.fixture(scope="session")

@@ -241,12 +241,15 @@ _SAMPLING = {  # valid values; the fuzz then corrupts some
     "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0.5, 2),
     "logit_bias": st.dictionaries(st.integers(0, 3071).map(str), st.floats(-100, 100), max_size=2),
     "ignore_eos": st.booleans(), "stream": st.booleans(), "stream_options": st.just({"include_usage": True}),
-    "user": _TEXT, "cache_salt": _TEXT, "cache_mode": st.sampled_from(["none", "prefix"]),
+    "user": _TEXT, "cache_salt": _TEXT, "cache_mode": st.sampled_from(["none", "prefix", "naive", "hypic"]),
 }
-_COMPLETION = st.fixed_dictionaries(
-    {"prompt": st.one_of(_TEXT, st.lists(st.integers(0, 3071), min_size=1, max_size=8), st.lists(_TEXT, min_size=1, max_size=2)),
-     "max_tokens": st.integers(0, 3)},
-    optional={"logprobs": st.integers(0, 5), **_SAMPLING},
+_SEGMENTS = st.lists(_TEXT, min_size=1, max_size=4)
+_PROMPT = st.one_of(_TEXT, _SEGMENTS.map("<|segment|>".join), st.lists(st.integers(0, 3071), min_size=1, max_size=8),
+                    st.lists(_TEXT, min_size=1, max_size=2))
+_COMPLETION = st.one_of(
+    st.fixed_dictionaries({"prompt": _PROMPT, "max_tokens": st.integers(0, 3)},
+                          optional={"logprobs": st.integers(0, 5), **_SAMPLING}),
+    st.fixed_dictionaries({"segments": _SEGMENTS, "max_tokens": st.integers(0, 3)}, optional=_SAMPLING),
 )
 _MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": _TEXT})
 _CHAT = st.fixed_dictionaries(
@@ -268,7 +271,7 @@ _BODIES = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(body=_BODIES)
 def test_fuzzed_bodies_get_2xx_or_well_formed_4xx(loop, served, body) -> None:
     path, payload = body

@@ -43,11 +43,20 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+def _root(client: openai.OpenAI) -> str:
+    return str(client.base_url).removesuffix("/").removesuffix("/v1")
+
+
 def _tokenize(client: openai.OpenAI, body: dict) -> int:
-    url = str(client.base_url).removesuffix("/").removesuffix("/v1") + "/tokenize"
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    request = urllib.request.Request(_root(client) + "/tokenize", data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())["count"]
+
+
+def _get(client: openai.OpenAI, path: str) -> str:
+    with urllib.request.urlopen(_root(client) + path, timeout=30) as response:
+        return response.read().decode()
 
 
 def test_models_lists_the_served_name(client) -> None:
@@ -114,6 +123,22 @@ def test_repeated_prompt_reports_cached_tokens(client) -> None:
     again = client.completions.create(model=NAME, prompt=prompt, max_tokens=1, **GREEDY).usage
     assert first.prompt_tokens_details.cached_tokens == 0
     assert 0 < again.prompt_tokens_details.cached_tokens < again.prompt_tokens
+
+
+def test_segments_are_reused_in_any_order(client) -> None:
+    fox = "The red fox lives in the northern forest and hunts small mice at night. " * 2
+    whale = "The blue whale swims in the cold southern ocean and eats krill all summer. " * 2
+    first = client.completions.create(model=NAME, prompt=None, max_tokens=1,
+                                      extra_body={"segments": ["Answer briefly.", fox, whale, "Where is the fox?"]})
+    swapped = client.completions.create(model=NAME, prompt=None, max_tokens=1,
+                                        extra_body={"segments": ["Answer briefly.", whale, fox, "What do whales eat?"]})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 < swapped.usage.prompt_tokens_details.cached_tokens < swapped.usage.prompt_tokens
+    text = "<|segment|>".join(["Answer briefly.", whale, "Where is the whale?"])  # the separator form
+    joined = client.completions.create(model=NAME, prompt=text, max_tokens=1).usage
+    assert joined.prompt_tokens == _tokenize(client, {"prompt": text}) and joined.prompt_tokens_details.cached_tokens > 0
+    pic = re.search(r'^hypic_cached_prompt_tokens_total\{kind="pic"\} (\S+)$', _get(client, "/metrics"), re.MULTILINE)
+    assert pic and float(pic.group(1)) > 0
 
 
 def test_max_tokens_zero_returns_an_empty_completion_with_usage(client) -> None:

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hypic.config import EngineConfig
 from hypic.errors import EngineOverloadedError, InvalidRequestError, PromptTooLongError
 from hypic.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from hypic.serve.args import add_serve_arguments, engine_config, server_settings
@@ -156,23 +157,15 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 def test_options_map_into_engine_config_and_settings() -> None:
     args = _parse("--cpu-cache-bytes", "64MiB", "--cache-mode", "none", "--max-waiting", "7", "--api-key", "k",
-                  "--served-model-name", "tiny", "--shutdown-grace", "2")
+                  "--served-model-name", "tiny", "--shutdown-grace", "2", "--seam-width", "4",
+                  "--segment-pool-bytes", "1G")
     config, settings = engine_config(args), server_settings(args)
     assert (config.cpu_cache_bytes, config.cache_mode, config.max_waiting) == (64 << 20, "none", 7)
+    assert (config.seam_width, config.segment_pool_bytes) == (4, 1 << 30)
     assert (settings.api_key, settings.served_model_name, settings.shutdown_grace_s) == ("k", "tiny", 2.0)
+    assert engine_config(_parse()) == EngineConfig()  # no options: the engine's own defaults
     with pytest.raises(SystemExit):
         _parse("--device", "tpu")
-
-
-def test_seam_width_is_refused_until_the_engine_has_it() -> None:
-    args = _parse("--seam-width", "8")
-    from hypic.config import EngineConfig
-
-    if "seam_width" in EngineConfig.__dataclass_fields__:
-        assert engine_config(args).seam_width == 8
-    else:
-        with pytest.raises(InvalidRequestError, match="seam-width"):
-            engine_config(args)
 
 
 def test_console_script_has_the_serve_command(capsys) -> None:

@@ -139,6 +139,7 @@ class Plan(msgspec.Struct, frozen=True, tag=True):
 
 class PlanReply(msgspec.Struct, frozen=True, tag=True):
     call_id: int
+    prompt_tokens: int = 0
     jobs: list[PlannedJob] = []
     prefix_hashes: list[int] = []
     error: ErrorInfo | None = None

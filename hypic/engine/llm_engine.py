@@ -1,6 +1,7 @@
 """The synchronous engine core: add requests, step, collect outputs. AsyncEngine drives it."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
@@ -77,6 +78,8 @@ class LLMEngine:
     def add_request(self, prompt: SegmentedPrompt, params: SamplingParams, *, request_id: str | None = None,
                     cache_salt: str | None = None, cache_mode: str | None = None) -> str:
         request_id = request_id or uuid.uuid4().hex
+        if len(prompt.segments) > 2 and not prompt.segments[-1]:
+            params = dataclasses.replace(params, max_tokens=0)  # a warm-up: it only fills the caches
         info = self._request_info(prompt, params, request_id, cache_salt, cache_mode)
         state = RequestState(info)
         self.requests[request_id] = state

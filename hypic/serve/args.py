@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 
@@ -47,9 +46,17 @@ def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=_positive_int, default=_DEFAULTS.max_num_batched_tokens, metavar="TOKENS",
                        help="token budget of one step (default: %(default)s)")
     group.add_argument("--cache-mode", choices=CACHE_MODES, default=_DEFAULTS.cache_mode,
-                       help="default cache mode of requests; a request may set its own (default: %(default)s)")
-    group.add_argument("--seam-width", type=_positive_int, metavar="TOKENS",
-                       help="tokens recomputed on each side of a segment boundary (needs position-independent caching)")
+                       help="default cache mode of requests (a request may set its own): none = full recompute, "
+                            "prefix = exact prefix cache only, naive = the paper's strawman, hypic = "
+                            "position-independent segments (default: %(default)s)")
+    group.add_argument("--seam-width", type=_non_negative_int, default=_DEFAULTS.seam_width, metavar="TOKENS",
+                       help="tokens recomputed on each side of a segment boundary (default: %(default)s)")
+    group.add_argument("--segment-pool-bytes", type=_size, metavar="SIZE",
+                       help="budget of the shared segment cache (default: a quarter of the cache budget)")
+    group.add_argument("--segment-state-dtype", choices=("float32", "bfloat16"), default=_DEFAULTS.segment_state_dtype,
+                       help="storage of cached segment states (default: %(default)s)")
+    group.add_argument("--max-segments", type=_positive_int, default=_DEFAULTS.max_segments, metavar="N",
+                       help="most segments in one prompt (default: %(default)s)")
     group.add_argument("--segment-separator", default=_DEFAULTS.segment_separator, metavar="TEXT",
                        help="text that splits a prompt into segments (default: %(default)s; LMCache: ' # # ')")
 
@@ -68,19 +75,17 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """Raises InvalidRequestError for a value EngineConfig refuses, or an option this build lacks."""
+    """Raises InvalidRequestError for a value EngineConfig refuses."""
     options = dict(
         model=args.model, device=args.device, dtype=None if args.dtype == "auto" else args.dtype,
         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
         cpu_cache_bytes=args.cpu_cache_bytes, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
-        cache_mode=args.cache_mode, segment_separator=args.segment_separator,
+        cache_mode=args.cache_mode, seam_width=args.seam_width, segment_pool_bytes=args.segment_pool_bytes,
+        segment_state_dtype=args.segment_state_dtype, max_segments=args.max_segments,
+        segment_separator=args.segment_separator,
         enforce_eager=args.enforce_eager, seed=args.seed,
     )
-    if args.seam_width is not None:
-        if "seam_width" not in {field.name for field in dataclasses.fields(EngineConfig)}:
-            raise InvalidRequestError("--seam-width needs position-independent caching, which this hypic does not have yet")
-        options["seam_width"] = args.seam_width
     return EngineConfig(**options)
 
 
@@ -100,6 +105,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
     return value
 
 

@@ -1,6 +1,7 @@
 """Accumulating engine deltas into OpenAI choices and usage."""
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from hypic.outputs import CompletionDelta, RequestOutput, TokenLogprob
@@ -55,7 +56,9 @@ def worth_sending(delta: CompletionDelta) -> bool:
     return bool(delta.text or delta.finish_reason or delta.logprobs)
 
 
-async def collect(outputs, n: int, num_prompts: int) -> tuple[list[ChoiceBuffer], UsageCounter]:
+async def collect(
+    outputs: AsyncIterator[tuple[int, RequestOutput]], n: int, num_prompts: int
+) -> tuple[list[ChoiceBuffer], UsageCounter]:
     """Drain the merged outputs of a non-streamed request."""
     choices = [ChoiceBuffer() for _ in range(n * num_prompts)]
     usage = UsageCounter()

@@ -1,0 +1,62 @@
+"""Segment tuples and keys on the wire: a tuple travels as a flat list of tensors plus a small meta
+record (interior span and layer counts); the combine node sizes its destination from the model's
+segment layout before the tuple is even built.
+"""
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentTuple
+from hypic.dist.messages import KeyRef, TensorSpec
+
+
+class TupleMeta(msgspec.Struct, frozen=True, array_like=True):
+    interior: tuple[int, int]
+    num_linear: int
+    num_full: int
+
+
+def key_ref(key: SegmentKey) -> KeyRef:
+    return KeyRef(key.digest, key.salt)
+
+
+def key_of(ref: KeyRef) -> SegmentKey:
+    return SegmentKey(ref.digest, ref.salt)
+
+
+def tuple_tensors(tup: SegmentTuple) -> list[torch.Tensor]:
+    """[T..., S0..., conv_tail... (one per linear layer), K..., V... (one per full layer)]."""
+    return [*tup.T, *tup.S0, *tup.conv_tail, *tup.K, *tup.V]
+
+
+def tuple_meta(tup: SegmentTuple) -> bytes:
+    return msgspec.msgpack.encode(TupleMeta(tuple(tup.interior), len(tup.T), len(tup.K)))
+
+
+def tuple_from(tensors: list[torch.Tensor], meta: bytes) -> SegmentTuple:
+    info = msgspec.msgpack.decode(meta, type=TupleMeta)
+    n_lin, n_full = info.num_linear, info.num_full
+    if len(tensors) != 3 * n_lin + 2 * n_full:
+        raise ValueError(f"a segment tuple of {n_lin} linear and {n_full} full layers has "
+                         f"{3 * n_lin + 2 * n_full} tensors, got {len(tensors)}")
+    lin = [tensors[i * n_lin: (i + 1) * n_lin] for i in range(3)]
+    full = tensors[3 * n_lin:]
+    return SegmentTuple(info.interior, lin[0], lin[1], lin[2], full[:n_full], full[n_full:])
+
+
+def interior_span(num_tokens: int, seam_width: int, conv_kernel: int) -> tuple[int, int]:
+    """DESIGN §1: a segment's interior is [max(w, k-1), L-w)."""
+    return max(seam_width, conv_kernel - 1), num_tokens - seam_width
+
+
+def tuple_specs(layout: SegmentLayout, interior_len: int) -> list[TensorSpec]:
+    """The shapes and dtypes `tuple_tensors` gives for a tuple stored in this layout."""
+    def spec(dtype: torch.dtype, shape: tuple[int, ...], count: int) -> list[TensorSpec]:
+        return [TensorSpec(str(dtype).removeprefix("torch."), tuple(shape))] * count
+
+    kv = (interior_len, layout.kv_heads, layout.head_dim)
+    return (spec(layout.t_dtype, layout.t_shape, layout.num_linear)
+            + spec(layout.state_dtype, layout.s0_shape, layout.num_linear)
+            + spec(layout.model_dtype, layout.conv_shape, layout.num_linear)
+            + spec(layout.model_dtype, kv, 2 * layout.num_full))

@@ -1,0 +1,185 @@
+"""An engine node's side of segment parallelism (paper §4.4, §5).
+
+As a worker it prefills the segments a `Build` names one at a time, largest first, and ships each the
+moment it is built — the transfer of segment i overlaps the prefill of segment i+1 — and ships stored
+tuples on a `Pull`. As a combine node it allocates the destination of every expected tuple when the
+router announces it (`Expect`), before anything is dispatched, and imports each into its segment
+store as it lands. Every milestone is reported to the router; `cancel` drops a request's jobs and
+buffers here. Transfers already on the wire are never cut (the transport shields them): the
+receiver drops what nobody expects any more.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import torch
+
+from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentTuple
+from hypic.dist.messages import Arrived, Build, Expect, Job, NodeCounters, Progress, Pull
+from hypic.dist.remote_errors import error_info
+from hypic.dist.segment_wire import interior_span, key_of, tuple_from, tuple_meta, tuple_specs, tuple_tensors
+from hypic.dist.transport import Received, TensorTransport, allocate
+from hypic.engine.async_engine import AsyncEngine
+from hypic.engine.pic_plan import SegmentJob
+
+log = logging.getLogger("hypic.dist")
+Report = Callable[[msgspec.Struct], Awaitable[None]]
+
+
+class SegmentWork:
+    def __init__(self, node_id: int, engine: AsyncEngine, transport: TensorTransport, report: Report) -> None:
+        self.node_id, self.engine, self.transport = node_id, engine, transport
+        self._report = report
+        self._tasks: dict[str, set[asyncio.Task]] = {}  # per request: builds, pulls, imports
+        self._sends: set[asyncio.Task] = set()
+        self._building: dict[SegmentKey, asyncio.Future] = {}  # builds in progress here; pulls wait on them
+        self._built = self._exported = self._failures = 0
+
+    # -- messages ---------------------------------------------------------------------------------
+
+    def build(self, message: Build) -> None:
+        self._spawn(message.request_id, self._build(message))
+
+    def pull(self, message: Pull) -> None:
+        self._spawn(message.request_id, self._pull(message))
+
+    def expect(self, message: Expect) -> None:
+        for job in message.jobs:
+            arrival = self.transport.expect(job.transfer_id, message.request_id, self._destination(job))
+            self._spawn(message.request_id, self._import(message.request_id, job, arrival))
+
+    def cancel(self, request_id: str) -> None:
+        for task in self._tasks.pop(request_id, ()):
+            task.cancel()
+        self.transport.cancel(request_id)
+
+    def close(self) -> None:
+        for request_id in list(self._tasks):
+            self.cancel(request_id)
+        for task in self._sends:
+            task.cancel()
+
+    def counters(self) -> NodeCounters:
+        c = self.transport.counters
+        pending, pending_bytes = self.transport.pending()
+        return NodeCounters(self._built, self._exported, self._failures, c.sent, c.received, c.dropped,
+                            c.bytes_sent, c.bytes_received, c.send_seconds, c.receive_seconds, pending,
+                            pending_bytes, sum(len(tasks) for tasks in self._tasks.values()))
+
+    # -- worker side ------------------------------------------------------------------------------
+
+    async def _build(self, message: Build) -> None:
+        for job in message.jobs:  # one at a time: each ships while the next one prefills
+            tup, seconds = await self._build_one(message.request_id, job)
+            if tup is None:
+                continue
+            await self._report(Progress(message.request_id, job.transfer_id, "built", seconds))
+            if message.dest_node == self.node_id:
+                await self._report(Arrived(message.request_id, job.transfer_id, True))
+            else:
+                self._ship(message.request_id, message.dest_address, job, tup)
+
+    async def _build_one(self, request_id: str, job: Job) -> tuple[SegmentTuple | None, float]:
+        key, start = key_of(job.key), time.perf_counter()
+        building = self._building[key] = asyncio.get_running_loop().create_future()
+        tup = None
+        try:
+            [tup] = await self.engine.build_segments([SegmentJob(key, job.token_ids, False)])
+        except Exception as error:  # noqa: BLE001 - the router re-dispatches; this node keeps serving
+            log.exception("building segment for %s failed", request_id)
+            await self._fail(request_id, job, error_info(error))
+        finally:
+            building.set_result(tup)  # pulls waiting on it get the tuple, or None (they report missing)
+            if self._building.get(key) is building:
+                del self._building[key]
+        if tup is None:
+            return None, 0.0
+        self._built += 1
+        return tup, time.perf_counter() - start
+
+    async def _pull(self, message: Pull) -> None:
+        for job in message.jobs:
+            key = key_of(job.key)
+            building = self._building.get(key)
+            tup = await asyncio.shield(building) if building is not None else await self.engine.export_segment(key)
+            if tup is None:
+                await self._report(Progress(message.request_id, job.transfer_id, "missing"))
+                continue
+            self._exported += 1
+            self._ship(message.request_id, message.dest_address, job, tup)
+
+    def _ship(self, request_id: str, address: str, job: Job, tup: SegmentTuple) -> None:
+        task = asyncio.create_task(self._send(request_id, address, job, tup, _ready_marker(tup)))
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+
+    async def _send(self, request_id: str, address: str, job: Job, tup: SegmentTuple, ready: object | None) -> None:
+        tensors = tuple_tensors(tup)
+        try:
+            seconds = await self.transport.send(address, job.transfer_id, request_id, tensors,
+                                                meta=tuple_meta(tup), ready=ready)
+        except ConnectionError as error:
+            await self._fail(request_id, job, error_info(error))
+            return
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        await self._report(Progress(request_id, job.transfer_id, "sent", seconds, nbytes))
+
+    async def _fail(self, request_id: str, job: Job, error: object) -> None:
+        self._failures += 1
+        await self._report(Progress(request_id, job.transfer_id, "failed", error=error))
+
+    # -- combine side -----------------------------------------------------------------------------
+
+    async def _import(self, request_id: str, job: Job, arrival: asyncio.Future) -> None:
+        received: Received = await arrival
+        try:
+            tup = tuple_from(received.tensors, received.meta)
+            stored = bool(await self.engine.import_segment(key_of(job.key), tup))
+        except Exception:  # noqa: BLE001 - a bad tuple costs a local prefill, never the request
+            log.exception("importing a segment of %s failed", request_id)
+            stored = False
+        await self._report(Arrived(request_id, job.transfer_id, stored, received.seconds, received.nbytes))
+
+    def _destination(self, job: Job) -> list[torch.Tensor] | None:
+        """Tensors shaped like the tuple this job will bring, so the payload lands in place."""
+        layout, seam_width, conv_kernel = segment_geometry(self.engine)
+        start, end = interior_span(job.num_tokens, seam_width, conv_kernel)
+        if end <= start:
+            return None
+        pin = self.engine.device.type == "cuda" and self.transport.device.type == "cpu"
+        return allocate(tuple_specs(layout, end - start), self.transport.device, pin=pin)
+
+    def _spawn(self, request_id: str, work: Awaitable[None]) -> None:
+        task = asyncio.create_task(work)
+        tasks = self._tasks.setdefault(request_id, set())
+        tasks.add(task)
+        task.add_done_callback(lambda done: self._finished(request_id, done))
+
+    def _finished(self, request_id: str, task: asyncio.Task) -> None:
+        tasks = self._tasks.get(request_id)
+        if tasks is not None:
+            tasks.discard(task)
+            if not tasks:
+                del self._tasks[request_id]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("segment work of %s failed", request_id, exc_info=task.exception())
+
+
+def segment_geometry(engine: AsyncEngine) -> tuple[SegmentLayout, int, int]:
+    """The engine's segment layout, seam width and conv kernel width (what sizes a tuple)."""
+    core = engine.core
+    layout = core.segments.layout
+    return layout, engine.config.seam_width, layout.conv_kernel
+
+
+def _ready_marker(tup: SegmentTuple) -> object | None:
+    """A CUDA event after the kernels that wrote the tuple (recorded before the next segment's
+    prefill is queued, so a transfer waiting on it overlaps that prefill)."""
+    first = next(iter(tup.T or tup.K), None)
+    if first is None or not first.is_cuda:
+        return None
+    return torch.cuda.current_stream(first.device).record_event()

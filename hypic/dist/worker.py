@@ -1,0 +1,228 @@
+"""One engine node: an AsyncEngine, its tensor transport, and its connection to the router.
+
+A node serves its own requests (it is their combine node: `Generate` -> `Output`s) and prefills or
+ships segments for other nodes' requests (`SegmentWork`). It joins by connecting to the router's
+address and saying `Hello` — a restarted node does the same and rejoins — then heartbeats its stats.
+It exits when told to (`Shutdown`) or when the router goes away.
+
+Started by `hypic.dist.launch` (multiprocessing, spawn), or by hand on another machine:
+    python -m hypic.dist.worker --router tcp://HOST:PORT --model DIR --device cuda:0
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+
+from hypic.config import EngineConfig
+from hypic.dist.affinity import prefix_hashes
+from hypic.dist.link import Link
+from hypic.dist.messages import (NODE_CODEC, Abort, Build, Cancel, Expect, Failed, Generate, Heartbeat,
+                                 Hello, Output, Plan, PlannedJob, PlanReply, Probe, ProbeReply, Pull,
+                                 Shutdown, Welcome, read_message, write_message)
+from hypic.dist.net import connect
+from hypic.dist.remote_errors import error_info
+from hypic.dist.segment_wire import key_ref
+from hypic.dist.segment_work import SegmentWork
+from hypic.dist.transport import TensorTransport
+from hypic.engine.async_engine import AsyncEngine
+from hypic.engine.segments import SegmentedPrompt
+from hypic.errors import HypicError
+
+log = logging.getLogger("hypic.dist")
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    router_address: str
+    config: EngineConfig  # its device is the node's own ("cuda" when `gpu` narrows the visible set)
+    node_id: int = -1  # -1: the router picks one
+    gpu: int | None = None  # physical GPU index: the only one this process sees
+    transport: str = "tcp"
+    data_host: str = "127.0.0.1"
+    heartbeat_s: float = 0.5
+    affinity_granularity: int = 64
+    threads: int | None = None  # torch intra-op threads (CPU nodes sharing a host)
+    log_level: str = "WARNING"
+
+
+def node_main(spec: NodeSpec) -> None:
+    """Process entry point."""
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # point-to-point never needs NVLink multicast
+    if spec.gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)  # before the first CUDA call
+    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s node{spec.node_id} %(levelname)s %(message)s")
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    sys.exit(_run(EngineNode(spec).run()))
+
+
+def make_transport(kind: str, device: torch.device) -> TensorTransport:
+    if kind == "nccl":
+        from hypic.dist.nccl_transport import NcclTransport
+
+        return NcclTransport(device)
+    from hypic.dist.tcp_transport import TcpTransport
+
+    return TcpTransport()
+
+
+class EngineNode:
+    def __init__(self, spec: NodeSpec) -> None:
+        self.spec = spec
+        self.node_id = spec.node_id
+        self.engine = AsyncEngine(spec.config)
+        self._generations: dict[str, asyncio.Task] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._grace_s = 0.0
+
+    async def run(self) -> int:
+        self._stop = asyncio.Event()
+        await self.engine.start()
+        self.transport = make_transport(self.spec.transport, self.engine.device)
+        await self.transport.start(f"tcp://{self.spec.data_host}:0")
+        self.link = await self._join()
+        self.work = SegmentWork(self.node_id, self.engine, self.transport, self.link.send)
+        self.link.start()
+        heartbeats = asyncio.create_task(self._heartbeats())
+        closed = asyncio.create_task(self.link.closed.wait())
+        await asyncio.wait([closed, asyncio.create_task(self._stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        heartbeats.cancel()
+        await self._close()
+        return 0
+
+    async def _join(self) -> Link:
+        reader, writer = await connect(self.spec.router_address)
+        hello = Hello(self.node_id, os.getpid(), self._device_name(), self.transport.address, self.transport.name,
+                      self.engine.model_name, self.engine.max_model_len)
+        await write_message(writer, hello, NODE_CODEC)
+        welcome = await read_message(reader, NODE_CODEC)
+        if not isinstance(welcome, Welcome):
+            raise ConnectionError(f"the router answered Hello with {type(welcome).__name__}")
+        self.node_id = welcome.node_id
+        return Link(reader, writer, NODE_CODEC, self._on_message, f"router<-node{self.node_id}")
+
+    def _device_name(self) -> str:
+        device = self.engine.device
+        return "cpu" if device.type == "cpu" else f"cuda:{self.spec.gpu if self.spec.gpu is not None else device.index or 0}"
+
+    async def _close(self) -> None:
+        self.work.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await self.engine.shutdown(self._grace_s)
+        await self.transport.close()
+        self.link.close()
+
+    # -- messages ---------------------------------------------------------------------------------
+
+    def _on_message(self, message: Any) -> None:
+        match message:
+            case Generate():
+                self._generations[message.request_id] = self._spawn(self._generate(message))
+            case Abort():
+                self._spawn(self.engine.abort(message.request_id))
+            case Plan():
+                self._spawn(self.link.send(self._plan(message)))
+            case Build():
+                self.work.build(message)
+            case Pull():
+                self.work.pull(message)
+            case Expect():
+                self.work.expect(message)
+            case Cancel():
+                self.work.cancel(message.request_id)
+            case Probe():
+                self._spawn(self.link.send(ProbeReply(message.call_id, self._stats(), self.work.counters())))
+            case Shutdown():
+                self._grace_s = message.grace_s
+                self._stop.set()
+            case _:
+                log.warning("node %d ignores %s", self.node_id, type(message).__name__)
+
+    async def _generate(self, message: Generate) -> None:
+        outputs = self.engine.generate(message.prompt, message.params, request_id=message.request_id,
+                                       cache_salt=message.cache_salt, cache_mode=message.cache_mode,
+                                       add_special_tokens=message.add_special_tokens)
+        try:
+            async with aclosing(outputs):  # leaving early (router gone) aborts the request here
+                async for output in outputs:
+                    await self.link.send(Output(message.request_id, output))
+        except ConnectionError:
+            pass
+        except Exception as error:  # noqa: BLE001 - typed errors cross to the router; bugs are logged
+            if not isinstance(error, HypicError):
+                log.exception("request %s failed on node %d", message.request_id, self.node_id)
+            await self._send_quietly(Failed(message.request_id, error_info(error)))
+        finally:
+            self._generations.pop(message.request_id, None)
+
+    def _plan(self, message: Plan) -> PlanReply:
+        try:
+            jobs = self.engine.segment_jobs(message.prompt, cache_salt=message.cache_salt,
+                                            cache_mode=message.cache_mode)
+            prompt = SegmentedPrompt.build(self.engine.tokenizer, message.prompt,
+                                           separator=self.engine.config.segment_separator,
+                                           add_special_tokens=message.add_special_tokens)
+        except HypicError as error:
+            return PlanReply(message.call_id, error=error_info(error))
+        hashes = prefix_hashes(prompt.token_ids, message.cache_salt, self.spec.affinity_granularity)
+        planned = [PlannedJob(key_ref(job.key), tuple(job.token_ids), job.cached) for job in jobs]
+        return PlanReply(message.call_id, prompt.num_tokens, planned, hashes)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await self._send_quietly(Heartbeat(self._stats(), self.work.counters()))
+            await asyncio.sleep(self.spec.heartbeat_s)
+
+    def _stats(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self.engine.stats())
+
+    async def _send_quietly(self, message: msgspec.Struct) -> None:
+        try:
+            await self.link.send(message)
+        except ConnectionError:
+            pass  # the router is gone; run() is closing this node
+
+    def _spawn(self, work: Any) -> asyncio.Task:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+
+def _run(main: Any) -> int:
+    if sys.platform == "win32":
+        return asyncio.run(main)
+    import uvloop
+
+    return uvloop.run(main)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Join a running router from this machine (the router's host must reach --data-host)."""
+    parser = argparse.ArgumentParser(prog="python -m hypic.dist.worker", description=main.__doc__)
+    parser.add_argument("--router", required=True, help="the router's address, tcp://HOST:PORT")
+    parser.add_argument("--model", help="model directory (the router's model)")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--gpu", type=int, help="physical GPU index this node owns")
+    parser.add_argument("--transport", choices=("tcp", "nccl"), default="tcp")
+    parser.add_argument("--data-host", default="127.0.0.1", help="address peers reach this node's data plane at")
+    parser.add_argument("--node-id", type=int, default=-1)
+    args = parser.parse_args(argv)
+    config = dataclasses.replace(EngineConfig(), model=args.model, device="cuda" if args.gpu is not None else args.device)
+    node_main(NodeSpec(args.router, config, args.node_id, args.gpu, args.transport, args.data_host, log_level="INFO"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

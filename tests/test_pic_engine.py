@@ -1,0 +1,171 @@
+"""Position-independent caching through the engine, on CPU, against full recompute (`none`)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from conftest import make_model_dir
+from engine_util import collect, cpu_config, greedy
+
+from hypic import AsyncEngine, SamplingParams
+from hypic.engine.llm_engine import LLMEngine
+from hypic.engine.segments import SegmentedPrompt
+
+SEP = "<|segment|>"
+SYSTEM = "Position-independent caching reuses documents at any position in the prompt."
+DOCS = ("the quick brown fox jumps over the lazy dog. hello world, héllo 世界 " * 2,
+        "Grüße aus Köln! naïve café résumé — the separator is removed. 1234 5678 90 " * 2,
+        "A segment is tokenized on its own; caching reuses documents at any position. " * 2)
+QUERY = "hello world, the quick brown fox"
+
+
+def prompt(*docs: str, query: str = QUERY) -> str:
+    return SEP.join([SYSTEM, *docs, query])
+
+
+def run(config, jobs):
+    """Requests one after another on one engine."""
+    async def main():
+        async with AsyncEngine(config) as engine:
+            return [await collect(engine, p, s, **kw) for p, s, kw in jobs]
+    return asyncio.run(main())
+
+
+def pic_config(model_dir, **overrides):
+    return cpu_config(model_dir, **{"seam_width": 4, "cpu_cache_bytes": 32 << 20, **overrides})
+
+
+def test_cold_then_warm_hypic_gives_the_same_tokens_and_counts_interiors(tiny_model_dir):
+    p = prompt(*DOCS)
+    cold, warm = run(pic_config(tiny_model_dir), [(p, greedy(6, logprobs=0), {})] * 2)
+    assert warm.tokens == cold.tokens
+    got = [lp.logprob for lp in warm.logprobs[0]]
+    assert got == pytest.approx([lp.logprob for lp in cold.logprobs[0]], abs=1e-5)
+    assert cold.metrics.cached_tokens_by_kind.get("pic", 0) == 0
+    engine_tokens = SegmentedPrompt.build(_tokenizer(tiny_model_dir), p, separator=SEP)
+    interiors = sum(len(s) - 8 for s in engine_tokens.segments[1:-1])  # [w, L - w) with w = 4 >= k - 1
+    assert warm.metrics.cached_tokens_by_kind["pic"] == interiors
+    assert warm.metrics.cached_tokens == interiors + warm.metrics.cached_tokens_by_kind.get("prefix", 0)
+
+
+def test_seam_wide_enough_to_recompute_everything_equals_none(tiny_model_dir):
+    p = prompt(*DOCS)
+    full, = run(pic_config(tiny_model_dir, cache_mode="none"), [(p, greedy(6, logprobs=0), {})])
+    wide = pic_config(tiny_model_dir, seam_width=10_000)
+    _, hypic = run(wide, [(p, greedy(6, logprobs=0), {})] * 2)
+    assert hypic.tokens == full.tokens
+    assert [x.logprob for x in hypic.logprobs[0]] == pytest.approx([x.logprob for x in full.logprobs[0]], abs=1e-5)
+
+
+def test_reordered_segments_hit_and_other_salts_never_do(tiny_model_dir):
+    config = pic_config(tiny_model_dir)
+    first, reordered, other_salt = run(config, [
+        (prompt(DOCS[0], DOCS[1]), greedy(2), {}), (prompt(DOCS[1], DOCS[0]), greedy(2), {}),
+        (prompt(DOCS[1], DOCS[0]), greedy(2), {"cache_salt": "tenant-b"})])
+    assert first.metrics.cached_tokens_by_kind.get("pic", 0) == 0
+    assert reordered.metrics.cached_tokens_by_kind["pic"] > 0
+    assert other_salt.metrics.cached_tokens_by_kind.get("pic", 0) == 0
+
+
+def test_warm_up_and_side_effect_caching_give_identical_results(tiny_model_dir):
+    target = prompt(DOCS[0], DOCS[1], query="the lazy dog")
+    warmup = SEP.join([SYSTEM, DOCS[0], DOCS[1], ""])  # empty query: only fills the cache
+    by_warmup = run(pic_config(tiny_model_dir), [(warmup, greedy(3), {}), (target, greedy(5, logprobs=0), {})])
+    side = prompt(DOCS[1], DOCS[0], query="something else")
+    by_side_effect = run(pic_config(tiny_model_dir), [(side, greedy(3), {}), (target, greedy(5, logprobs=0), {})])
+    assert by_warmup[0].tokens == []
+    a, b = by_warmup[1], by_side_effect[1]
+    assert a.tokens == b.tokens
+    assert [x.logprob for x in a.logprobs[0]] == pytest.approx([x.logprob for x in b.logprobs[0]], abs=1e-6)
+    assert a.metrics.cached_tokens_by_kind["pic"] == b.metrics.cached_tokens_by_kind["pic"] > 0
+
+
+def run_with_store_stats(config, jobs):
+    async def main():
+        async with AsyncEngine(config) as engine:
+            outs = [await collect(engine, p, s, **kw) for p, s, kw in jobs]
+            return outs, engine.core.store.stats()
+    return asyncio.run(main())
+
+
+def test_tiny_pool_evicts_and_stays_correct(tiny_model_dir):
+    jobs = [(prompt(d), greedy(3, logprobs=0), {}) for d in DOCS * 2]
+    roomy, stats = run_with_store_stats(pic_config(tiny_model_dir), jobs)
+    assert stats.evictions == 0 and stats.entries == 3
+    room_for_one = stats.bytes // 2  # the three entries are of similar size
+    tight, stats = run_with_store_stats(pic_config(tiny_model_dir, segment_pool_bytes=room_for_one), jobs)
+    assert stats.evictions >= 4 and stats.entries == 1
+    assert [o.tokens for o in tight] == [o.tokens for o in roomy]
+    assert [o.logprobs[0][-1].logprob for o in tight] == pytest.approx(
+        [o.logprobs[0][-1].logprob for o in roomy], abs=1e-6)
+
+
+def test_naive_mode_runs_and_differs_from_hypic(tiny_model_dir):
+    p = prompt(*DOCS)
+    jobs = [(p, greedy(4, logprobs=0), {})] * 2
+    naive = run(pic_config(tiny_model_dir, cache_mode="naive"), jobs)[1]
+    hypic = run(pic_config(tiny_model_dir), jobs)[1]
+    assert naive.metrics.cached_tokens_by_kind["pic"] > hypic.metrics.cached_tokens_by_kind["pic"]
+    assert [x.logprob for x in naive.logprobs[0]] != pytest.approx([x.logprob for x in hypic.logprobs[0]], abs=1e-3)
+
+
+# -- exactness where the algebra is exact --------------------------------------------------------
+
+def _tokenizer(model_dir):
+    from hypic.engine.tokenizer import Tokenizer
+    return Tokenizer.from_dir(model_dir)
+
+
+def _state_after_prefill(config, text: str, layer_id: int, warm_first: bool) -> dict:
+    """The running state (ssm, conv window) and KV pages of a request right after its prefill."""
+    engine = LLMEngine(config)
+    for _ in range(2 if warm_first else 1):
+        rid = engine.add_request(SegmentedPrompt.build(engine.tokenizer, text, separator=SEP), greedy(3))
+        seq = engine.requests[rid].sequences[0]
+        while not seq.output_ids:
+            engine.step()
+        snapshot = _snapshot(engine, seq, layer_id)
+        engine.abort(rid)
+    return snapshot
+
+
+def _snapshot(engine, seq, layer_id: int) -> dict:
+    caches = engine.caches
+    if layer_id in caches.shape.linear_layers:
+        ssm, conv = caches.state(layer_id)
+        return {"ssm": ssm[seq.slot].clone(), "conv": conv[seq.slot].clone()}
+    k, v = caches.kv(layer_id)
+    n, bs = seq.num_computed, caches.block_size
+    pages = torch.tensor(seq.block_ids)[torch.arange(n) // bs] * bs + torch.arange(n) % bs
+    return {"k": k.view(-1, *k.shape[2:])[pages], "v": v.view(-1, *v.shape[2:])[pages]}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_composed_state_at_the_first_linear_layer_equals_full_recompute(slow_decay_model_dir):
+    """Exact at layer 0 (its inputs are embeddings); needs the conv tail spliced after each interior."""
+    p = prompt(*DOCS)
+    full = _state_after_prefill(pic_config(slow_decay_model_dir, cache_mode="none"), p, 0, warm_first=False)
+    composed = _state_after_prefill(pic_config(slow_decay_model_dir), p, 0, warm_first=True)
+    assert _rel(composed["ssm"], full["ssm"]) <= 1e-4
+    assert _rel(composed["conv"], full["conv"]) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def attention_first_model(tmp_path_factory):
+    """Layer 0 is full attention: its K/V depend on embeddings only, so cached interiors must land
+    in the pages exactly as full recompute writes them (rotated at their global positions)."""
+    types = ["full_attention", "linear_attention", "linear_attention", "full_attention"]
+    return make_model_dir(tmp_path_factory.mktemp("attn_first"), slow_decay=True, layer_types=types,
+                          num_hidden_layers=4)
+
+
+def test_scattered_interior_kv_equals_full_recompute(attention_first_model):
+    p = prompt(*DOCS)
+    full = _state_after_prefill(pic_config(attention_first_model, cache_mode="none"), p, 0, warm_first=False)
+    warm = _state_after_prefill(pic_config(attention_first_model), p, 0, warm_first=True)
+    assert _rel(warm["k"], full["k"]) <= 1e-5
+    assert _rel(warm["v"], full["v"]) <= 1e-5
