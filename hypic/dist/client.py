@@ -29,10 +29,11 @@ from hypic.dist.dispatch import CombineLost, Dispatch
 from hypic.dist.messages import (Abort, Arrived, Failed, Generate, Output, Plan, PlanReply, Probe, ProbeReply,
                                  Progress, Shutdown)
 from hypic.dist.remote_errors import raise_remote
-from hypic.dist.router import Router, Segment
-from hypic.dist.segment_wire import key_of
+from hypic.dist.router import Router
+from hypic.dist.segment_wire import key_of, segment_job
 from hypic.dist.stats import (ClusterStats, DistRequestMetrics, DistStats, DistTimings, cluster_stats,
                               merge_engine_stats, sum_counters)
+from hypic.engine.pic_plan import SegmentJob
 from hypic.engine.segments import SegmentedPrompt
 from hypic.errors import EngineDeadError, InvalidRequestError
 from hypic.outputs import CompletionDelta, RequestOutput
@@ -59,7 +60,7 @@ class _Request:
     dispatch_task: asyncio.Task | None = None
     dispatch: Dispatch | None = None
     timings: DistTimings | None = None
-    segments: list[Segment] = field(default_factory=list)
+    segments: list[SegmentJob] = field(default_factory=list)
     prefix_hashes: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     generate_sent: float = 0.0
@@ -268,7 +269,7 @@ class DistributedEngineClient:
             return None
         if reply.error is not None:
             raise_remote(reply.error, planner.name)
-        record.segments = [Segment(key_of(job.key), tuple(job.token_ids)) for job in reply.jobs]
+        record.segments = [segment_job(job) for job in reply.jobs]
         record.prefix_hashes, record.prompt_tokens = reply.prefix_hashes, reply.prompt_tokens
         for job in reply.jobs:
             if job.cached:

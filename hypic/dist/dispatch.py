@@ -20,9 +20,10 @@ from typing import Any
 from hypic.cache.segment_store import SegmentKey
 from hypic.dist.cluster import Cluster, NodeHandle
 from hypic.dist.messages import Arrived, Build, Cancel, Expect, Job, Progress, Pull
-from hypic.dist.router import NodeLoad, Placement, Router, Segment
-from hypic.dist.segment_wire import key_ref
+from hypic.dist.router import NodeLoad, Placement, Router
+from hypic.dist.segment_wire import planned_job
 from hypic.dist.stats import DistTimings
+from hypic.engine.pic_plan import SegmentJob
 
 log = logging.getLogger("hypic.dist")
 
@@ -80,7 +81,7 @@ class Dispatch:
 
     # -- the dispatch -----------------------------------------------------------------------------
 
-    async def run(self, segments: list[Segment]) -> DistTimings:
+    async def run(self, segments: list[SegmentJob]) -> DistTimings:
         start = time.monotonic()
         nodes = self._candidates(set())
         placements = self._router.place(segments, self.combine.node_id, nodes)
@@ -100,7 +101,7 @@ class Dispatch:
             self._track(pending)
         remote = [p for p in fresh if p.source != self.combine.node_id]
         if remote:
-            await self._send(self.combine, Expect(self.request_id, [_job(p) for p in remote]))
+            await self._send(self.combine, Expect(self.request_id, [_job(p, with_tokens=False) for p in remote]))
         for (kind, source), group in itertools.groupby(fresh, key=lambda p: (p.placement.kind, p.source)):
             await self._send_jobs(kind, source, list(group))
 
@@ -118,7 +119,7 @@ class Dispatch:
 
     async def _send_jobs(self, kind: str, source: int, group: list[_Pending]) -> None:
         node = self._cluster.nodes.get(source)
-        jobs = [_job(p) for p in group]
+        jobs = [_job(p, with_tokens=kind == "build") for p in group]
         cls = Build if kind == "build" else Pull
         message = cls(self.request_id, self.combine.node_id, self.combine.hello.data_address, jobs)
         if node is None or not await self._send(node, message, fatal=False):
@@ -222,7 +223,7 @@ class Dispatch:
     def _charge(self, pending: _Pending) -> None:
         node = self._cluster.nodes.get(pending.source)
         if node is not None:
-            tokens = pending.placement.segment.num_tokens
+            tokens = len(pending.placement.segment.token_ids)
             node.pending_tokens += tokens
             self._charged[pending.transfer_id] = (node, tokens)
 
@@ -253,10 +254,8 @@ class Dispatch:
             segment_timeouts=t.timeouts, workers=len(t.sources), transfer_bytes=t.transfer_bytes)
 
 
-def _job(pending: _Pending) -> Job:
-    segment = pending.placement.segment
-    tokens = segment.token_ids if pending.placement.kind == "build" else ()
-    return Job(key_ref(segment.key), tokens, pending.transfer_id, segment.num_tokens)
+def _job(pending: _Pending, *, with_tokens: bool) -> Job:
+    return Job(planned_job(pending.placement.segment, with_tokens=with_tokens), pending.transfer_id)
 
 
 def _tried_key(pending: _Pending) -> tuple[int, ...]:

@@ -35,19 +35,22 @@ class KeyRef(msgspec.Struct, frozen=True, array_like=True):
     salt: str | None
 
 
-class Job(msgspec.Struct, frozen=True, array_like=True):
-    """One segment to prefill (token_ids) or to ship (token_ids empty), and the transfer that carries it."""
-
-    key: KeyRef
-    token_ids: tuple[int, ...]
-    transfer_id: int
-    num_tokens: int
-
-
 class PlannedJob(msgspec.Struct, frozen=True, array_like=True):
+    """A PIC segment of a prompt (hypic.engine.pic_plan.SegmentJob on the wire)."""
+
     key: KeyRef
     token_ids: tuple[int, ...]
-    cached: bool  # in the planning node's store now
+    interior: tuple[int, int]
+    identity_T: bool
+    cached: bool = False  # in the planning node's store now
+
+
+class Job(msgspec.Struct, frozen=True, array_like=True):
+    """A segment to prefill, to ship or to receive, and the transfer that carries it (token_ids are
+    only sent to the node that prefills it)."""
+
+    segment: PlannedJob
+    transfer_id: int
 
 
 class ErrorInfo(msgspec.Struct, frozen=True):

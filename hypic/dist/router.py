@@ -17,6 +17,7 @@ from hypic.dist.affinity import AffinityMap
 from hypic.dist.config import DistConfig
 from hypic.dist.directory import SegmentDirectory
 from hypic.dist.lpt import lpt_assign
+from hypic.engine.pic_plan import SegmentJob
 
 
 @dataclass(frozen=True)
@@ -27,18 +28,8 @@ class NodeLoad:
 
 
 @dataclass(frozen=True)
-class Segment:
-    key: SegmentKey
-    token_ids: tuple[int, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass(frozen=True)
 class Placement:
-    segment: Segment
+    segment: SegmentJob
     kind: Literal["local", "build", "pull"]  # local: the combine node holds it already
     source: int  # node that prefills it (build) or ships it (pull); the combine node when local
 
@@ -55,7 +46,7 @@ class Router:
     def least_loaded(self, nodes: Sequence[NodeLoad]) -> int:
         return min(nodes, key=lambda n: (self.load(n), n.node_id)).node_id
 
-    def choose_combine(self, nodes: Sequence[NodeLoad], segments: Sequence[Segment],
+    def choose_combine(self, nodes: Sequence[NodeLoad], segments: Sequence[SegmentJob],
                        prefix_hashes: Sequence[int]) -> int:
         """The conversation's previous node, else the one holding most of the segments' tokens,
         among nodes within `combine_load_slack_tokens` of the least loaded; ties: least loaded."""
@@ -67,7 +58,7 @@ class Router:
         held = {n.node_id: self._held_tokens(n.node_id, segments) for n in fit}
         return min(fit, key=lambda n: (-held[n.node_id], self.load(n), n.node_id)).node_id
 
-    def place(self, segments: Sequence[Segment], combine: int, nodes: Sequence[NodeLoad]) -> list[Placement]:
+    def place(self, segments: Sequence[SegmentJob], combine: int, nodes: Sequence[NodeLoad]) -> list[Placement]:
         """Where each segment comes from; `nodes` are the usable ones (the combine node among them).
         Builds are listed per source largest first: the order a worker prefills them in."""
         usable = {n.node_id: n for n in nodes}
@@ -83,23 +74,23 @@ class Router:
                 cold.append(segment)
         return placements + self._assign_cold(cold, combine, nodes)
 
-    def _assign_cold(self, cold: list[Segment], combine: int, nodes: Sequence[NodeLoad]) -> list[Placement]:
-        small = [s for s in cold if s.num_tokens < self.config.min_remote_tokens]
-        large = [s for s in cold if s.num_tokens >= self.config.min_remote_tokens]
+    def _assign_cold(self, cold: list[SegmentJob], combine: int, nodes: Sequence[NodeLoad]) -> list[Placement]:
+        small = [s for s in cold if len(s.token_ids) < self.config.min_remote_tokens]
+        large = [s for s in cold if len(s.token_ids) >= self.config.min_remote_tokens]
         placements = [Placement(s, "build", combine) for s in small]
-        start = [self.load(n) + (sum(s.num_tokens for s in small) if n.node_id == combine else 0) for n in nodes]
-        assignment = lpt_assign([s.num_tokens for s in large], len(nodes), start)
+        start = [self.load(n) + (sum(len(s.token_ids) for s in small) if n.node_id == combine else 0) for n in nodes]
+        assignment = lpt_assign([len(s.token_ids) for s in large], len(nodes), start)
         for i in assignment.order:
             placements.append(Placement(large[i], "build", nodes[assignment.owner[i]].node_id))
         return placements
 
-    def _held_tokens(self, node_id: int, segments: Sequence[Segment]) -> int:
-        return sum(s.num_tokens for s in segments if node_id in self.directory.holders(s.key))
+    def _held_tokens(self, node_id: int, segments: Sequence[SegmentJob]) -> int:
+        return sum(len(s.token_ids) for s in segments if node_id in self.directory.holders(s.key))
 
 
-def _unique(segments: Sequence[Segment]) -> list[Segment]:
+def _unique(segments: Sequence[SegmentJob]) -> list[SegmentJob]:
     """A document repeated in one prompt is fetched once."""
-    seen: dict[SegmentKey, Segment] = {}
+    seen: dict[SegmentKey, SegmentJob] = {}
     for segment in segments:
         seen.setdefault(segment.key, segment)
     return list(seen.values())

@@ -1,6 +1,6 @@
-"""Segment tuples and keys on the wire: a tuple travels as a flat list of tensors plus a small meta
+"""Segments, tuples and keys on the wire: a tuple travels as a flat list of tensors plus a small meta
 record (interior span and layer counts); the combine node sizes its destination from the model's
-segment layout before the tuple is even built.
+segment layout and the segment's interior before the tuple is even built.
 """
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import msgspec
 import torch
 
 from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentTuple
-from hypic.dist.messages import KeyRef, TensorSpec
+from hypic.dist.messages import KeyRef, PlannedJob, TensorSpec
+from hypic.engine.pic_plan import SegmentJob
 
 
 class TupleMeta(msgspec.Struct, frozen=True, array_like=True):
@@ -23,6 +24,16 @@ def key_ref(key: SegmentKey) -> KeyRef:
 
 def key_of(ref: KeyRef) -> SegmentKey:
     return SegmentKey(ref.digest, ref.salt)
+
+
+def planned_job(job: SegmentJob, *, with_tokens: bool = True) -> PlannedJob:
+    tokens = tuple(job.token_ids) if with_tokens else ()
+    return PlannedJob(key_ref(job.key), tokens, tuple(job.interior), job.identity_T, job.cached)
+
+
+def segment_job(planned: PlannedJob) -> SegmentJob:
+    return SegmentJob(key_of(planned.key), tuple(planned.token_ids), tuple(planned.interior), planned.identity_T,
+                      planned.cached)
 
 
 def tuple_tensors(tup: SegmentTuple) -> list[torch.Tensor]:
@@ -43,11 +54,6 @@ def tuple_from(tensors: list[torch.Tensor], meta: bytes) -> SegmentTuple:
     lin = [tensors[i * n_lin: (i + 1) * n_lin] for i in range(3)]
     full = tensors[3 * n_lin:]
     return SegmentTuple(info.interior, lin[0], lin[1], lin[2], full[:n_full], full[n_full:])
-
-
-def interior_span(num_tokens: int, seam_width: int, conv_kernel: int) -> tuple[int, int]:
-    """DESIGN §1: a segment's interior is [max(w, k-1), L-w)."""
-    return max(seam_width, conv_kernel - 1), num_tokens - seam_width
 
 
 def tuple_specs(layout: SegmentLayout, interior_len: int) -> list[TensorSpec]:

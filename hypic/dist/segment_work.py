@@ -18,13 +18,12 @@ from collections.abc import Awaitable, Callable
 import msgspec
 import torch
 
-from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentTuple
+from hypic.cache.segment_store import SegmentKey, SegmentTuple
 from hypic.dist.messages import Arrived, Build, Expect, Job, NodeCounters, Progress, Pull
 from hypic.dist.remote_errors import error_info
-from hypic.dist.segment_wire import interior_span, key_of, tuple_from, tuple_meta, tuple_specs, tuple_tensors
+from hypic.dist.segment_wire import key_of, segment_job, tuple_from, tuple_meta, tuple_specs, tuple_tensors
 from hypic.dist.transport import Received, TensorTransport, allocate
 from hypic.engine.async_engine import AsyncEngine
-from hypic.engine.pic_plan import SegmentJob
 
 log = logging.getLogger("hypic.dist")
 Report = Callable[[msgspec.Struct], Awaitable[None]]
@@ -84,11 +83,11 @@ class SegmentWork:
                 self._ship(message.request_id, message.dest_address, job, tup)
 
     async def _build_one(self, request_id: str, job: Job) -> tuple[SegmentTuple | None, float]:
-        key, start = key_of(job.key), time.perf_counter()
+        key, start = key_of(job.segment.key), time.perf_counter()
         building = self._building[key] = asyncio.get_running_loop().create_future()
         tup = None
         try:
-            [tup] = await self.engine.build_segments([SegmentJob(key, job.token_ids, False)])
+            [tup] = await self.engine.build_segments([segment_job(job.segment)])
         except Exception as error:  # noqa: BLE001 - the router re-dispatches; this node keeps serving
             log.exception("building segment for %s failed", request_id)
             await self._fail(request_id, job, error_info(error))
@@ -103,7 +102,7 @@ class SegmentWork:
 
     async def _pull(self, message: Pull) -> None:
         for job in message.jobs:
-            key = key_of(job.key)
+            key = key_of(job.segment.key)
             building = self._building.get(key)
             tup = await asyncio.shield(building) if building is not None else await self.engine.export_segment(key)
             if tup is None:
@@ -138,7 +137,7 @@ class SegmentWork:
         received: Received = await arrival
         try:
             tup = tuple_from(received.tensors, received.meta)
-            stored = bool(await self.engine.import_segment(key_of(job.key), tup))
+            stored = bool(await self.engine.import_segment(key_of(job.segment.key), tup))
         except Exception:  # noqa: BLE001 - a bad tuple costs a local prefill, never the request
             log.exception("importing a segment of %s failed", request_id)
             stored = False
@@ -146,11 +145,9 @@ class SegmentWork:
 
     def _destination(self, job: Job) -> list[torch.Tensor] | None:
         """Tensors shaped like the tuple this job will bring, so the payload lands in place."""
-        layout, seam_width, conv_kernel = segment_geometry(self.engine)
-        start, end = interior_span(job.num_tokens, seam_width, conv_kernel)
-        if end <= start:
-            return None
+        start, end = job.segment.interior
         pin = self.engine.device.type == "cuda" and self.transport.device.type == "cpu"
+        layout = self.engine.core.store.layout
         return allocate(tuple_specs(layout, end - start), self.transport.device, pin=pin)
 
     def _spawn(self, request_id: str, work: Awaitable[None]) -> None:
@@ -167,13 +164,6 @@ class SegmentWork:
                 del self._tasks[request_id]
         if not task.cancelled() and task.exception() is not None:
             log.error("segment work of %s failed", request_id, exc_info=task.exception())
-
-
-def segment_geometry(engine: AsyncEngine) -> tuple[SegmentLayout, int, int]:
-    """The engine's segment layout, seam width and conv kernel width (what sizes a tuple)."""
-    core = engine.core
-    layout = core.segments.layout
-    return layout, engine.config.seam_width, layout.conv_kernel
 
 
 def _ready_marker(tup: SegmentTuple) -> object | None:

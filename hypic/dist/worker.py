@@ -27,11 +27,11 @@ from hypic.config import EngineConfig
 from hypic.dist.affinity import prefix_hashes
 from hypic.dist.link import Link
 from hypic.dist.messages import (NODE_CODEC, Abort, Build, Cancel, Expect, Failed, Generate, Heartbeat,
-                                 Hello, Output, Plan, PlannedJob, PlanReply, Probe, ProbeReply, Pull,
+                                 Hello, Output, Plan, PlanReply, Probe, ProbeReply, Pull,
                                  Shutdown, Welcome, read_message, write_message)
 from hypic.dist.net import connect
 from hypic.dist.remote_errors import error_info
-from hypic.dist.segment_wire import key_ref
+from hypic.dist.segment_wire import planned_job
 from hypic.dist.segment_work import SegmentWork
 from hypic.dist.transport import TensorTransport
 from hypic.engine.async_engine import AsyncEngine
@@ -176,7 +176,7 @@ class EngineNode:
         except HypicError as error:
             return PlanReply(message.call_id, error=error_info(error))
         hashes = prefix_hashes(prompt.token_ids, message.cache_salt, self.spec.affinity_granularity)
-        planned = [PlannedJob(key_ref(job.key), tuple(job.token_ids), job.cached) for job in jobs]
+        planned = [planned_job(job) for job in jobs]
         return PlanReply(message.call_id, prompt.num_tokens, planned, hashes)
 
     async def _heartbeats(self) -> None:

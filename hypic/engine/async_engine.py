@@ -10,13 +10,16 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from hypic.config import EngineConfig
+from hypic.cache.segment_store import SegmentKey, SegmentTuple
 from hypic.engine.llm_engine import EngineStats, LLMEngine
+from hypic.engine.pic_plan import SegmentJob
 from hypic.engine.segments import SegmentedPrompt
 from hypic.engine.tokenizer import Tokenizer
 from hypic.errors import EngineDeadError, EngineOverloadedError, HypicError
@@ -40,6 +43,21 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True)
+class _Call:
+    """Runs `fn(core)` in the core thread and resolves `future` with its result."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future
+
+
+@dataclass
+class _SegmentWait:
+    keys: set  # keys still being prefilled
+    jobs: tuple[SegmentJob, ...]
+    future: asyncio.Future
+
+
 class _Stop:
     pass
 
@@ -55,6 +73,7 @@ class AsyncEngine:
         self._drained = asyncio.Event()
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
+        self._segment_waits: list[_SegmentWait] = []  # core thread only
         self.accepting = False
 
     async def __aenter__(self) -> AsyncEngine:
@@ -119,6 +138,37 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    # -- segments (PIC), for peers and operators -------------------------------------------------
+
+    def segment_jobs(self, prompt: str | list[str] | list[int], *, cache_salt: str | None = None,
+                     cache_mode: str | None = None) -> list[SegmentJob]:
+        """The PIC segments of a prompt in order, each marked with whether this engine stores it."""
+        segmented = SegmentedPrompt.build(self.tokenizer, prompt, separator=self.config.segment_separator)
+        return self._require_core().segment_jobs(segmented, cache_salt, cache_mode)
+
+    async def build_segments(self, jobs: list[SegmentJob]) -> list[SegmentTuple | None]:
+        """Prefills the segments here (batched with everything else), stores and returns their tuples
+        (None for one the pool could not hold)."""
+        future = self._loop.create_future()
+        self._inbox.put(_SegmentWait(set(), tuple(jobs), future))
+        return await future
+
+    async def export_segment(self, key: SegmentKey) -> SegmentTuple | None:
+        return await self._call(lambda core: core.export_segment(key))
+
+    async def import_segment(self, key: SegmentKey, tup: SegmentTuple) -> bool:
+        return await self._call(lambda core: core.import_segment(key, tup))
+
+    async def flush_segments(self, salt: str | None = None) -> int:
+        """Drops the public pool's entries (of one salt) and the matching prefix checkpoints."""
+        return await self._call(lambda core: core.flush_segments(salt))
+
+    async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        self._check_alive()
+        future = self._loop.create_future()
+        self._inbox.put(_Call(fn, future))
+        return await future
+
     def stats(self) -> EngineStats:
         return self._require_core().stats()
 
@@ -145,9 +195,14 @@ class AsyncEngine:
 
     # -- event-loop side -------------------------------------------------------------------------
 
-    def _check_accepting(self) -> None:
+    def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop died: {self._dead!r}")
+        if self._thread is None:
+            raise EngineDeadError("the engine is not running (not started, or shut down)")
+
+    def _check_accepting(self) -> None:
+        self._check_alive()
         if not self.accepting:
             raise EngineDeadError("the engine is not running (not started, or shutting down)")
         waiting = len(self._require_core().scheduler.waiting) + self._inbox.qsize()
@@ -180,6 +235,7 @@ class AsyncEngine:
                         return
                 for output in core.step():
                     self._send(output.request_id, output)
+                self._settle_segment_waits(core)
         except BaseException as error:  # noqa: BLE001 - every waiter must learn the engine died
             logger.exception("engine loop died")
             self._dead = error
@@ -200,7 +256,39 @@ class AsyncEngine:
         elif isinstance(command, _Abort):
             if (output := core.abort(command.request_id)) is not None:
                 self._send(command.request_id, output)
+        elif isinstance(command, _Call):
+            self._resolve(command.future, command.fn, core)
+        elif isinstance(command, _SegmentWait):
+            core.start_segment_jobs(list(command.jobs))
+            command.keys = {job.key for job in command.jobs if job.key in core.pic.jobs}
+            self._segment_waits.append(command)
+            self._settle_segment_waits(core)
         return True
+
+    def _settle_segment_waits(self, core: LLMEngine) -> None:
+        finished = {key for key, _ in core.finished_segments}
+        for wait in list(self._segment_waits):
+            wait.keys -= finished
+            if not wait.keys:
+                self._segment_waits.remove(wait)
+                self._resolve(wait.future, lambda c: [c.export_segment(j.key) for j in wait.jobs], core)
+
+    def _resolve(self, future: asyncio.Future, fn: Callable[[LLMEngine], Any], core: LLMEngine) -> None:
+        try:
+            result = fn(core)
+        except Exception as error:  # noqa: BLE001 - handed to the awaiting caller
+            self._loop.call_soon_threadsafe(_settle, future, None, error)
+        else:
+            self._loop.call_soon_threadsafe(_settle, future, result, None)
 
     def _send(self, request_id: str, item: RequestOutput | BaseException) -> None:
         self._loop.call_soon_threadsafe(self._deliver, request_id, item)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # the awaiting caller was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -13,10 +13,11 @@ from hypic.cache.block_pool import BlockPool
 from hypic.cache.memory_plan import CachePlan, plan_cache
 from hypic.cache.model_caches import ModelCaches
 from hypic.cache.prefix_cache import PrefixCache, PrefixCacheStats
-from hypic.cache.segment_store import SegmentLayout, SegmentStore
+from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentStore, SegmentTuple
 from hypic.cache.slot_pool import SlotPool
 from hypic.config import CACHE_MODES, EngineConfig
 from hypic.engine.pic_assembly import PicAssembler
+from hypic.engine.pic_plan import SegmentJob
 from hypic.engine.request_state import Completion, RequestState
 from hypic.engine.runner import ModelRunner, RunnerSettings
 from hypic.engine.sampler import Sampler, SamplingRow, make_generator, validate_for_vocab
@@ -69,6 +70,7 @@ class LLMEngine:
         self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.token_text, seed=config.seed)
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
+        self.finished_segments: list[tuple[SegmentKey, bool]] = []
         self.counters = dict.fromkeys(("finished", "aborted", "prompt", "generated", "cached"), 0)
         logger.info("hypic engine ready: %s on %s (%s), %s, max_model_len %d", self.model_dir.name,
                     self.device, str(self.dtype).removeprefix("torch."), self.plan, self.max_model_len)
@@ -92,6 +94,31 @@ class LLMEngine:
         self.counters["prompt"] += len(info.prompt_ids)
         return request_id
 
+    # -- segments (PIC): for peers that prefill or pull segments for one another -------------------
+
+    def segment_jobs(self, prompt: SegmentedPrompt, cache_salt: str | None = None,
+                     cache_mode: str | None = None) -> list[SegmentJob]:
+        """A prompt's PIC segments, each marked with whether the local store holds it."""
+        planned = self.pic.plan(prompt, cache_mode or self.config.cache_mode, cache_salt)
+        return [dataclasses.replace(p.job, cached=p.job.key in self.store) for p in planned]
+
+    def start_segment_jobs(self, jobs: list[SegmentJob]) -> None:
+        """Prefill (as cold child jobs) the segments that are neither stored nor under way."""
+        for job in jobs:
+            if job.key not in self.store and job.key not in self.pic.jobs:
+                self.scheduler.add(self.pic.start_job(job), first=True)
+
+    def export_segment(self, key: SegmentKey) -> SegmentTuple | None:
+        return self.pic.export(key)
+
+    def import_segment(self, key: SegmentKey, tup: SegmentTuple) -> bool:
+        return self.store.put(key, tup)
+
+    def flush_segments(self, salt: str | None = None) -> int:
+        """Drops the public pool (or one salt's entries) and the prefix checkpoints with it."""
+        self.prefix.clear(salt)
+        return self.store.flush(salt)
+
     def abort(self, request_id: str) -> RequestOutput | None:
         state = self.requests.pop(request_id, None)
         if state is None:
@@ -112,8 +139,10 @@ class LLMEngine:
         self.pic.scatter(batch)
         logits, capture = self.runner.execute(batch)
         self.scheduler.after_step(batch)
-        for job in self.pic.after_step(batch, capture):
+        self.finished_segments = []  # (key, stored) of the cold segments this step finished
+        for job, stored in self.pic.after_step(batch, capture):
             self.scheduler.finish(job, "stop")
+            self.finished_segments.append((job.segment_job.key, stored))
         rows = self._sampling_rows(batch)
         deltas: dict[str, list[CompletionDelta]] = {}
         if rows:

@@ -21,6 +21,9 @@ from hypic.engine.scheduler import ScheduledBatch
 from hypic.engine.segments import SegmentedPrompt
 from hypic.engine.sequence import RequestInfo, Sequence
 from hypic.kernels.scatter_kv import scatter_kv
+from hypic.sampling_params import SamplingParams
+
+_PREFILL_ONLY = SamplingParams(max_tokens=0)
 
 
 class PicAssembler:
@@ -30,7 +33,6 @@ class PicAssembler:
         self.fingerprint, self.conv_kernel, self.seam_width = fingerprint, conv_kernel, seam_width
         self.jobs: dict[SegmentKey, Sequence] = {}  # cold segments being prefilled
         self.waiters: dict[SegmentKey, list[tuple[Sequence, PlannedSegment]]] = defaultdict(list)
-        self.finished_jobs: list[tuple[SegmentKey, bool]] = []  # (key, stored) since the last take
 
     def plan(self, prompt: SegmentedPrompt, mode: str, salt: str | None) -> list[PlannedSegment]:
         if mode not in ("hypic", "naive"):
@@ -53,8 +55,7 @@ class PicAssembler:
             seq.awaiting.add(segment.job.key)
             self.waiters[segment.job.key].append((seq, segment))
             if segment.job.key not in self.jobs:
-                self.jobs[segment.job.key] = job = self._job_sequence(seq.info, segment.job)
-                new_jobs.append(job)
+                new_jobs.append(self.start_job(segment.job))
         if planned:
             seq.approximate_from = planned[0].span[0]
         return new_jobs
@@ -65,8 +66,8 @@ class PicAssembler:
             for piece in seq.cached:
                 self._scatter_piece(seq, piece)
 
-    def after_step(self, batch: ScheduledBatch, capture: Capture | None) -> list[Sequence]:
-        """Unpins composed pieces, stores captured tuples; returns the finished job sequences."""
+    def after_step(self, batch: ScheduledBatch, capture: Capture | None) -> list[tuple[Sequence, bool]]:
+        """Unpins composed pieces, stores captured tuples; returns (finished job, stored) pairs."""
         for scheduled in batch.chunks:
             for _, piece in scheduled.chunk.cached:
                 self.store.unpin(piece.entry)
@@ -76,9 +77,26 @@ class PicAssembler:
         for j, job in enumerate(capture.jobs):
             stored = self.store.put(job.key, _tuple_of(capture, j, job))
             self._wake(job.key, stored)
-            done.append(self.jobs.pop(job.key))
-            self.finished_jobs.append((job.key, stored))
+            done.append((self.jobs.pop(job.key), stored))
         return done
+
+    def start_job(self, job: SegmentJob) -> Sequence:
+        """The isolated prefill of one cold segment (one per key at a time)."""
+        self.jobs[job.key] = seq = self._job_sequence(job)
+        return seq
+
+    def export(self, key: SegmentKey) -> SegmentTuple | None:
+        """A copy of a stored tuple (to send to a peer), or None if the store lacks it."""
+        entry = self.store.get(key)
+        if entry is None:
+            return None
+        n_lin, n_full = entry.layout.num_linear, entry.layout.num_full
+        tup = SegmentTuple(entry.interior, [entry.T(i).clone() for i in range(n_lin)],
+                           [entry.S0(i).clone() for i in range(n_lin)],
+                           [entry.conv_tail(i).clone() for i in range(n_lin)],
+                           [entry.K(j).clone() for j in range(n_full)], [entry.V(j).clone() for j in range(n_full)])
+        self.store.unpin(entry)
+        return tup
 
     def release(self, seq: Sequence) -> None:
         """A finished or aborted sequence gives back its pins and stops waiting."""
@@ -101,8 +119,8 @@ class PicAssembler:
         start, end = segment.span
         seq.cached = sorted([*seq.cached, Cached(start, end, entry)], key=lambda p: p.start)
 
-    def _job_sequence(self, info: RequestInfo, job: SegmentJob) -> Sequence:
-        job_info = RequestInfo(f"segment-{job.key.digest.hex()[:16]}", info.params, job.token_ids,
+    def _job_sequence(self, job: SegmentJob) -> Sequence:
+        job_info = RequestInfo(f"segment-{job.key.digest.hex()[:16]}", _PREFILL_ONLY, job.token_ids,
                                (len(job.token_ids),), job.key.salt, "none", self.seam_width)
         seq = Sequence(job_info, 0)
         seq.segment_job = job
