@@ -105,16 +105,36 @@ def bench_hypic(path: Path, weights: dict, args: argparse.Namespace) -> dict:
     config = EngineConfig(model=str(path), device="cuda", state_dict=weights, max_model_len=max(args.lengths) + 64,
                           max_num_seqs=max(args.batches), max_num_batched_tokens=args.chunk,
                           gpu_memory_utilization=0.92, cache_mode="none")
+    start = time.perf_counter()
     engine = LLMEngine(config)
+    graphs = engine.runner.graphs
+    print(f"hypic engine ready in {time.perf_counter() - start:.0f} s, {engine.plan}, "
+          f"decode graphs for {graphs.sizes if graphs else None}", flush=True)
     hypic_prefill(engine, 2048)
     out = {"prefill": {}, "decode": {}}
     for n in args.lengths:
         hypic_prefill(engine, n)
         out["prefill"][n] = n / min(hypic_prefill(engine, n) for _ in range(2))
+        print(f"hypic prefill {n}: {out['prefill'][n]:.0f} tok/s", flush=True)
     for b in args.batches:
         out["decode"][b] = hypic_decode(engine, b, args.steps)
+        print(f"hypic decode batch {b}: {out['decode'][b]:.0f} tok/s", flush=True)
+    if args.profile:
+        profile_hypic(engine, args)
     del engine
     return out
+
+
+def profile_hypic(engine: LLMEngine, args: argparse.Namespace) -> None:
+    """Top GPU kernels of one prefill (the largest length up to 16k) and of decode steps (largest batch)."""
+    from torch.profiler import ProfilerActivity, profile
+    n = max(x for x in args.lengths if x <= 16384)
+    for name, work in ((f"prefill {n}", lambda: hypic_prefill(engine, n)),
+                       (f"decode batch {max(args.batches)}", lambda: hypic_decode(engine, max(args.batches), 4))):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            work()
+        print(f"---- profile: hypic {name}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70), flush=True)
 
 
 def bench_transformers(config: dict, weights: dict, args: argparse.Namespace) -> dict:
@@ -129,8 +149,10 @@ def bench_transformers(config: dict, weights: dict, args: argparse.Namespace) ->
         _hf_prefill(model, 2048)
         for n in args.hf_lengths:
             out["prefill"][n] = n / min(_hf_prefill(model, n) for _ in range(2))
+            print(f"transformers prefill {n}: {out['prefill'][n]:.0f} tok/s", flush=True)
         for b in args.batches:
             out["decode"][b] = _hf_decode(model, b, max(4, args.steps // 4))
+            print(f"transformers decode batch {b}: {out['decode'][b]:.0f} tok/s", flush=True)
     del model
     return out
 
@@ -174,6 +196,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--chunk", type=int, default=16384, help="max_num_batched_tokens")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler's top kernels of hypic")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/engine_h200.json"))
     args = parser.parse_args()

@@ -169,19 +169,30 @@ def main() -> None:
     torch.manual_seed(0)
     results = []
     print(f"{'kernel':34} {'shape':28} {'ms':>9} {'GB/s':>8} {'TFLOP/s':>8} {'%bw':>6} {'%flop':>6}  bound")
+    failures: list[str] = []
     for make in cases():
-        result = measure(make())
+        try:
+            result = measure(make())
+        except Exception as e:  # one broken kernel must not hide the others' numbers
+            failures.append(repr(e))
+            print(f"FAILED: {e!r}", flush=True)
+            continue
         results.append(result)
         print(f"{result.kernel:34} {result.shape:28} {result.ms:9.4f} {result.gb_per_s:8.0f} "
               f"{result.tflop_per_s:8.1f} {100 * result.bandwidth_fraction:6.1f} {100 * result.flop_fraction:6.1f}"
-              f"  {result.bound}")
+              f"  {result.bound}", flush=True)
         torch.cuda.empty_cache()
+        write_report(args.out, results, failures)  # after every case: a killed run keeps what it measured
+    print(f"wrote {args.out}")
+
+
+def write_report(out: Path, results: list[Result], failures: list[str]) -> None:
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype=str(DTYPE),
                   hbm_bytes_per_s=HBM_BYTES_PER_S, bf16_flops=BF16_FLOPS,
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(), results=[asdict(r) for r in results])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(), results=[asdict(r) for r in results],
+                  failures=failures)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -62,14 +62,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=max(1, min(12, (multiprocessing.cpu_count() or 2) - 2)))
     p.add_argument("--eval-per-kind", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (pads to 256)")
+    p.add_argument("--log-every", type=int, default=25, help="steps between loss-curve points")
     p.add_argument("--tiny", action="store_true", help="a 0.4 M parameter model of the same layout")
-    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, about 20 s")
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, about 30 s")
     args = p.parse_args()
     if args.smoke:
         args.tiny = True
-        args.time_limit, args.budget_s, args.tokens_per_step = 20.0, 12.0, 2048
-        args.eval_per_kind, args.workers, args.warmup = 1, 1, 5
+        args.time_limit, args.budget_s, args.tokens_per_step = 30.0, 20.0, 2048
+        args.eval_per_kind, args.workers, args.warmup, args.log_every = 1, 1, 5, 5
     return args
 
 
@@ -120,7 +120,7 @@ class Feed:
 
     def __init__(self, args: argparse.Namespace) -> None:
         tokenizer = str(args.model_dir / "tokenizer.json")
-        self.args, self.multiple = args, 256 if args.compile else args.chunk
+        self.args, self.multiple = args, args.chunk
         self.pool = multiprocessing.get_context("fork").Pool(args.workers, init_worker, (tokenizer,))
         self.pending: collections.deque = collections.deque()
         self.ready: collections.deque = collections.deque()
@@ -236,12 +236,11 @@ def main() -> None:
     resumed = ckpt.exists()
     state, curve = ckpt.load(net, opt) if resumed else (
         {"step": 0, "stage": 0, "train_s": 0.0, "group": 0, "stage_step": 0, "runs": 0}, {"points": [], "evals": []})
-    model = torch.compile(net) if args.compile else net
     tokenizer = Tokenizer.from_file(str(args.model_dir / "tokenizer.json"))
     feed.restart(state["stage"], state["group"])
     params = sum(p.numel() for p in net.parameters())
     print(f"device {device} params {params / 1e6:.2f}M resumed={resumed} state={state}", flush=True)
-    train(args, model, net, opt, feed, device, state, curve, resumed, started, ckpt)
+    train(args, net, opt, feed, device, state, curve, resumed, started, ckpt)
     curve["evals"].append({"step": state["step"], "stage": state["stage"],
                            **run_evals(net, args, tokenizer, device, state["stage"])})
     print(json.dumps(curve["evals"][-1]), flush=True)
@@ -251,7 +250,7 @@ def main() -> None:
     print(f"saved {args.ckpt} after {time.monotonic() - started:.0f}s", flush=True)
 
 
-def train(args, model, net, opt, feed: Feed, device, state: dict, curve: dict, resumed: bool,
+def train(args, net, opt, feed: Feed, device, state: dict, curve: dict, resumed: bool,
           started: float, ckpt: Checkpoint) -> None:
     reserve = 8.0 if args.smoke else 45.0  # evaluation + save at the end
     meter, gate_meter = Meter(device), Meter(device)
@@ -262,7 +261,7 @@ def train(args, model, net, opt, feed: Feed, device, state: dict, curve: dict, r
         b = to_device(batch, device)
         for group in opt.param_groups:
             group["lr"] = lr_at(args, state["train_s"], run_step, resumed)
-        loss, correct = answer_loss(model, b, device)
+        loss, correct = answer_loss(net, b, device)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         opt.step()
@@ -270,7 +269,7 @@ def train(args, model, net, opt, feed: Feed, device, state: dict, curve: dict, r
         meter.add(loss, correct, b, batch.tokens)
         gate_meter.add(loss, correct, b, batch.tokens)
         state["step"], state["stage_step"], run_step = state["step"] + 1, state["stage_step"] + 1, run_step + 1
-        if state["step"] % 25 == 0:
+        if state["step"] % args.log_every == 0:
             log_point(args, meter, state, curve, opt, last_log)
             meter.reset()
             last_log = time.monotonic()

@@ -59,8 +59,8 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()  # e^(c_t - c_j), j <= t
     kk = (k @ k.transpose(-1, -2)) * decay
     system = torch.eye(chunk, device=q.device) + (beta.unsqueeze(-1) * kk).tril(-1)
-    u0 = torch.linalg.solve_triangular(system, beta.unsqueeze(-1) * v, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, (beta * c.exp()).unsqueeze(-1) * k, upper=False, unitriangular=True)
+    rhs = torch.cat((beta.unsqueeze(-1) * v, (beta * c.exp()).unsqueeze(-1) * k), -1)  # one solve for both
+    u0, w = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split([v.shape[-1], d], -1)
     qk = (q @ k.transpose(-1, -2)) * decay
     q_decayed, k_to_end = q * c.exp().unsqueeze(-1), k * (c[..., -1:] - c).exp().unsqueeze(-1)
     state = q.new_zeros(b, h, d, v.shape[-1])
@@ -144,9 +144,7 @@ class GatedAttention(nn.Module):
         q = apply_rope(self.q_norm(q).transpose(1, 2), *rope)
         k = apply_rope(self.k_norm(self.k_proj(x).view(bsz, t, self.hkv, self.d)).transpose(1, 2), *rope)
         v = self.v_proj(x).view(bsz, t, self.hkv, self.d).transpose(1, 2)
-        rep = self.hq // self.hkv
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True)
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, enable_gqa=True)
         o = o.transpose(1, 2).reshape(bsz, t, -1) * torch.sigmoid(gate.reshape(bsz, t, -1))
         return self.o_proj(o)
 

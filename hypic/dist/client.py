@@ -162,12 +162,22 @@ class DistributedEngineClient:
                 log.warning("shutdown: aborting %d requests after %.1f s", len(self._requests), grace_s)
         for request_id in list(self._requests):
             await self.abort(request_id)
+        self.cluster.closing = True
+        self.nodes.expect_exit()
         for node in self.cluster.alive():
             await self._send(node, Shutdown(0.0))
         await self.nodes.stop()
         await self.cluster.close()
 
     # -- tools (tests, benchmarks) ----------------------------------------------------------------
+
+    def node_of(self, request_id: str) -> int | None:
+        """The node generating a request now (its combine node), or None."""
+        record = self._requests.get(request_id)
+        if record is None:
+            return None
+        node = record.node or (record.dispatch.combine if record.dispatch is not None else None)
+        return node.node_id if node is not None else None
 
     async def probe(self, node_id: int) -> ProbeReply:
         """Fresh stats and segment counters of one node."""

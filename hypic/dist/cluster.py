@@ -71,7 +71,7 @@ class Cluster:
         self._changed = asyncio.Condition()
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._closing = False
+        self.closing = False  # set when the cluster shuts down: nodes leaving is expected
 
     async def start(self) -> str:
         """Listen for nodes; returns the address they join at."""
@@ -80,7 +80,7 @@ class Cluster:
         return address
 
     async def close(self) -> None:
-        self._closing = True
+        self.closing = True
         if self._server is not None:
             self._server.close()
         for node in list(self.nodes.values()):
@@ -132,7 +132,7 @@ class Cluster:
         await handle.link.closed.wait()
         if self.nodes.get(handle.node_id) is handle:
             del self.nodes[handle.node_id]
-        if not self._closing:
+        if not self.closing:
             self.deaths += 1
             log.warning("%s left (connection closed)", handle.name)
             self._listener.node_down(handle, "died")

@@ -123,11 +123,15 @@ class LocalNodes:
         self._ever_joined.add(node_id)
         self._failures[node_id] = 0
 
-    async def stop(self) -> None:
-        """Wait for the nodes to exit (they were told to); terminate those that do not."""
+    def expect_exit(self) -> None:
+        """The nodes are about to be told to exit: stop restarting them."""
         self._stopping = True
         for process in self._processes.values():
             self._loop.remove_reader(process.sentinel)
+
+    async def stop(self) -> None:
+        """Wait for the nodes to exit (they were told to); terminate those that do not."""
+        self.expect_exit()
         await asyncio.to_thread(self._reap)
 
     def _reap(self) -> None:

@@ -103,7 +103,7 @@ class TensorTransport(ABC):
         self._connecting: dict[str, asyncio.Lock] = {}
         self._slots: dict[int, _Slot] = {}
         self._cancelled: OrderedDict[str, None] = OrderedDict()
-        self._accepted: set[asyncio.Task] = set()
+        self._accepted: set[asyncio.StreamWriter] = set()  # incoming connections, closed on close()
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -119,8 +119,8 @@ class TensorTransport(ABC):
             peer.writer.close()
             self._close_channel(peer.state)
         self._peers.clear()
-        for task in list(self._accepted):
-            task.cancel()
+        for writer in list(self._accepted):
+            writer.close()  # their readers see EOF and end
         for slot in self._slots.values():
             if slot.future is not None and not slot.future.done():
                 slot.future.cancel()
@@ -207,8 +207,8 @@ class TensorTransport(ABC):
     # -- the receiving side of a connection --------------------------------------------------------
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task, state = asyncio.current_task(), None
-        self._accepted.add(task)
+        state = None
+        self._accepted.add(writer)
         try:
             state = await self._accept_channel(reader, writer)
             while True:
@@ -217,7 +217,7 @@ class TensorTransport(ABC):
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass  # the sender went away; its transfers in flight are its router's to retry
         finally:
-            self._accepted.discard(task)
+            self._accepted.discard(writer)
             writer.close()
             self._close_channel(state)
 

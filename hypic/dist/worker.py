@@ -63,7 +63,9 @@ def node_main(spec: NodeSpec) -> None:
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s node{spec.node_id} %(levelname)s %(message)s")
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    sys.exit(_run(EngineNode(spec).run()))
+    code = _run(EngineNode(spec).run())
+    logging.shutdown()
+    os._exit(code)  # everything is closed; skip the interpreter's slow teardown of torch
 
 
 def make_transport(kind: str, device: torch.device) -> TensorTransport:

@@ -1,0 +1,105 @@
+"""Fidelity of the assembled running state (paper Table 4, §4.2): relative L2 and angle of the
+linear-layer state after a PIC prefill against full recompute, at the first and the deepest linear
+layer, for hypic and naive, with 2 and 4 segments.
+
+    python scripts/bench_fidelity.py                       # the bundled model, on CPU
+    python scripts/bench_fidelity.py --shape qwen3_5_moe   # a released shape, random weights, on GPU
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import random
+from pathlib import Path
+
+import torch
+
+from hypic import EngineConfig, SamplingParams
+from hypic.engine.llm_engine import LLMEngine
+from hypic.engine.segments import SegmentedPrompt
+
+
+def state_after_prefill(engine: LLMEngine, prompt: SegmentedPrompt, mode: str, layers: list[int]) -> list[torch.Tensor]:
+    """Each layer's running state right after the prompt, read from the request's slot."""
+    request_id = engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0), cache_mode=mode)
+    seq = engine.requests[request_id].sequences[0]
+    while not seq.output_ids:
+        engine.step()
+    states = [engine.caches.state(layer)[0][seq.slot].double().clone() for layer in layers]
+    engine.abort(request_id)
+    return states
+
+
+def compare(state: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
+    rel = float((state - reference).norm() / reference.norm())
+    cosine = float((state * reference).sum() / (state.norm() * reference.norm()))
+    return {"rel_l2": rel, "angle_deg": math.degrees(math.acos(max(-1.0, min(1.0, cosine))))}
+
+
+def measure(engine: LLMEngine, num_segments: int, segment_len: int, rng: random.Random) -> dict:
+    vocab = engine.tokenizer.vocab_size
+    pieces = [tuple(rng.randrange(3, vocab) for _ in range(n)) for n in [32] + [segment_len] * num_segments + [32]]
+    prompt = SegmentedPrompt(tuple(pieces))
+    layers = list(engine.caches.shape.linear_layers)
+    layers = [layers[0], layers[-1]]
+    reference = state_after_prefill(engine, prompt, "none", layers)
+    result = {}
+    for mode in ("hypic", "naive"):
+        engine.flush_segments()
+        state_after_prefill(engine, prompt, mode, layers)  # cold: builds the tuples
+        warm = state_after_prefill(engine, prompt, mode, layers)
+        result[mode] = {name: compare(s, r) for name, s, r in zip(("first", "deepest"), warm, reference)}
+    return result
+
+
+def slow_down(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.fill_(-4.0)
+            elif name.endswith("dt_bias"):
+                param.fill_(-2.0)
+
+
+def build_engine(args: argparse.Namespace) -> LLMEngine:
+    common = dict(seam_width=args.seam_width, max_model_len=16384, max_num_batched_tokens=16384)
+    if args.shape is None:
+        return LLMEngine(EngineConfig(model=args.model, device="cpu", cpu_cache_bytes=1 << 30, **common))
+    from bench_engine import model_dir, random_weights, shape_config
+    config = shape_config(args.shape, 32768)
+    return LLMEngine(EngineConfig(model=str(model_dir(config)), device="cuda", state_dict=random_weights(config, 0),
+                                  gpu_memory_utilization=0.9, **common))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model directory (default: the bundled model)")
+    parser.add_argument("--shape", default=None, help="a released shape with random weights (GPU)")
+    parser.add_argument("--segment-len", type=int, default=512)
+    parser.add_argument("--seam-width", type=int, default=8)
+    parser.add_argument("--slow-decay", action="store_true",
+                        help="set every linear layer's decay slow (A_log=-4, dt_bias=-2): random weights "
+                             "otherwise forget within a few tokens, which hides composition errors")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/fidelity_cpu.json"))
+    args = parser.parse_args()
+    engine = build_engine(args)
+    if args.slow_decay:
+        slow_down(engine.model)
+    rng = random.Random(0)
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "device": torch.cuda.get_device_name() if args.shape else "cpu",
+              "model": args.shape or engine.model_dir.name, "segment_len": args.segment_len,
+              "seam_width": args.seam_width, "slow_decay": args.slow_decay,
+              "segments": {n: measure(engine, n, args.segment_len, rng) for n in (2, 4)}}
+    for n, modes in result["segments"].items():
+        for mode, layers in modes.items():
+            print(f"{n} segments {mode:>6}: " + "  ".join(
+                f"{name} rel L2 {v['rel_l2']:.4f} angle {v['angle_deg']:.2f} deg" for name, v in layers.items()))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""PIC speed on one GPU (paper Fig. 12): TTFT of `none`, `prefix` and warm `hypic` on RAG prompts.
+
+Prompt = a system prefix + n documents + a question, random tokens, on a released shape with random
+bf16 weights (default: Qwen3.5-35B-A3B text). Each measured request puts the documents in an order
+never seen before, so the prefix cache can only reuse the system prompt, while hypic reuses every
+document. Also: the marginal TTFT of one more cached segment, and the tuple-building overhead of a
+cold segment prefill. Prints a table, writes JSON under bench/results/.
+
+    python scripts/bench_pic.py --out bench/results/pic_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+from bench_engine import model_dir, random_weights, shape_config
+
+from hypic import EngineConfig, SamplingParams
+from hypic.engine.llm_engine import LLMEngine
+from hypic.engine.segments import SegmentedPrompt
+
+SYSTEM_TOKENS, QUERY_TOKENS = 64, 64
+
+
+def rag_prompt(docs: list[tuple[int, ...]], system: tuple[int, ...], query: tuple[int, ...]) -> SegmentedPrompt:
+    return SegmentedPrompt((system, *docs, query))
+
+
+def random_tokens(n: int, rng: random.Random) -> tuple[int, ...]:
+    return tuple(rng.randrange(3, 3000) for _ in range(n))
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def ttft(engine: LLMEngine, prompt: SegmentedPrompt, mode: str) -> float:
+    sync()
+    start = time.perf_counter()
+    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), cache_mode=mode)
+    while engine.has_work():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def measure(engine: LLMEngine, num_docs: int, doc_len: int, rng: random.Random, repeats: int) -> dict[str, float]:
+    """Median TTFT (s) per mode; the documents are warmed in one order and measured in others."""
+    system = random_tokens(SYSTEM_TOKENS, rng)
+    docs = [random_tokens(doc_len, rng) for _ in range(num_docs)]
+    warm = rag_prompt(docs, system, random_tokens(QUERY_TOKENS, rng))
+    times: dict[str, list[float]] = {"none": [], "prefix": [], "hypic": [], "hypic_cold": []}
+    engine.flush_segments()
+    times["hypic_cold"].append(ttft(engine, warm, "hypic"))
+    ttft(engine, warm, "prefix")
+    for _ in range(repeats):
+        order = rng.sample(docs, len(docs))
+        for mode in ("none", "prefix", "hypic"):  # a query of its own: no mode reuses another's prompt
+            times[mode].append(ttft(engine, rag_prompt(order, system, random_tokens(QUERY_TOKENS, rng)), mode))
+    return {mode: sorted(t)[len(t) // 2] for mode, t in times.items()}
+
+
+def tuple_overhead(engine: LLMEngine, num_docs: int, doc_len: int, rng: random.Random) -> float:
+    """Extra time of a cold segment prefill that also builds its tuple, over a plain prefill of the
+    same isolated segments (both as one batch)."""
+    docs = [random_tokens(doc_len, rng) for _ in range(num_docs)]
+    plain = _timed(lambda: [engine.add_request(SegmentedPrompt((d,)), SamplingParams(max_tokens=0),
+                                               cache_mode="none") for d in docs], engine)
+    jobs = engine.segment_jobs(SegmentedPrompt(((0,), *docs, (0,))))
+    cold = _timed(lambda: engine.start_segment_jobs(jobs), engine)
+    return cold / plain - 1.0
+
+
+def _timed(submit, engine: LLMEngine) -> float:
+    sync()
+    start = time.perf_counter()
+    submit()
+    while engine.has_work():
+        engine.step()
+    sync()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3_5_moe")
+    parser.add_argument("--model", help="a model directory (CPU smoke runs) instead of a random shape")
+    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096])
+    parser.add_argument("--counts", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seam-width", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/pic_h200.json"))
+    args = parser.parse_args()
+    engine = LLMEngine(engine_config(args))
+    rng = random.Random(0)
+    measure(engine, 2, 512, rng, 1)  # warm-up: compile and autotune every kernel
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "shape": args.shape, "seam_width": args.seam_width,
+              "by_length": {}, "by_count": {}}
+    for doc_len in args.lengths:
+        result["by_length"][f"4x{doc_len}"] = measure(engine, 4, doc_len, rng, args.repeats)
+    for count in args.counts:
+        result["by_count"][f"{count}x1024"] = measure(engine, count, 1024, rng, args.repeats)
+    low, high = result["by_count"][f"{args.counts[0]}x1024"], result["by_count"][f"{args.counts[-1]}x1024"]
+    for mode in ("none", "hypic"):
+        slope = (high[mode] - low[mode]) / (args.counts[-1] - args.counts[0])
+        result[f"marginal_ms_per_segment_{mode}"] = slope * 1e3
+    result["tuple_overhead_fraction"] = tuple_overhead(engine, 8, 2048, rng)
+    report(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    common = dict(max_model_len=16384, max_num_batched_tokens=16384, max_num_seqs=32, seam_width=args.seam_width)
+    if args.model:
+        return EngineConfig(model=args.model, device="cpu", cpu_cache_bytes=2 << 30, **common)
+    config = shape_config(args.shape, 32768)
+    return EngineConfig(model=str(model_dir(config)), device="cuda", state_dict=random_weights(config, 0),
+                        gpu_memory_utilization=0.9, **common)
+
+
+def report(result: dict) -> None:
+    print(f"{result['device']}  {result['shape']}  w={result['seam_width']}")
+    print(f"{'prompt':>10} {'none ms':>9} {'prefix ms':>10} {'hypic ms':>9} {'cold ms':>9} {'speedup':>8}")
+    for name, t in {**result["by_length"], **result["by_count"]}.items():
+        print(f"{name:>10} {t['none'] * 1e3:9.1f} {t['prefix'] * 1e3:10.1f} {t['hypic'] * 1e3:9.1f} "
+              f"{t['hypic_cold'] * 1e3:9.1f} {t['none'] / t['hypic']:7.2f}x")
+    print(f"marginal cost per extra segment: hypic {result['marginal_ms_per_segment_hypic']:.2f} ms, "
+          f"recompute {result['marginal_ms_per_segment_none']:.2f} ms")
+    print(f"tuple-building overhead: {result['tuple_overhead_fraction']:.1%} of the cold forward")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Segment parallelism across processes (CPU): three engine nodes joined by the TCP transport give the
+single-process `hypic` engine's greedy tokens and logprobs for cold, warm and mixed requests, and
+survive a worker killed or frozen in the middle of a request.
+
+One cluster serves the whole module (starting engine processes is the expensive part); the tests
+run in file order and each builds on the state the previous ones left.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+from engine_util import Finished, collect, greedy
+from test_pic_engine import SEP, SYSTEM, pic_config
+
+from hypic import AsyncEngine
+from hypic.dist.client import DistributedEngineClient
+from hypic.dist.config import DistConfig
+from hypic.dist.launch import start_cluster
+from hypic.dist.messages import Progress
+from hypic.serve.engine_client import GenerateRequest
+
+pytestmark = pytest.mark.timeout(600)
+
+WORDS = ("river", "lantern", "copper", "meadow", "harbor", "violet", "summit", "ember", "canyon", "willow",
+         "orbit", "saffron", "glacier", "thistle")
+DOCS = [f"Doc {i}: the {w} archive lists {w}s near {WORDS[(i + 3) % len(WORDS)]} street. "
+        for i, w in enumerate(WORDS)]
+
+
+def prompt(docs: list[int], query: str = "which street?") -> str:
+    return SEP.join([SYSTEM, *(DOCS[i] for i in docs), query])
+
+
+COLD = prompt([0, 1, 2])
+WARM = prompt([2, 0, 1], "where are the lanterns?")  # all on the cold request's combine node
+PULLED = prompt([1, 2, 0], "and the meadows?")  # that node busy: another combines, pulling from holders
+MIXED = prompt([1, 3, 4, 0], "and the copper?")
+KILLED = prompt([5, 6, 7, 8, 9, 10])  # two segments per node
+FROZEN = prompt([11, 12, 13, 3])
+PARAMS = greedy(4, logprobs=0)
+COMBINE_OF: dict[str, int] = {}  # request -> its combine node, for the tests that follow
+
+
+class LoopThread:
+    """An event loop of its own for the cluster client, shared by the module's tests."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, work: Coroutine[Any, Any, Any], timeout: float = 120.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(work, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+
+
+@pytest.fixture(scope="module")
+def reference(slow_decay_model_dir) -> dict[str, Finished]:
+    """Each prompt on one engine in one process (the same order the cluster sees them)."""
+    async def main() -> dict[str, Finished]:
+        async with AsyncEngine(pic_config(slow_decay_model_dir)) as engine:
+            return {p: await collect(engine, p, PARAMS) for p in (COLD, WARM, PULLED, MIXED, KILLED, FROZEN)}
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def cluster(slow_decay_model_dir):
+    loop = LoopThread()
+    dist = DistConfig(min_remote_tokens=0, heartbeat_s=0.2, node_timeout_s=3.0, segment_timeout_s=120.0)
+    client = start_cluster(pic_config(slow_decay_model_dir), 3, None, "cpu", dist)
+    loop.run(client.start(), timeout=400)
+    hooks: list[Callable[[Any, Any], None]] = []
+    relay = client.node_message
+
+    def observed(node, message):
+        for hook in hooks:
+            hook(node, message)
+        relay(node, message)
+    client.node_message = observed  # the cluster calls back through the attribute
+    yield loop, client, hooks
+    loop.run(client.shutdown(0.0), timeout=120)
+    loop.close()
+
+
+def generate(loop: LoopThread, client: DistributedEngineClient, text: str, request_id: str) -> Finished:
+    async def main() -> Finished:
+        done = Finished()
+        async for out in client.stream(GenerateRequest(text, PARAMS, request_id)):
+            for d in out.deltas:
+                done.token_ids.setdefault(d.index, []).extend(d.token_ids)
+                done.logprobs.setdefault(d.index, []).extend(d.logprobs or ())
+                done.finish_reason[d.index] = d.finish_reason
+            done.metrics = out.metrics
+        return done
+    return loop.run(main())
+
+
+def assert_same(got: Finished, want: Finished) -> None:
+    assert got.tokens == want.tokens
+    assert [x.logprob for x in got.logprobs[0]] == pytest.approx([x.logprob for x in want.logprobs[0]], abs=1e-5)
+
+
+def assert_idle(loop: LoopThread, client: DistributedEngineClient) -> None:
+    """Every page and slot in use is a prefix checkpoint's; no transfer buffer or job is left."""
+    for node_id in list(client.cluster.nodes):
+        reply = loop.run(client.probe(node_id))
+        s, c = reply.stats, reply.counters
+        assert (s["running"], s["waiting"]) == (0, 0), node_id
+        assert s["kv_blocks_total"] - s["kv_blocks_free"] == s["prefix_cache"]["blocks_held"], node_id
+        assert s["state_slots_total"] - s["state_slots_free"] == s["prefix_cache"]["slots_held"], node_id
+        assert (c.pending_receives, c.pending_receive_bytes, c.active_segment_jobs) == (0, 0, 0), node_id
+
+
+def test_cold_request_is_spread_over_the_nodes_and_matches_one_engine(cluster, reference):
+    loop, client, _ = cluster
+    got = generate(loop, client, COLD, "cold")
+    assert_same(got, reference[COLD])
+    dist = got.metrics.dist
+    COMBINE_OF["cold"] = dist.combine_node
+    assert dist.segments == 3 and dist.segments_built == 3 and dist.segments_remote == 2 and dist.workers == 3
+    assert dist.dispatch_s > 0 and dist.combine_s > 0 and got.metrics.ttft >= dist.dispatch_s
+    assert got.metrics.cached_tokens_by_kind["pic"] > 0
+    assert_idle(loop, client)
+
+
+def test_warm_request_runs_locally_on_the_node_holding_its_segments(cluster, reference):
+    loop, client, _ = cluster
+    got = generate(loop, client, WARM, "warm")
+    assert_same(got, reference[WARM])
+    assert got.metrics.dist is None  # nothing to gather: the local path
+    assert got.metrics.cached_tokens_by_kind["pic"] == reference[WARM].metrics.cached_tokens_by_kind["pic"] > 0
+
+
+def test_segments_held_elsewhere_are_pulled_not_rebuilt(cluster, reference):
+    loop, client, _ = cluster
+    holder = COMBINE_OF["cold"]  # holds every segment of the prompt
+    client.cluster.nodes[holder].pending_tokens += 1 << 20  # busy: another node must combine
+    try:
+        got = generate(loop, client, PULLED, "pulled")
+    finally:
+        client.cluster.nodes[holder].pending_tokens -= 1 << 20
+    assert_same(got, reference[PULLED])
+    dist = got.metrics.dist
+    assert dist.combine_node != holder
+    assert dist.segments_built == 0 and dist.segments_local == 1 and dist.segments_pulled == 2
+
+
+def test_mixed_request_pulls_what_is_held_and_builds_the_rest(cluster, reference):
+    loop, client, _ = cluster
+    got = generate(loop, client, MIXED, "mixed")
+    assert_same(got, reference[MIXED])
+    dist = got.metrics.dist
+    assert dist.segments_built == 2 and dist.segments_local + dist.segments_pulled == 2
+    assert_idle(loop, client)
+
+
+def test_a_worker_killed_mid_request_costs_latency_not_the_request_and_restarts(cluster, reference):
+    loop, client, hooks = cluster
+    victims: list[int] = []
+
+    def kill_first_worker_that_built(node, message):
+        if (isinstance(message, Progress) and message.event == "built" and not victims
+                and node.node_id != client.node_of(message.request_id)):
+            victims.append(node.node_id)
+            os.kill(client.nodes.pid(node.node_id), signal.SIGKILL)
+    hooks.append(kill_first_worker_that_built)
+    try:
+        got = generate(loop, client, KILLED, "killed")
+    finally:
+        hooks.clear()
+    assert_same(got, reference[KILLED])
+    assert victims and got.metrics.dist.segments_redispatched >= 1
+    stats = client.stats().dist
+    assert stats.node_deaths == 1 and stats.segments_redispatched >= 1
+    assert_idle(loop, client)  # the survivors (the victim may not be back yet)
+    loop.run(client.cluster.wait_until(lambda c: len(c.usable()) == 3, timeout=300), timeout=310)
+    assert client.stats().dist.node_restarts == 1 and client.stats().dist.nodes_live == 3
+
+
+def test_a_frozen_worker_is_timed_out_and_rejoins_when_it_wakes(cluster, reference):
+    loop, client, hooks = cluster
+    frozen: list[int] = []
+
+    def freeze_first_worker_that_built(node, message):
+        if (isinstance(message, Progress) and message.event == "built" and not frozen
+                and node.node_id != client.node_of(message.request_id)):
+            frozen.append(node.node_id)
+            os.kill(client.nodes.pid(node.node_id), signal.SIGSTOP)
+    hooks.append(freeze_first_worker_that_built)
+    try:
+        got = generate(loop, client, FROZEN, "frozen")
+    finally:
+        hooks.clear()
+        for node_id in frozen:
+            os.kill(client.nodes.pid(node_id), signal.SIGCONT)
+    assert_same(got, reference[FROZEN])
+    assert frozen and client.stats().dist.node_hangs == 1
+    loop.run(client.cluster.wait_until(lambda c: len(c.usable()) == 3, timeout=60), timeout=70)
+    assert_idle(loop, client)
+    assert client.stats().dist.node_deaths == 1  # frozen is not dead: no restart
