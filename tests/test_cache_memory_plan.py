@@ -33,8 +33,13 @@ def test_large_budget_gives_two_slots_per_sequence_and_the_rest_to_pages() -> No
 
 
 def test_slots_are_capped_by_one_full_context_request() -> None:
-    p = plan(10_000, max_num_seqs=8)  # (10000 - 4096) // 528 = 11 slots, not 16
-    assert (p.num_slots, p.num_blocks) == (11, (10_000 - 11 * 528) // 256)
+    p = plan(7_000, max_num_seqs=8)  # (7000 - 4096) // 528 = 5 slots, not 16
+    assert (p.num_slots, p.num_blocks) == (5, (7_000 - 5 * 528) // 256)
+
+
+def test_slots_take_at_most_half_the_budget() -> None:
+    p = plan(10_000, max_num_seqs=8)  # 5000 // 528 = 9 slots, not 16 (one full context would allow 11)
+    assert (p.num_slots, p.num_blocks) == (9, (10_000 - 9 * 528) // 256)
 
 
 def test_exactly_one_request_fits() -> None:

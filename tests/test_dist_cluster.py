@@ -28,7 +28,7 @@ from hypic.serve.engine_client import GenerateRequest
 pytestmark = pytest.mark.timeout(600)
 
 WORDS = ("river", "lantern", "copper", "meadow", "harbor", "violet", "summit", "ember", "canyon", "willow",
-         "orbit", "saffron", "glacier", "thistle")
+         "orbit", "saffron", "glacier", "thistle", "quartz", "bramble", "falcon")
 DOCS = [f"Doc {i}: the {w} archive lists {w}s near {WORDS[(i + 3) % len(WORDS)]} street. "
         for i, w in enumerate(WORDS)]
 
@@ -42,7 +42,7 @@ WARM = prompt([2, 0, 1], "where are the lanterns?")  # all on the cold request's
 PULLED = prompt([1, 2, 0], "and the meadows?")  # that node busy: another combines, pulling from holders
 MIXED = prompt([1, 3, 4, 0], "and the copper?")
 KILLED = prompt([5, 6, 7, 8, 9, 10])  # two segments per node
-FROZEN = prompt([11, 12, 13, 3])
+FROZEN = prompt([11, 12, 13, 14, 15, 16])
 PARAMS = greedy(4, logprobs=0)
 COMBINE_OF: dict[str, int] = {}  # request -> its combine node, for the tests that follow
 
@@ -120,6 +120,12 @@ def assert_idle(loop: LoopThread, client: DistributedEngineClient) -> None:
         assert (c.pending_receives, c.pending_receive_bytes, c.active_segment_jobs) == (0, 0, 0), node_id
 
 
+def settled(cluster) -> bool:
+    """Three nodes answering, none with work left (as of their last heartbeats)."""
+    nodes = cluster.usable()
+    return len(nodes) == 3 and all(n.stats["running"] == n.counters.active_segment_jobs == 0 for n in nodes)
+
+
 def test_cold_request_is_spread_over_the_nodes_and_matches_one_engine(cluster, reference):
     loop, client, _ = cluster
     got = generate(loop, client, COLD, "cold")
@@ -172,6 +178,7 @@ def test_a_worker_killed_mid_request_costs_latency_not_the_request_and_restarts(
                 and node.node_id != client.node_of(message.request_id)):
             victims.append(node.node_id)
             os.kill(client.nodes.pid(node.node_id), signal.SIGKILL)
+    before = client.stats().dist
     hooks.append(kill_first_worker_that_built)
     try:
         got = generate(loop, client, KILLED, "killed")
@@ -179,11 +186,11 @@ def test_a_worker_killed_mid_request_costs_latency_not_the_request_and_restarts(
         hooks.clear()
     assert_same(got, reference[KILLED])
     assert victims and got.metrics.dist.segments_redispatched >= 1
-    stats = client.stats().dist
-    assert stats.node_deaths == 1 and stats.segments_redispatched >= 1
+    assert client.stats().dist.node_deaths == before.node_deaths + 1
     assert_idle(loop, client)  # the survivors (the victim may not be back yet)
     loop.run(client.cluster.wait_until(lambda c: len(c.usable()) == 3, timeout=300), timeout=310)
-    assert client.stats().dist.node_restarts == 1 and client.stats().dist.nodes_live == 3
+    after = client.stats().dist
+    assert after.node_restarts == before.node_restarts + 1 and after.nodes_live == 3
 
 
 def test_a_frozen_worker_is_timed_out_and_rejoins_when_it_wakes(cluster, reference):
@@ -195,6 +202,7 @@ def test_a_frozen_worker_is_timed_out_and_rejoins_when_it_wakes(cluster, referen
                 and node.node_id != client.node_of(message.request_id)):
             frozen.append(node.node_id)
             os.kill(client.nodes.pid(node.node_id), signal.SIGSTOP)
+    before = client.stats().dist
     hooks.append(freeze_first_worker_that_built)
     try:
         got = generate(loop, client, FROZEN, "frozen")
@@ -203,7 +211,9 @@ def test_a_frozen_worker_is_timed_out_and_rejoins_when_it_wakes(cluster, referen
         for node_id in frozen:
             os.kill(client.nodes.pid(node_id), signal.SIGCONT)
     assert_same(got, reference[FROZEN])
-    assert frozen and client.stats().dist.node_hangs == 1
-    loop.run(client.cluster.wait_until(lambda c: len(c.usable()) == 3, timeout=60), timeout=70)
+    assert frozen and got.metrics.dist.segments_redispatched >= 1
+    loop.run(client.cluster.wait_until(settled, timeout=60), timeout=70)  # its leftover prefill ends
     assert_idle(loop, client)
-    assert client.stats().dist.node_deaths == 1  # frozen is not dead: no restart
+    after = client.stats().dist
+    assert after.node_hangs == before.node_hangs + 1
+    assert (after.node_deaths, after.node_restarts) == (before.node_deaths, before.node_restarts)

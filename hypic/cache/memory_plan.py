@@ -26,7 +26,8 @@ class CachePlan:
 def plan_cache(shape: CacheShape, *, budget_bytes: int, block_size: int, dtype: torch.dtype,
                max_model_len: int, max_num_seqs: int) -> CachePlan:
     """A state slot for each of max_num_seqs sequences and as many checkpoints again (fewer if they
-    do not fit beside one full-context request's pages); the rest of the budget as KV pages."""
+    would take more than half the budget, or not fit beside one full-context request's pages); the
+    rest of the budget as KV pages."""
     page, slot = shape.page_bytes(block_size, dtype), shape.slot_bytes(dtype)
     pages_per_seq = -(-max_model_len // block_size)
     needed = pages_per_seq * page + slot
@@ -37,7 +38,10 @@ def plan_cache(shape: CacheShape, *, budget_bytes: int, block_size: int, dtype: 
             f"one state slot of {slot} bytes); lower max_model_len or give the cache more memory "
             "(gpu_memory_utilization on GPU, cpu_cache_bytes on CPU)")
     wanted = 2 * max_num_seqs
-    num_slots = min(wanted, (budget_bytes - pages_per_seq * page) // slot) if slot else wanted
+    # Slots take at most half of the budget (but always two), so pages are never starved by them.
+    half = max(2, budget_bytes // 2 // slot) if page and slot else wanted
+    affordable = min(half, (budget_bytes - pages_per_seq * page) // slot) if slot else wanted
+    num_slots = min(wanted, affordable)
     # Without full-attention layers pages cost nothing: enough that blocks never run out first.
     num_blocks = (budget_bytes - num_slots * slot) // page if page else num_slots * pages_per_seq
     return CachePlan(num_blocks, num_slots, block_size)

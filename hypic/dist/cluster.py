@@ -95,7 +95,7 @@ class Cluster:
         return [n for n in self.nodes.values() if n.alive]
 
     async def wait_until(self, predicate: Any, timeout: float) -> None:
-        """Until predicate(self) holds (re-checked whenever a node joins, heartbeats first, or leaves)."""
+        """Until predicate(self) holds (re-checked whenever a node joins, heartbeats, or leaves)."""
         async with self._changed:
             await asyncio.wait_for(self._changed.wait_for(lambda: predicate(self)), timeout)
 
@@ -144,13 +144,11 @@ class Cluster:
         if not isinstance(message, Heartbeat):
             self._listener.node_message(handle, message)
             return
-        became_usable = handle.stats is None or handle.hung
         if handle.hung:
             log.warning("%s is answering again", handle.name)
         handle.stats, handle.counters, handle.last_heartbeat = message.stats, message.counters, time.monotonic()
         handle.hung = False
-        if became_usable:
-            self._spawn(self.notify())
+        self._spawn(self.notify())
 
     async def _watch_heartbeats(self) -> None:
         while True:

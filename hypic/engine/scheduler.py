@@ -124,11 +124,14 @@ class Scheduler:
     def _schedule_prefill(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         if budget <= 0:
             return 0
-        chunk = seq.next_chunk(min(budget, self._fitting_tokens(seq)))
-        if not chunk.token_ids and self._reserve(seq, seq.num_computed + 1, batch):
+        if seq.segment_job is not None:  # prefilled in one piece, so its tuple is taken at once
+            if seq.remaining > budget or not self._reserve(seq, len(seq.token_ids), batch):
+                return 0
+            chunk = seq.next_chunk(budget)
+        else:
             chunk = seq.next_chunk(min(budget, self._fitting_tokens(seq)))
-        if seq.segment_job is not None and chunk.end < len(seq.token_ids):
-            return 0  # a cold segment is prefilled in one piece, so its tuple is taken at once
+            if not chunk.token_ids and self._reserve(seq, seq.num_computed + 1, batch):
+                chunk = seq.next_chunk(min(budget, self._fitting_tokens(seq)))
         if not chunk.token_ids or not self._reserve(seq, chunk.end, batch):
             return 0
         if seq.info.first_scheduled_time is None:

@@ -1,9 +1,12 @@
 """Mixture-of-experts MLP: y = sum_k w_k * down_e(silu(gate_e x) * up_e x), e = topk_ids[:, k].
 
 Paths: CPU -> `fused_moe_ref` (a loop over the experts that have tokens); CUDA -> token-expert
-pairs sorted by expert, then grouped GEMMs without a Python loop over experts and without host
-syncs (CUDA-graph capturable): `torch._grouped_mm` (CUTLASS) for bf16 on sm90/sm100, where it
-needs no device-to-host copy, otherwise our Triton grouped GEMM over expert-padded row blocks.
+pairs grouped by expert, then grouped GEMMs without a Python loop over experts and without host
+syncs (CUDA-graph capturable): `torch._grouped_mm` (CUTLASS) for large bf16 batches on sm90/sm100,
+where it needs no device-to-host copy; our Triton grouped GEMM over expert-padded row blocks for
+decode-sized batches (a handful of launches: what a CUDA-graph step pays per kernel) and elsewhere.
+Both end in one fused combine: the weighted sum over each token's k experts, plus the shared
+expert's gated output when the caller passes it.
 """
 from __future__ import annotations
 
@@ -13,26 +16,47 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hypic.kernels.triton_lazy import triton_kernel
+from hypic.kernels.activation import silu_and_mul
+from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
+TRITON_MAX_PAIRS = 4096  # token-expert pairs up to which the Triton path beats CUTLASS's sort and launches
+Shared = tuple[torch.Tensor, torch.Tensor]  # (shared expert output [N, H], its gate logit [N, 1])
+
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, *, shared: Shared | None = None) -> torch.Tensor:
     """x: [N, H]; w_gate_up: [E, 2I, H] (gate rows, then up rows); w_down: [E, H, I];
-    topk_weights: [N, k] float; topk_ids: [N, k] int64. Returns [N, H] in x's dtype."""
+    topk_weights: [N, k] float; topk_ids: [N, k] int64. Returns [N, H] in x's dtype, plus
+    sigmoid(gate logit) * shared output when `shared` is given."""
     if x.device.type != "cuda":
-        return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids)
-    if _cutlass_grouped_mm_applies(x, w_down):
-        return moe_grouped_mm(x, w_gate_up, w_down, topk_weights, topk_ids)
-    return moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids)
+        return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, shared=shared)
+    if _cutlass_grouped_mm_applies(x, w_down) and topk_ids.numel() > TRITON_MAX_PAIRS:
+        return moe_grouped_mm(x, w_gate_up, w_down, topk_weights, topk_ids, shared=shared)
+    return moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, shared=shared)
+
+
+def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E] -> softmax -> top-k: weights [N, k] float32 (renormalised to sum 1 when
+    asked) and expert ids [N, k] int64. CUDA: one Triton program per few tokens."""
+    if logits.device.type != "cuda":
+        return route_topk_ref(logits, top_k, renormalize)
+    tokens, experts = logits.shape
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
+    block_e = next_power_of_2(experts)
+    block_rows = max(1, 2048 // block_e)
+    _route_kernel[(-(-tokens // block_rows),)](
+        logits, weights, ids, tokens, logits.stride(0), E=experts, K=top_k, BE=block_e,
+        BK=next_power_of_2(top_k), BR=block_rows, RENORM=renormalize)
+    return weights, ids
 
 
 # ----------------------------------------------------------------------------- torch reference
 
 def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, *, shared: Shared | None = None) -> torch.Tensor:
     """Same contract as `fused_moe`, float32 math, one matmul pair per expert that has tokens."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     inter = w_down.shape[2]
@@ -41,7 +65,22 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         h = x[token].float() @ w_gate_up[expert].float().T
         y = (F.silu(h[:, :inter]) * h[:, inter:]) @ w_down[expert].float().T
         out.index_add_(0, token, y * topk_weights[token, which, None].float())
-    return out.to(x.dtype)
+    return _add_shared(out.to(x.dtype), shared)
+
+
+def route_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _add_shared(out: torch.Tensor, shared: Shared | None) -> torch.Tensor:
+    if shared is None:
+        return out
+    shared_out, gate_logit = shared
+    return out + torch.sigmoid(gate_logit) * shared_out
 
 
 # ----------------------------------------------------------------------------- GPU: shared
@@ -55,10 +94,25 @@ def _sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     return order, counts
 
 
-def _weighted_sum(pair_out: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[N*k, H] expert outputs in pair order -> [N, H]: each token's k outputs, weighted."""
-    per_token = pair_out.view(*topk_weights.shape, -1).float()
-    return (per_token * topk_weights[..., None].float()).sum(1).to(dtype)
+def moe_combine(y: torch.Tensor, topk_weights: torch.Tensor, row_of_pair: torch.Tensor | None,
+                dtype: torch.dtype, shared: Shared | None) -> torch.Tensor:
+    """Expert outputs y (pair p = token * k + slot in row row_of_pair[p], or row p when None) ->
+    [N, H]: each token's k outputs weighted in float32, rounded to dtype, plus the gated shared
+    expert (rounded as torch's bf16 ops round). CUDA: one Triton pass, no [N, k, H] float32 copy."""
+    if y.device.type != "cuda":
+        pair_out = y if row_of_pair is None else y[row_of_pair]
+        per_token = pair_out.view(*topk_weights.shape, -1).float()
+        return _add_shared((per_token * topk_weights[..., None].float()).sum(1).to(dtype), shared)
+    tokens, top_k = topk_weights.shape
+    hidden = y.shape[1]
+    out = torch.empty((tokens, hidden), dtype=dtype, device=y.device)
+    shared_out, gate_logit = shared if shared is not None else (None, None)
+    block_h = min(1024, next_power_of_2(hidden))
+    _combine_kernel[(tokens, -(-hidden // block_h))](
+        y, topk_weights.contiguous(), row_of_pair, shared_out, gate_logit, out, y.stride(0),
+        shared_out.stride(0) if shared is not None else 0, gate_logit.stride(0) if shared is not None else 0,
+        H=hidden, K=top_k, BH=block_h, HAS_INDEX=row_of_pair is not None, HAS_SHARED=shared is not None)
+    return out
 
 
 # ----------------------------------------------------------------------------- GPU: CUTLASS
@@ -72,15 +126,14 @@ def _cutlass_grouped_mm_applies(x: torch.Tensor, w_down: torch.Tensor) -> bool:
 
 
 def moe_grouped_mm(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor) -> torch.Tensor:
+                   topk_ids: torch.Tensor, *, shared: Shared | None = None) -> torch.Tensor:
     order, counts = _sort_by_expert(topk_ids, w_gate_up.shape[0])
     offsets = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
     rows = x[order // topk_ids.shape[1]]
     h = torch._grouped_mm(rows, w_gate_up.transpose(1, 2), offs=offsets)
-    inter = w_down.shape[2]
-    y_sorted = torch._grouped_mm(F.silu(h[:, :inter]) * h[:, inter:], w_down.transpose(1, 2), offs=offsets)
-    pair_out = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
-    return _weighted_sum(pair_out, topk_weights, x.dtype)
+    y_sorted = torch._grouped_mm(silu_and_mul(h), w_down.transpose(1, 2), offs=offsets)
+    row_of_pair = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return moe_combine(y_sorted, topk_weights, row_of_pair, x.dtype, shared)
 
 
 # ----------------------------------------------------------------------------- GPU: Triton
@@ -103,6 +156,14 @@ class ExpertBlocks:
 
 
 def expert_blocks(topk_ids: torch.Tensor, num_experts: int, block: int) -> ExpertBlocks:
+    """The blocks of a batch; CUDA: four launches (counting by atomics, one scan, one scatter), and a
+    pair's place inside its expert's run is the order its atomic landed in: any order is valid."""
+    if topk_ids.device.type == "cuda":
+        return expert_blocks_triton(topk_ids, num_experts, block)
+    return expert_blocks_ref(topk_ids, num_experts, block)
+
+
+def expert_blocks_ref(topk_ids: torch.Tensor, num_experts: int, block: int) -> ExpertBlocks:
     order, counts = _sort_by_expert(topk_ids, num_experts)
     pairs = order.shape[0]
     padded = (counts + block - 1) // block * block
@@ -117,25 +178,43 @@ def expert_blocks(topk_ids: torch.Tensor, num_experts: int, block: int) -> Exper
     return ExpertBlocks(rows, torch.searchsorted(padded_end, starts, right=True), block)
 
 
+def expert_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block: int) -> ExpertBlocks:
+    pairs, device = topk_ids.numel(), topk_ids.device
+    num_blocks = pairs // block + min(num_experts, pairs)  # the bound of ExpertBlocks' invariant
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    rank = torch.empty(pairs, dtype=torch.int32, device=device)
+    starts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    rows = torch.empty(num_blocks * block, dtype=torch.long, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.long, device=device)
+    ids = topk_ids.contiguous()
+    grid = (-(-pairs // 1024),)
+    _count_kernel[grid](ids, counts, rank, pairs, BP=1024)
+    _layout_kernel[(1,)](counts, starts, block_expert, rows, pairs, num_blocks, E=num_experts,
+                         BE=next_power_of_2(num_experts), BLOCK=block, BJ=32, BP=1024)
+    _place_kernel[grid](ids, rank, starts, rows, pairs, BP=1024)
+    return ExpertBlocks(rows, block_expert, block)
+
+
 def moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-               topk_ids: torch.Tensor) -> torch.Tensor:
+               topk_ids: torch.Tensor, *, shared: Shared | None = None) -> torch.Tensor:
     num_experts, inter, hidden = w_down.shape[0], w_down.shape[2], x.shape[1]
     pairs = topk_ids.numel()
     # 64-row blocks once experts average 32+ rows; float32 always 16 (its 64-row tiles spill)
     many_rows = pairs >= 32 * num_experts and x.dtype != torch.float32
     blocks = expert_blocks(topk_ids, num_experts, 64 if many_rows else 16)
-    launch = dict(BM=blocks.block, BN=64, BK=64, num_warps=8 if many_rows else 4,
+    block_n = 32 if pairs <= 64 else 64  # a few pairs: narrower tiles, more programs streaming weights
+    launch = dict(BM=blocks.block, BN=block_n, BK=64, num_warps=8 if many_rows else 4,
                   DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
-    _moe_gate_up_kernel[(blocks.num_blocks, -(-inter // 64))](
+    _moe_gate_up_kernel[(blocks.num_blocks, -(-inter // block_n))](
         x, w_gate_up, blocks.rows, blocks.block_expert, act, pairs, x.stride(0), w_gate_up.stride(0),
         w_gate_up.stride(1), act.stride(0), TOPK=topk_ids.shape[1], NUM_EXPERTS=num_experts, I=inter,
         H=hidden, **launch)
     pair_out = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
-    _moe_down_kernel[(blocks.num_blocks, -(-hidden // 64))](
+    _moe_down_kernel[(blocks.num_blocks, -(-hidden // block_n))](
         act, w_down, blocks.rows, blocks.block_expert, pair_out, pairs, act.stride(0), w_down.stride(0),
         w_down.stride(1), pair_out.stride(0), NUM_EXPERTS=num_experts, I=inter, H=hidden, **launch)
-    return _weighted_sum(pair_out, topk_weights, x.dtype)
+    return moe_combine(pair_out, topk_weights, None, x.dtype, shared)
 
 
 @triton_kernel
@@ -191,3 +270,91 @@ def _moe_down_kernel(act, w, rows, block_expert, out, num_pairs, stride_a, strid
         b_w = tl.load(p_w + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0)
         acc = tl.dot(b_a, b_w, acc, input_precision=DOT_PRECISION)
     tl.store(out + pair[:, None] * stride_o + o_n[None, :], acc, mask=m_row[:, None] & m_n[None, :])
+
+
+@triton_kernel
+def _count_kernel(ids, counts, rank, num_pairs, BP: tl.constexpr):
+    """counts[e] += 1 per pair of expert e; the value it found is the pair's rank within e."""
+    i = tl.program_id(0) * BP + tl.arange(0, BP)
+    m = i < num_pairs
+    expert = tl.load(ids + i, mask=m, other=0)
+    tl.store(rank + i, tl.atomic_add(counts + expert, 1, mask=m), mask=m)
+
+
+@triton_kernel
+def _layout_kernel(counts, starts, block_expert, rows, num_pairs, num_blocks, E: tl.constexpr,
+                   BE: tl.constexpr, BLOCK: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr):
+    """One program: each expert's first padded row, each block's expert (E past the used blocks),
+    and every row set to padding (num_pairs) before _place_kernel fills the real ones."""
+    o_e = tl.arange(0, BE)
+    m_e = o_e < E
+    padded = (tl.load(counts + o_e, mask=m_e, other=0) + BLOCK - 1) // BLOCK * BLOCK
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(starts + o_e, ends - padded, mask=m_e)
+    for j0 in range(0, num_blocks, BJ):
+        j = j0 + tl.arange(0, BJ)
+        passed = (ends[None, :] <= (j * BLOCK)[:, None]) & m_e[None, :]  # experts ending before block j
+        tl.store(block_expert + j, tl.sum(passed.to(tl.int32), axis=1).to(tl.int64), mask=j < num_blocks)
+    for r0 in range(0, num_blocks * BLOCK, BP):
+        r = r0 + tl.arange(0, BP)
+        tl.store(rows + r, tl.full((BP,), 0, tl.int64) + num_pairs, mask=r < num_blocks * BLOCK)
+
+
+@triton_kernel
+def _place_kernel(ids, rank, starts, rows, num_pairs, BP: tl.constexpr):
+    i = tl.program_id(0) * BP + tl.arange(0, BP)
+    m = i < num_pairs
+    expert = tl.load(ids + i, mask=m, other=0)
+    row = tl.load(starts + expert, mask=m, other=0) + tl.load(rank + i, mask=m, other=0)
+    tl.store(rows + row, i.to(tl.int64), mask=m)
+
+
+@triton_kernel
+def _combine_kernel(y, weights, row_of_pair, shared, gate_logit, out, stride_y, stride_s, stride_g,
+                    H: tl.constexpr, K: tl.constexpr, BH: tl.constexpr, HAS_INDEX: tl.constexpr,
+                    HAS_SHARED: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    o_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    m_h = o_h < H
+    acc = tl.zeros((BH,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        row = t * K + j
+        if HAS_INDEX:
+            row = tl.load(row_of_pair + row)
+        b_y = tl.load(y + row * stride_y + o_h, mask=m_h, other=0.0).to(tl.float32)
+        acc += tl.load(weights + t * K + j).to(tl.float32) * b_y
+    total = acc.to(out.dtype.element_ty)
+    if HAS_SHARED:  # round where torch's bf16 ops round: sigmoid, product, sum
+        gate = tl.sigmoid(tl.load(gate_logit + t * stride_g).to(tl.float32)).to(out.dtype.element_ty)
+        b_s = tl.load(shared + t * stride_s + o_h, mask=m_h, other=0.0)
+        product = (gate.to(tl.float32) * b_s.to(tl.float32)).to(out.dtype.element_ty)
+        total = (total.to(tl.float32) + product.to(tl.float32)).to(out.dtype.element_ty)
+    tl.store(out + t * H + o_h, total, mask=m_h)
+
+
+@triton_kernel
+def _route_kernel(logits, weights, ids, tokens, stride_l, E: tl.constexpr, K: tl.constexpr, BE: tl.constexpr,
+                  BK: tl.constexpr, BR: tl.constexpr, RENORM: tl.constexpr):
+    """Softmax over E, then K rounds of (max, argmax, knock out); renormalise the K picked."""
+    t = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    o_e, o_k = tl.arange(0, BE), tl.arange(0, BK)
+    m_t, m_e = t < tokens, o_e < E
+    x = tl.load(logits + (t * stride_l)[:, None] + o_e[None, :], mask=m_t[:, None] & m_e[None, :],
+                other=float("-inf")).to(tl.float32)
+    x = tl.where(m_e[None, :], x, float("-inf"))
+    p = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    picked_w = tl.zeros((BR, BK), dtype=tl.float32)
+    picked_id = tl.zeros((BR, BK), dtype=tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(p, axis=1)
+        best_id = tl.argmax(p, axis=1)
+        picked_w = tl.where(o_k[None, :] == j, best[:, None], picked_w)
+        picked_id = tl.where(o_k[None, :] == j, best_id[:, None], picked_id)
+        p = tl.where(o_e[None, :] == best_id[:, None], -1.0, p)
+    if RENORM:
+        picked_w = picked_w / tl.sum(picked_w, axis=1)[:, None]
+    dense = (t * K)[:, None] + o_k[None, :]
+    m = m_t[:, None] & (o_k < K)[None, :]
+    tl.store(weights + dense, picked_w, mask=m)
+    tl.store(ids + dense, picked_id.to(tl.int64), mask=m)

@@ -37,7 +37,7 @@ class GatedAttention(nn.Module):
         q_gate, k, v = self.qkv_proj(hidden).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q_gate = q_gate.reshape(-1, self.num_heads, self.q_size // self.num_heads)
         q, gate = q_gate.chunk(2, dim=-1) if self.gated else (q_gate, None)
-        q = self.rotary(self.q_norm(q), positions)
+        q = self.rotary(q, positions, norm=self.q_norm)
         k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
         gate = gate.reshape(hidden.shape[0], -1) if gate is not None else None
         return q, gate, k, v.reshape(-1, self.num_kv_heads, self.head_dim)

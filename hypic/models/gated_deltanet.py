@@ -7,22 +7,14 @@ Split into pieces so that position-independent caching can run the recurrence it
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hypic.engine.forward_batch import ForwardBatch
 from hypic.kernels.conv1d import causal_conv1d
 from hypic.kernels.gdn import gated_delta_rule
+from hypic.kernels.gdn_inputs import gdn_gates, qk_l2norm
 from hypic.models.config import HybridConfig
 from hypic.models.layers import GatedRMSNorm
-
-L2NORM_EPS = 1e-6  # as FLA's use_qk_l2norm_in_kernel
-
-
-def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, computed in float32."""
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -57,15 +49,13 @@ class GatedDeltaNet(nn.Module):
 
     def split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Post-conv channels -> l2-normalised q, k [N, H, K] and v [N, HV, V]."""
-        q, k, v = conv_out.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
-        q = l2_normalize(q.reshape(-1, self.num_k_heads, self.head_k_dim))
-        k = l2_normalize(k.reshape(-1, self.num_k_heads, self.head_k_dim))
+        q, k = qk_l2norm(conv_out, self.num_k_heads, self.head_k_dim)
+        v = conv_out[:, 2 * self.key_dim:]
         return q, k, v.reshape(-1, self.num_v_heads, self.head_v_dim)
 
     def gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """log-decay g = -exp(A_log) * softplus(a + dt_bias) (float32) and beta = sigmoid(b) [N, HV]."""
-        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
-        return g, torch.sigmoid(b.float()).to(b.dtype)
+        return gdn_gates(a, b, self.A_log, self.dt_bias)
 
     def project(self, hidden: torch.Tensor, conv_pool: torch.Tensor,
                 batch: ForwardBatch) -> tuple[torch.Tensor, ...]:

@@ -2,24 +2,28 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from hypic.kernels.moe import fused_moe
+from hypic.kernels.activation import silu_and_mul
+from hypic.kernels.moe import fused_moe, route_topk
+from hypic.kernels.norms import add_rms_norm, gated_rms_norm, rms_norm, rms_norm_rope
+from hypic.kernels.scatter_kv import rope_inv_freq
 
 
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm: the weight is stored as an offset, y = x / rms(x) * (1 + w), in float32."""
+    """Zero-centred RMSNorm: the weight is stored as an offset, y = x / rms(x) * (1 + w), in float32.
+    Given a residual it first adds it (rounded to the model dtype) and returns the sum as well."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -31,32 +35,27 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class RotaryEmbedding:
     """NeoX-style RoPE on the first `rotary_dim` channels of each head (partial rotary); the rest pass.
-    Stateless (no buffers): cos/sin come from the positions on the fly, so weights can load on meta."""
+    No buffers (weights load on meta): the inverse frequencies are made on first use, on the CPU
+    exactly as the PIC scatter makes them, and kept per device."""
 
     def __init__(self, rotary_dim: int, theta: float) -> None:
         self.rotary_dim, self.theta = rotary_dim, theta
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[N] positions -> cos, sin of shape [N, 1, rotary_dim / 2] (float32)."""
-        exponent = torch.arange(0, self.rotary_dim, 2, device=positions.device, dtype=torch.float32)
-        inv_freq = 1.0 / (self.theta ** (exponent / self.rotary_dim))
-        freqs = positions.float()[:, None] * inv_freq
-        return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            self._inv_freq[device] = rope_inv_freq(self.rotary_dim, self.theta).to(device)
+        return self._inv_freq[device]
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate x [N, heads, D] at positions [N]; the math runs in float32."""
-        cos, sin = self.cos_sin(positions)
-        half = self.rotary_dim // 2
-        x1, x2 = x[..., :half].float(), x[..., half:self.rotary_dim].float()
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-        return torch.cat((rotated, x[..., self.rotary_dim:]), dim=-1)
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        """Rotate x [N, heads, D] at positions [N] (float32 math), after `norm` per head if given."""
+        weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
+        return rms_norm_rope(x, weight, eps, positions, self.inv_freq(positions.device))
 
 
 class SwiGLUMLP(nn.Module):
@@ -68,8 +67,7 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class SparseMoeBlock(nn.Module):
@@ -88,15 +86,11 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k weights [N, k] float32 and expert ids [N, k] int64."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, ids
+        return route_topk(self.gate(x), self.top_k, self.norm_topk_prob)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        out = fused_moe(x, self.experts_gate_up, self.experts_down, weights, ids)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        shared = None
+        if self.shared_expert is not None:  # added inside the MoE's combine pass
+            shared = (self.shared_expert(x), self.shared_expert_gate(x))
+        return fused_moe(x, self.experts_gate_up, self.experts_down, weights, ids, shared=shared)

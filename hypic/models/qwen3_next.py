@@ -47,9 +47,14 @@ class DecoderLayer(nn.Module):
             return self.linear_attn(hidden, batch, *caches.state(self.layer_id), self.linear_index)
         return self.self_attn(hidden, batch, *caches.kv(self.layer_id))
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        hidden = hidden + self.mix(self.input_layernorm(hidden), batch, caches)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, delta: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
+                caches: ModelCaches) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream is residual + delta, added inside the next norm (one fused pass on the GPU):
+        returns this layer's (mlp output, stream before it)."""
+        normed, residual = self.input_layernorm(delta, residual) if residual is not None else \
+            (self.input_layernorm(delta), delta)
+        normed, residual = self.post_attention_layernorm(self.mix(normed, batch, caches), residual)
+        return self.mlp(normed), residual
 
 
 class HybridModel(nn.Module):
@@ -67,10 +72,11 @@ class HybridModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Hidden states [M, hidden] of the tokens at batch.logits_indices, after the final norm."""
-        hidden = self.embed_tokens(batch.input_ids)
+        delta, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
-            hidden = layer(hidden, batch, caches)
-        return self.norm(hidden[batch.logits_indices])
+            delta, residual = layer(delta, residual, batch, caches)
+        rows = batch.logits_indices
+        return self.norm(delta[rows], residual[rows])[0] if residual is not None else self.norm(delta[rows])
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
