@@ -229,7 +229,7 @@ class AsyncEngine:
     def _run(self) -> None:
         core = self._require_core()
         try:
-            while self._handle(self._inbox.get() if not core.has_work() else None):
+            while self._handle(self._next_command(core)):
                 while not self._inbox.empty():
                     if not self._handle(self._inbox.get_nowait()):
                         return
@@ -241,6 +241,17 @@ class AsyncEngine:
             self._dead = error
             for request_id in list(self._streams):
                 self._send(request_id, EngineDeadError(f"the engine loop died: {error!r}"))
+
+    def _next_command(self, core: LLMEngine) -> object:
+        """Blocks while idle; while work waits on memory that nothing frees, polls instead of spinning."""
+        if not core.has_work():
+            return self._inbox.get()
+        if core.last_step_ran:
+            return None
+        try:
+            return self._inbox.get(timeout=0.01)
+        except queue.Empty:
+            return None
 
     def _handle(self, command: object) -> bool:
         """Applies one command in the core thread; False on stop."""

@@ -71,6 +71,7 @@ class LLMEngine:
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
         self.finished_segments: list[tuple[SegmentKey, bool]] = []
+        self.last_step_ran = True  # False when the last step found nothing it could schedule
         self.counters = dict.fromkeys(("finished", "aborted", "prompt", "generated", "cached"), 0)
         logger.info("hypic engine ready: %s on %s (%s), %s, max_model_len %d", self.model_dir.name,
                     self.device, str(self.dtype).removeprefix("torch."), self.plan, self.max_model_len)
@@ -134,6 +135,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        self.last_step_ran = bool(batch.chunks)
         if not batch.chunks:
             return []
         self.pic.scatter(batch)

@@ -20,7 +20,11 @@ def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
     inter = h.shape[-1] // 2
     if h.device.type != "cuda":
         return F.silu(h[:, :inter]) * h[:, inter:]
-    rows = h.shape[0]
+    return silu_and_mul_triton(h)
+
+
+def silu_and_mul_triton(h: torch.Tensor) -> torch.Tensor:
+    inter, rows = h.shape[-1] // 2, h.shape[0]
     out = torch.empty((rows, inter), dtype=h.dtype, device=h.device)
     block_i = min(1024, next_power_of_2(inter))
     block_rows = max(1, 2048 // block_i)

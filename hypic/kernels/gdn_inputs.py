@@ -26,15 +26,7 @@ def qk_l2norm(qk: torch.Tensor, heads: int, dim: int) -> tuple[torch.Tensor, tor
     if qk.device.type != "cuda":
         q, k = qk[:, : 2 * heads * dim].split(heads * dim, dim=-1)
         return l2_normalize_ref(q.reshape(-1, heads, dim)), l2_normalize_ref(k.reshape(-1, heads, dim))
-    tokens = qk.shape[0]
-    q = torch.empty((tokens, heads, dim), dtype=qk.dtype, device=qk.device)
-    k = torch.empty_like(q)
-    block_d = next_power_of_2(dim)
-    block_rows = max(1, 2048 // block_d)
-    rows = tokens * 2 * heads
-    _l2norm_kernel[(-(-rows // block_rows),)](qk, q, k, rows, qk.stride(0), L2NORM_EPS, H=heads, D=dim,
-                                              BD=block_d, BR=block_rows)
-    return q, k
+    return qk_l2norm_triton(qk, heads, dim)
 
 
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
@@ -42,14 +34,7 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
     """a, b: [N, HV]; A_log, dt_bias: [HV] float32. Returns (g float32, beta in b's dtype)."""
     if a.device.type != "cuda":
         return gdn_gates_ref(a, b, A_log, dt_bias)
-    tokens, heads = a.shape
-    g = torch.empty((tokens, heads), dtype=torch.float32, device=a.device)
-    beta = torch.empty((tokens, heads), dtype=b.dtype, device=a.device)
-    block_h = next_power_of_2(heads)
-    block_rows = max(1, 1024 // block_h)
-    _gates_kernel[(-(-tokens // block_rows),)](a, b, A_log, dt_bias, g, beta, tokens, a.stride(0), b.stride(0),
-                                               HV=heads, BH=block_h, BR=block_rows)
-    return g, beta
+    return gdn_gates_triton(a, b, A_log, dt_bias)
 
 
 # ----------------------------------------------------------------------------- torch reference
@@ -67,6 +52,30 @@ def gdn_gates_ref(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
 
 
 # ----------------------------------------------------------------------------- GPU: Triton
+
+def qk_l2norm_triton(qk: torch.Tensor, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = qk.shape[0]
+    q = torch.empty((tokens, heads, dim), dtype=qk.dtype, device=qk.device)
+    k = torch.empty_like(q)
+    block_d = next_power_of_2(dim)
+    block_rows = max(1, 2048 // block_d)
+    rows = tokens * 2 * heads
+    _l2norm_kernel[(-(-rows // block_rows),)](qk, q, k, rows, qk.stride(0), L2NORM_EPS, H=heads, D=dim,
+                                              BD=block_d, BR=block_rows)
+    return q, k
+
+
+def gdn_gates_triton(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                     dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, heads = a.shape
+    g = torch.empty((tokens, heads), dtype=torch.float32, device=a.device)
+    beta = torch.empty((tokens, heads), dtype=b.dtype, device=a.device)
+    block_h = next_power_of_2(heads)
+    block_rows = max(1, 1024 // block_h)
+    _gates_kernel[(-(-tokens // block_rows),)](a, b, A_log, dt_bias, g, beta, tokens, a.stride(0), b.stride(0),
+                                               HV=heads, BH=block_h, BR=block_rows)
+    return g, beta
+
 
 @triton_kernel
 def _l2norm_kernel(qk, q, k, rows, stride_t, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,

@@ -42,6 +42,10 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[tor
     asked) and expert ids [N, k] int64. CUDA: one Triton program per few tokens."""
     if logits.device.type != "cuda":
         return route_topk_ref(logits, top_k, renormalize)
+    return route_topk_triton(logits, top_k, renormalize)
+
+
+def route_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, experts = logits.shape
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
@@ -103,6 +107,11 @@ def moe_combine(y: torch.Tensor, topk_weights: torch.Tensor, row_of_pair: torch.
         pair_out = y if row_of_pair is None else y[row_of_pair]
         per_token = pair_out.view(*topk_weights.shape, -1).float()
         return _add_shared((per_token * topk_weights[..., None].float()).sum(1).to(dtype), shared)
+    return moe_combine_triton(y, topk_weights, row_of_pair, dtype, shared)
+
+
+def moe_combine_triton(y: torch.Tensor, topk_weights: torch.Tensor, row_of_pair: torch.Tensor | None,
+                       dtype: torch.dtype, shared: Shared | None) -> torch.Tensor:
     tokens, top_k = topk_weights.shape
     hidden = y.shape[1]
     out = torch.empty((tokens, hidden), dtype=dtype, device=y.device)

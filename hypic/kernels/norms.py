@@ -29,7 +29,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm over the last dim of x ([N, D] or [N, heads, D]); returns a dense tensor."""
     if x.device.type != "cuda":
         return rms_norm_ref(x, weight, eps)
-    return _launch_norm(x, weight, eps, offset=True)
+    return norm_triton(x, weight, eps, offset=True)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -39,14 +39,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         total = x + residual
         return rms_norm_ref(total, weight, eps), total
     total = torch.empty_like(x)
-    return _launch_norm(x, weight, eps, offset=True, residual=residual, total=total), total
+    return norm_triton(x, weight, eps, offset=True, residual=residual, total=total), total
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x, gate: [N, heads, D] (gate may be a strided view); weight [D] multiplies, not an offset."""
     if x.device.type != "cuda":
         return gated_rms_norm_ref(x, gate, weight, eps)
-    return _launch_norm(x, weight, eps, offset=False, gate=gate)
+    return norm_triton(x, weight, eps, offset=False, gate=gate)
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
@@ -56,7 +56,7 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, posi
     if x.device.type != "cuda":
         normed = x if weight is None else rms_norm_ref(x, weight, eps)
         return rope_ref(normed, positions, inv_freq)
-    return _launch_norm(x, weight, eps, offset=True, positions=positions, inv_freq=inv_freq)
+    return norm_triton(x, weight, eps, offset=True, positions=positions, inv_freq=inv_freq)
 
 
 # ----------------------------------------------------------------------------- torch reference
@@ -85,11 +85,12 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -
 
 # ----------------------------------------------------------------------------- GPU: Triton
 
-def _launch_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, offset: bool,
-                 residual: torch.Tensor | None = None, total: torch.Tensor | None = None,
-                 gate: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                 inv_freq: torch.Tensor | None = None) -> torch.Tensor:
-    """One program per `block_rows` rows of the [rows, D] view of x (rows = N * heads)."""
+def norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, offset: bool,
+                residual: torch.Tensor | None = None, total: torch.Tensor | None = None,
+                gate: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+    """Every norm above in one kernel; one program per `block_rows` rows of the [rows, D] view of x
+    (rows = N * heads). `total` receives x + residual when a residual is given."""
     dim = x.shape[-1]
     heads = x.shape[1] if x.dim() == 3 else 1
     rows = x.shape[0] * heads

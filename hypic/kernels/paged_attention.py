@@ -119,6 +119,10 @@ def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) ->
         weights = torch.exp2(lse - lse.amax(0, keepdim=True))
         out.copy_((partial * weights[..., None]).sum(0) / weights.sum(0)[..., None])
         return
+    merge_splits_triton(partial, lse, out)
+
+
+def merge_splits_triton(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
     splits, tokens, heads, dim = partial.shape
     _merge_kernel[(tokens, heads)](partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2),
                                    lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), S=splits,
