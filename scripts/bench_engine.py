@@ -104,7 +104,7 @@ def hypic_decode(engine: LLMEngine, batch: int, steps: int) -> float:
 def bench_hypic(path: Path, weights: dict, args: argparse.Namespace) -> dict:
     config = EngineConfig(model=str(path), device="cuda", state_dict=weights, max_model_len=max(args.lengths) + 64,
                           max_num_seqs=max(args.batches), max_num_batched_tokens=args.chunk,
-                          gpu_memory_utilization=0.92, cache_mode="none")
+                          gpu_memory_utilization=0.92, cache_mode="none", enforce_eager=args.enforce_eager)
     start = time.perf_counter()
     engine = LLMEngine(config)
     graphs = engine.runner.graphs
@@ -178,13 +178,19 @@ def _hf_decode(model, batch: int, steps: int) -> float:
     ids = torch.randint(3, 3000, (batch, 128), device="cuda")
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
     cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    for _ in range(2):  # warm-up: the first decode steps compile and autotune FLA's recurrent kernel
+        cache, token = _hf_step(model, cache, token)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
-        out = model(input_ids=token, past_key_values=cache, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        cache, token = _hf_step(model, cache, token)
     torch.cuda.synchronize()
     return batch * steps / (time.perf_counter() - start)
+
+
+def _hf_step(model, cache, token: torch.Tensor):
+    out = model(input_ids=token, past_key_values=cache, use_cache=True)
+    return out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
 
 
 def main() -> None:
@@ -197,6 +203,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=16384, help="max_num_batched_tokens")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's top kernels of hypic")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for hypic's decode")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/engine_h200.json"))
     args = parser.parse_args()
@@ -206,6 +213,7 @@ def main() -> None:
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
               "params_b": sum(w.numel() for w in weights.values()) / 1e9, "chunk": args.chunk,
+              "cuda_graphs": not args.enforce_eager,
               "hypic": bench_hypic(path, weights, args)}
     result["prefill_fraction_of_bf16_peak"] = {
         n: tps * flops_per_token(config, n) / H200_BF16_FLOPS for n, tps in result["hypic"]["prefill"].items()}

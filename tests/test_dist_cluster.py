@@ -11,7 +11,7 @@ import asyncio
 import os
 import signal
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 import pytest
@@ -22,7 +22,7 @@ from hypic import AsyncEngine
 from hypic.dist.client import DistributedEngineClient
 from hypic.dist.config import DistConfig
 from hypic.dist.launch import start_cluster
-from hypic.dist.messages import Progress
+from hypic.dist.messages import Build
 from hypic.serve.engine_client import GenerateRequest
 
 pytestmark = pytest.mark.timeout(600)
@@ -78,17 +78,23 @@ def cluster(slow_decay_model_dir):
     dist = DistConfig(min_remote_tokens=0, heartbeat_s=0.2, node_timeout_s=3.0, segment_timeout_s=120.0)
     client = start_cluster(pic_config(slow_decay_model_dir), 3, None, "cpu", dist)
     loop.run(client.start(), timeout=400)
-    hooks: list[Callable[[Any, Any], None]] = []
-    relay = client.node_message
-
-    def observed(node, message):
-        for hook in hooks:
-            hook(node, message)
-        relay(node, message)
-    client.node_message = observed  # the cluster calls back through the attribute
-    yield loop, client, hooks
+    yield loop, client
     loop.run(client.shutdown(0.0), timeout=120)
     loop.close()
+
+
+def on_first_remote_build(client: DistributedEngineClient, signum: int) -> list[int]:
+    """Signal the first worker the router sends a Build for another node's request, just before it
+    goes out: the worker holds none of that request's segments yet, whatever the timing."""
+    victims: list[int] = []
+    for node in client.cluster.nodes.values():
+        def send(message, node=node, send=node.link.send):
+            if isinstance(message, Build) and message.dest_node != node.node_id and not victims:
+                victims.append(node.node_id)
+                os.kill(client.nodes.pid(node.node_id), signum)
+            return send(message)
+        node.link.send = send
+    return victims
 
 
 def generate(loop: LoopThread, client: DistributedEngineClient, text: str, request_id: str) -> Finished:
@@ -127,7 +133,7 @@ def settled(cluster) -> bool:
 
 
 def test_cold_request_is_spread_over_the_nodes_and_matches_one_engine(cluster, reference):
-    loop, client, _ = cluster
+    loop, client = cluster
     got = generate(loop, client, COLD, "cold")
     assert_same(got, reference[COLD])
     dist = got.metrics.dist
@@ -139,7 +145,7 @@ def test_cold_request_is_spread_over_the_nodes_and_matches_one_engine(cluster, r
 
 
 def test_warm_request_runs_locally_on_the_node_holding_its_segments(cluster, reference):
-    loop, client, _ = cluster
+    loop, client = cluster
     got = generate(loop, client, WARM, "warm")
     assert_same(got, reference[WARM])
     assert got.metrics.dist is None  # nothing to gather: the local path
@@ -147,7 +153,7 @@ def test_warm_request_runs_locally_on_the_node_holding_its_segments(cluster, ref
 
 
 def test_segments_held_elsewhere_are_pulled_not_rebuilt(cluster, reference):
-    loop, client, _ = cluster
+    loop, client = cluster
     holder = COMBINE_OF["cold"]  # holds every segment of the prompt
     client.cluster.nodes[holder].pending_tokens += 1 << 20  # busy: another node must combine
     try:
@@ -161,7 +167,7 @@ def test_segments_held_elsewhere_are_pulled_not_rebuilt(cluster, reference):
 
 
 def test_mixed_request_pulls_what_is_held_and_builds_the_rest(cluster, reference):
-    loop, client, _ = cluster
+    loop, client = cluster
     got = generate(loop, client, MIXED, "mixed")
     assert_same(got, reference[MIXED])
     dist = got.metrics.dist
@@ -170,49 +176,31 @@ def test_mixed_request_pulls_what_is_held_and_builds_the_rest(cluster, reference
 
 
 def test_a_worker_killed_mid_request_costs_latency_not_the_request_and_restarts(cluster, reference):
-    loop, client, hooks = cluster
-    victims: list[int] = []
-
-    def kill_first_worker_that_built(node, message):
-        if (isinstance(message, Progress) and message.event == "built" and not victims
-                and node.node_id != client.node_of(message.request_id)):
-            victims.append(node.node_id)
-            os.kill(client.nodes.pid(node.node_id), signal.SIGKILL)
+    loop, client = cluster
     before = client.stats().dist
-    hooks.append(kill_first_worker_that_built)
-    try:
-        got = generate(loop, client, KILLED, "killed")
-    finally:
-        hooks.clear()
+    victims = on_first_remote_build(client, signal.SIGKILL)
+    got = generate(loop, client, KILLED, "killed")
     assert_same(got, reference[KILLED])
     assert victims and got.metrics.dist.segments_redispatched >= 1
     assert client.stats().dist.node_deaths == before.node_deaths + 1
     assert_idle(loop, client)  # the survivors (the victim may not be back yet)
-    loop.run(client.cluster.wait_until(lambda c: len(c.usable()) == 3, timeout=300), timeout=310)
+    loop.run(client.cluster.wait_until(settled, timeout=300), timeout=310)
     after = client.stats().dist
     assert after.node_restarts == before.node_restarts + 1 and after.nodes_live == 3
 
 
 def test_a_frozen_worker_is_timed_out_and_rejoins_when_it_wakes(cluster, reference):
-    loop, client, hooks = cluster
-    frozen: list[int] = []
-
-    def freeze_first_worker_that_built(node, message):
-        if (isinstance(message, Progress) and message.event == "built" and not frozen
-                and node.node_id != client.node_of(message.request_id)):
-            frozen.append(node.node_id)
-            os.kill(client.nodes.pid(node.node_id), signal.SIGSTOP)
+    loop, client = cluster
     before = client.stats().dist
-    hooks.append(freeze_first_worker_that_built)
+    frozen = on_first_remote_build(client, signal.SIGSTOP)
     try:
         got = generate(loop, client, FROZEN, "frozen")
     finally:
-        hooks.clear()
         for node_id in frozen:
             os.kill(client.nodes.pid(node_id), signal.SIGCONT)
     assert_same(got, reference[FROZEN])
     assert frozen and got.metrics.dist.segments_redispatched >= 1
-    loop.run(client.cluster.wait_until(settled, timeout=60), timeout=70)  # its leftover prefill ends
+    loop.run(client.cluster.wait_until(settled, timeout=60), timeout=70)  # it wakes, drops its leftovers
     assert_idle(loop, client)
     after = client.stats().dist
     assert after.node_hangs == before.node_hangs + 1

@@ -12,14 +12,14 @@ DIM, WIDTH, SLOTS = 12, 4, 10
 
 
 def make_case(prefill_lens: tuple[int, ...], num_decodes: int, fresh: tuple[int, ...], seed: int,
-              dim: int = DIM, dtype: torch.dtype = torch.float32
+              dim: int = DIM, dtype: torch.dtype = torch.float32, slots: int = SLOTS
               ) -> tuple[Varlen, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    vl = make_varlen(prefill_lens, num_decodes, SLOTS, gen, fresh=fresh)
+    vl = make_varlen(prefill_lens, num_decodes, slots, gen, fresh=fresh)
     x = torch.randn(vl.num_tokens, dim, generator=gen).to(dtype)
     weight = torch.randn(dim, WIDTH, generator=gen).to(dtype)
     bias = torch.randn(dim, generator=gen).to(dtype)
-    pool = torch.randn(SLOTS, dim, WIDTH - 1, generator=gen).to(dtype)
+    pool = torch.randn(slots, dim, WIDTH - 1, generator=gen).to(dtype)
     return vl, x, weight, bias, pool
 
 
@@ -88,6 +88,7 @@ def test_triton_interpreted_matches_reference(monkeypatch: pytest.MonkeyPatch) -
 # ----------------------------------------------------------------------------- GPU (Qwen3.5-35B-A3B: conv over q, k, v)
 
 GPU_DIM = 2 * 16 * 128 + 32 * 128
+GPU_SLOTS = 160  # more than the largest batch: every sequence has its own slot
 
 
 def to_cuda(vl: Varlen, *tensors: torch.Tensor) -> tuple:
@@ -100,7 +101,8 @@ def to_cuda(vl: Varlen, *tensors: torch.Tensor) -> tuple:
 @pytest.mark.parametrize("prefill_lens,num_decodes", [((), 128), ((1000, 2, 77, 1), 16), ((4096,), 0)])
 def test_gpu_matches_reference(dtype: torch.dtype, prefill_lens: tuple[int, ...], num_decodes: int) -> None:
     fresh = tuple(range(num_decodes, num_decodes + len(prefill_lens), 2))
-    case = make_case(prefill_lens, num_decodes, fresh, seed=len(prefill_lens), dim=GPU_DIM, dtype=dtype)
+    case = make_case(prefill_lens, num_decodes, fresh, seed=len(prefill_lens), dim=GPU_DIM, dtype=dtype,
+                     slots=GPU_SLOTS)
     vl, x, weight, bias, pool = to_cuda(*case)
     expected_pool = pool.clone()
     expected = run_ref(vl, x, weight, None, expected_pool)
@@ -113,7 +115,8 @@ def test_gpu_matches_reference(dtype: torch.dtype, prefill_lens: tuple[int, ...]
 
 @pytest.mark.gpu
 def test_gpu_decode_replays_in_cuda_graph() -> None:
-    vl, x, weight, bias, pool = to_cuda(*make_case((), 64, (), seed=5, dim=GPU_DIM, dtype=torch.bfloat16))
+    vl, x, weight, bias, pool = to_cuda(*make_case((), 64, (), seed=5, dim=GPU_DIM, dtype=torch.bfloat16,
+                                                    slots=GPU_SLOTS))
     y = torch.empty_like(x)
 
     def step() -> None:

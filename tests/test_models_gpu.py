@@ -2,11 +2,36 @@
 bfloat16, through prefill chunks, mixed batches and decode steps; a decode step captured in a CUDA graph."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from hypic.models.registry import load_model
-from models_util import BatchBuilder, hf_logits, make_hf_model, random_ids, rel_err, run, save_checkpoint
+from models_util import BatchBuilder, make_hf_model, random_ids, rel_err, run, save_checkpoint
+
+# transformers binds FLA's kernels whenever FLA imports, CPU tensors or not (they then fail): its CPU
+# reference runs in a child process where FLA cannot import, so it takes its own torch code path.
+TORCH_ONLY_LOGITS = """
+import sys
+sys.modules["fla"] = None
+import torch, transformers
+path, file = sys.argv[1], sys.argv[2]
+model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+with torch.no_grad():
+    logits = [model(input_ids=torch.tensor([ids])).logits[0].float() for ids in torch.load(file)]
+torch.save(logits, file)
+"""
+
+
+def hf_torch_logits(path: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' float32 CPU logits [T, vocab] of each prompt, from scratch, FLA hidden."""
+    file = path / "reference_prompts.pt"
+    torch.save(prompts, file)
+    subprocess.run([sys.executable, "-c", TORCH_ONLY_LOGITS, str(path), str(file)], check=True)
+    return torch.load(file)
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -23,7 +48,7 @@ def checkpoint(request, tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_chunks_batches_and_decodes_match_transformers(checkpoint, dtype) -> None:
-    hf, path = checkpoint
+    _, path = checkpoint
     model = load_model(str(path), device=CUDA, dtype=dtype)
     builder = BatchBuilder(model.config, block_size=16, num_blocks=64, num_slots=8, dtype=dtype, device=CUDA)
     prompts = [random_ids(n, seed=n) for n in (150, 70, 33)]
@@ -37,9 +62,10 @@ def test_gpu_chunks_batches_and_decodes_match_transformers(checkpoint, dtype) ->
         for seq, tokens in pieces:
             logits[seqs.index(seq)].append(out[start:start + len(tokens)])
             start += len(tokens)
-    for b, length in enumerate((150, 64, 33)):
-        expected = hf_logits(hf, prompts[b][:length])
-        assert rel_err(torch.cat(logits[b]), expected) < TOLERANCE[dtype], f"sequence {b}"
+    lengths = (150, 64, 33)
+    expected = hf_torch_logits(path, [prompts[b][:n] for b, n in enumerate(lengths)])
+    for b in range(len(lengths)):
+        assert rel_err(torch.cat(logits[b]), expected[b]) < TOLERANCE[dtype], f"sequence {b}"
 
 
 def test_decode_step_replays_from_a_cuda_graph(checkpoint) -> None:

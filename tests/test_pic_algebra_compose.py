@@ -170,6 +170,7 @@ def test_triton_kernel_on_gpu_matches_reference(name: str, tuple_dtype: torch.dt
     case = build_case(family, torch.Generator().manual_seed(3), dtype=torch.bfloat16, heads=(2, 4),
                       dims=(128, 128), tuple_dtype=tuple_dtype)
     o, states = run(case, family, compose_and_recur, device="cuda")
-    o_ref, states_ref = run(case, family, compose_and_recur_ref, device="cuda")
+    # the reference on the CPU: on cuda its GDN spans would run FLA's chunk kernel (bf16 matmuls, ~1e-3)
+    o_ref, states_ref = run(case, family, compose_and_recur_ref, device="cpu")
     assert rel_err(o.float(), o_ref.float()) <= 1e-2  # bf16 outputs
     assert rel_err(states, states_ref) <= 1e-4

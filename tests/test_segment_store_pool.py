@@ -237,10 +237,12 @@ def test_store_on_gpu_feeds_the_triton_kernels() -> None:
             for n, x in cuda.items()}
     args = (seam["q"], seam["k"], seam["v"], seam["g"], seam["beta"])
     outs = []
-    for fn in (compose_and_recur, compose_and_recur_ref):
-        pool = torch.zeros(2, 32, 128, 128, device="cuda")
-        o = fn(*args, pool, torch.tensor([1], device="cuda"), torch.tensor([False], device="cuda"),
-               torch.tensor([0, 20], dtype=torch.int32, device="cuda"), CachedPieces.build([rows], "cuda"),
-               store.t_src, store.s0_src, family=family, scale=0.1)
-        outs.append((o.float(), pool[1]))
+    # the reference on the CPU: on cuda its GDN spans would run FLA's chunk kernel (bf16 matmuls, ~1e-3)
+    for fn, device in ((compose_and_recur, "cuda"), (compose_and_recur_ref, "cpu")):
+        pool = torch.zeros(2, 32, 128, 128, device=device)
+        o = fn(*(a.to(device) for a in args), pool, torch.tensor([1], device=device),
+               torch.tensor([False], device=device), torch.tensor([0, 20], dtype=torch.int32, device=device),
+               CachedPieces.build([rows], device), store.t_src.to(device), store.s0_src.to(device),
+               family=family, scale=0.1)
+        outs.append((o.float().cpu(), pool[1].cpu()))
     assert rel_err(outs[0][0], outs[1][0]) <= 1e-2 and rel_err(outs[0][1], outs[1][1]) <= 1e-4

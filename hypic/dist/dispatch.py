@@ -175,7 +175,7 @@ class Dispatch:
                 self._router.directory.drop(key, node_id)
             if pending is not None and pending.transfer_id == message.transfer_id:
                 log.warning("%s: segment %s on node %d (%s)", self.request_id, message.event, node_id,
-                            message.error.message if message.error else "no longer stored")
+                            message.error.message if message.error else message.event)
                 await self._retry([pending])
 
     async def _node_down(self, node_id: int) -> None:

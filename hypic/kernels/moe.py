@@ -349,8 +349,8 @@ def _route_kernel(logits, weights, ids, tokens, stride_l, E: tl.constexpr, K: tl
     o_e, o_k = tl.arange(0, BE), tl.arange(0, BK)
     m_t, m_e = t < tokens, o_e < E
     x = tl.load(logits + (t * stride_l)[:, None] + o_e[None, :], mask=m_t[:, None] & m_e[None, :],
-                other=float("-inf")).to(tl.float32)
-    x = tl.where(m_e[None, :], x, float("-inf"))
+                other=0.0).to(tl.float32)
+    x = tl.where(m_e[None, :], x, float("-inf"))  # rows past the end stay finite: no NaN anywhere
     p = tl.exp(x - tl.max(x, axis=1)[:, None])
     p = p / tl.sum(p, axis=1)[:, None]
     picked_w = tl.zeros((BR, BK), dtype=tl.float32)

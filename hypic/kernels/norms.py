@@ -96,7 +96,7 @@ def norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, off
     rows = x.shape[0] * heads
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_d = next_power_of_2(dim)
-    block_rows = max(1, min(16, MAX_TILE // block_d))
+    block_rows = max(1, min(16, MAX_TILE // block_d // (2 if inv_freq is not None else 1)))  # RoPE: 2 tiles
     head_stride = x.stride(1) if x.dim() == 3 else 0
     gate_strides = (gate.stride(0), gate.stride(1)) if gate is not None else (0, 0)
     half = inv_freq.numel() if inv_freq is not None else 0
@@ -104,7 +104,7 @@ def norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, off
         x, residual, total, gate, weight, positions, inv_freq, y, rows, heads, x.stride(0), head_stride,
         *gate_strides, eps, D=dim, BD=block_d, BR=block_rows, HALF=half, NORM=weight is not None,
         OFFSET=offset, HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
-        num_warps=8 if block_d >= 2048 else 4)
+        num_warps=8 if block_rows * block_d >= 2048 else 4)
     return y
 
 
