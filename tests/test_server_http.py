@@ -230,6 +230,26 @@ def test_api_key_is_required_on_v1_but_not_on_probes(loop, served) -> None:
         loop.run(_close(keyed, stop_engine=False))
 
 
+def test_admin_cache_stats_and_flush_behind_the_api_key(loop, served) -> None:
+    keyed = loop.run(_serve(served.client, ServerSettings(api_key="sesame")))
+    right = {"Authorization": "Bearer sesame"}
+    try:
+        doc = "a document that several tenants read, long enough to have an interior to cache. " * 2
+        body = {"prompt": f"sys<|segment|>{doc}<|segment|>question", "max_tokens": 1, "cache_salt": "t1"}
+        assert loop.run(post(keyed, "/v1/completions", body, headers=right))[0] == 200
+        assert loop.run(get(keyed, "/admin/cache"))[0] == 401
+        status, text = loop.run(get(keyed, "/admin/cache", headers=right))
+        stats = json.loads(text)
+        assert status == 200 and stats["segment_pool"]["entries"] >= 1 and "hits" in stats["prefix_cache"]
+        status, flushed, _ = loop.run(post(keyed, "/admin/cache/flush", {"cache_salt": "other"}, headers=right))
+        assert status == 200 and flushed["flushed_segments"] == 0
+        status, flushed, _ = loop.run(post(keyed, "/admin/cache/flush", {"cache_salt": "t1"}, headers=right))
+        assert status == 200 and flushed["flushed_segments"] >= 1
+        assert_error(*loop.run(post(keyed, "/admin/cache/flush", {"salt": 1}, headers=right))[:2], 400)
+    finally:
+        loop.run(_close(keyed, stop_engine=False))
+
+
 # ---- fuzz --------------------------------------------------------------------------------------
 
 _JUNK = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=8),

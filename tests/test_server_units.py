@@ -127,6 +127,7 @@ class _Stats:
     state_slots_total: int = 8
     state_slots_free: int = 6
     prefix_cache: _PrefixStats = _PrefixStats()
+    segment_pool: _PrefixStats = _PrefixStats()
 
 
 def test_metrics_render_counters_histograms_and_engine_gauges() -> None:
@@ -146,6 +147,7 @@ def test_metrics_render_counters_histograms_and_engine_gauges() -> None:
     assert samples[("hypic_http_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] == 1
     assert samples[("hypic_kv_cache_usage_ratio", ())] == pytest.approx(0.25)
     assert samples[("hypic_requests_waiting", ())] == 2 and samples[("hypic_prefix_cache_hits", ())] == 5
+    assert samples[("hypic_segment_pool_hits", ())] == 5
     assert not any(name.startswith("hypic_gpu") for name, _ in samples)  # no CUDA, no NVML
 
 

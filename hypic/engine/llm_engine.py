@@ -13,7 +13,7 @@ from hypic.cache.block_pool import BlockPool
 from hypic.cache.memory_plan import CachePlan, plan_cache
 from hypic.cache.model_caches import ModelCaches
 from hypic.cache.prefix_cache import PrefixCache, PrefixCacheStats
-from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentStore, SegmentTuple
+from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentStore, SegmentStoreStats, SegmentTuple
 from hypic.cache.slot_pool import SlotPool
 from hypic.config import CACHE_MODES, EngineConfig
 from hypic.engine.pic_assembly import PicAssembler
@@ -47,6 +47,7 @@ class EngineStats:
     state_slots_total: int
     state_slots_free: int
     prefix_cache: PrefixCacheStats
+    segment_pool: SegmentStoreStats
     requests_finished: int
     requests_aborted: int
     prompt_tokens: int
@@ -313,6 +314,7 @@ class LLMEngine:
             kv_blocks_total=self.plan.num_blocks, kv_blocks_free=self.blocks.num_free,
             block_size=self.config.block_size, state_slots_total=self.plan.num_slots,
             state_slots_free=self.slots.num_free, prefix_cache=self.prefix.stats(),
+            segment_pool=self.store.stats(),
             requests_finished=c["finished"], requests_aborted=c["aborted"], prompt_tokens=c["prompt"],
             generated_tokens=c["generated"], cached_tokens=c["cached"])
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from hypic.serve import info_routes
+from hypic.serve import admin_routes, info_routes
 from hypic.serve.chat import create_chat_completion
 from hypic.serve.completions import create_completion
 from hypic.serve.engine_client import EngineClient
@@ -24,6 +24,8 @@ def build_app(client: EngineClient, settings: ServerSettings) -> web.Application
     app.router.add_post("/tokenize", info_routes.tokenize)
     app.router.add_get("/health", info_routes.health)
     app.router.add_get("/metrics", info_routes.metrics)
+    app.router.add_get("/admin/cache", admin_routes.cache_stats)
+    app.router.add_post("/admin/cache/flush", admin_routes.flush_cache)
     return app
 
 

@@ -66,6 +66,9 @@ class EngineClient(Protocol):
         """The model's input for a prompt, exactly as `stream` would build it (segments split and
         tokenized on their own, separators dropped)."""
 
+    async def flush_cache(self, cache_salt: str | None) -> int:
+        """Drop the cached segments and prefix checkpoints (of one salt); returns segments dropped."""
+
     async def shutdown(self, grace_s: float) -> None:
         """Stop accepting; let in-flight requests finish for up to grace_s, then abort the rest."""
 
@@ -117,6 +120,9 @@ class InProcessEngineClient:
         separator = self._engine.config.segment_separator
         built = SegmentedPrompt.build(self.tokenizer, prompt, separator=separator, add_special_tokens=add_special_tokens)
         return list(built.token_ids)
+
+    async def flush_cache(self, cache_salt: str | None) -> int:
+        return await self._engine.flush_segments(cache_salt)
 
     async def shutdown(self, grace_s: float) -> None:
         await self._engine.shutdown(grace_s)

@@ -80,7 +80,8 @@ class EngineStatsCollector(Collector):
         yield _gauge("hypic_state_slots_total", "Linear-attention state slots", stats.state_slots_total)
         yield _gauge("hypic_state_slots_free", "Linear-attention state slots free", stats.state_slots_free)
         yield _gauge("hypic_state_slot_usage_ratio", "Fraction of state slots in use", _used(stats.state_slots_free, stats.state_slots_total))
-        yield from _prefix_cache_gauges(stats.prefix_cache)
+        yield from _count_gauges("prefix_cache", "Prefix cache", stats.prefix_cache)
+        yield from _count_gauges("segment_pool", "Segment pool (PIC)", stats.segment_pool)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # dynamic: nothing to check at registration
@@ -98,11 +99,11 @@ def _used(free: int, total: int) -> float:
     return 1.0 - free / total if total else 0.0
 
 
-def _prefix_cache_gauges(prefix_cache: object) -> Iterator[Metric]:  # any dataclass of counts
-    """Every numeric field of the prefix cache's stats, as hypic_prefix_cache_<field>."""
-    if not dataclasses.is_dataclass(prefix_cache):
+def _count_gauges(name: str, title: str, stats: object) -> Iterator[Metric]:  # any dataclass of counts
+    """Every numeric field of a cache's stats, as hypic_<name>_<field>."""
+    if not dataclasses.is_dataclass(stats):
         return
-    for item in dataclasses.fields(prefix_cache):
-        value = getattr(prefix_cache, item.name)
+    for item in dataclasses.fields(stats):
+        value = getattr(stats, item.name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            yield _gauge(f"hypic_prefix_cache_{item.name}", f"Prefix cache: {item.name}", value)
+            yield _gauge(f"hypic_{name}_{item.name}", f"{title}: {item.name}", value)
