@@ -1,6 +1,7 @@
 """Resolving the configuration into concrete things: device, dtype, model directory, memory plan."""
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 
@@ -49,6 +50,10 @@ def cache_budget_bytes(config: EngineConfig, device: torch.device, activation_to
     """Bytes left for KV pages and state slots once weights and activations are counted."""
     if device.type == "cpu":
         return config.cpu_cache_bytes
+    # blocks this process freed (an engine closed earlier) stay reserved by torch's caching allocator
+    # and would count as in use: release them first
+    gc.collect()
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free
     # Activations of the largest step: generous per-token scratch plus a fixed margin.

@@ -4,7 +4,8 @@ Recurrence per value head (state layout [K, V], FLA's):
     S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T (scale q_t)
 
 Paths: CPU -> `gated_delta_rule_ref` (torch, float32, chunked WY form); CUDA -> FLA's chunk kernel
-for prefill sequences and our Triton kernel for decode tokens, which updates ssm_pool by slot in
+for prefill sequences (bf16/fp16; float32 takes the torch reference, FLA would compute it in tf32)
+and our Triton kernel for decode tokens, which updates ssm_pool by slot in
 place (no gather/scatter: the decode step must be cheap and CUDA-graph capturable).
 """
 from __future__ import annotations
@@ -38,9 +39,18 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         gdn_decode_triton(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm_pool, slots[:nd], has_state[:nd],
                           scale=scale, out=o[:nd])
     if len(seq_lens_cpu) > nd:
-        o[nd:] = _prefill_fla(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], ssm_pool, slots[nd:], has_state[nd:],
-                              cu_seqlens[nd:], scale=scale, seq_lens=seq_lens_cpu[nd:])
+        # float32 means float32: FLA's float32 dots run as tf32 (~1e-3 off), the chunked torch reference not
+        prefill = _prefill_fla if v.dtype != torch.float32 else _prefill_ref
+        o[nd:] = prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], ssm_pool, slots[nd:], has_state[nd:],
+                         cu_seqlens[nd:], scale=scale, seq_lens=seq_lens_cpu[nd:])
     return o
+
+
+def _prefill_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
+                 cu_seqlens: torch.Tensor, *, scale: float, seq_lens: tuple[int, ...]) -> torch.Tensor:
+    return gated_delta_rule_ref(q, k, v, g, beta, ssm_pool, slots, has_state, cu_seqlens, scale=scale,
+                                num_decodes=0, seq_lens_cpu=seq_lens)
 
 
 # ----------------------------------------------------------------------------- torch reference
