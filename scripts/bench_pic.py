@@ -117,12 +117,13 @@ def main() -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    common = dict(max_model_len=16384, max_num_batched_tokens=16384, max_num_seqs=32, seam_width=args.seam_width)
+    common = dict(max_num_seqs=32, seam_width=args.seam_width)
     if args.model:
-        return EngineConfig(model=args.model, device="cpu", cpu_cache_bytes=2 << 30, **common)
+        return EngineConfig(model=args.model, device="cpu", cpu_cache_bytes=2 << 30, max_model_len=16384,
+                            max_num_batched_tokens=16384, **common)
     config = shape_config(args.shape, 32768)
     return EngineConfig(model=str(model_dir(config)), device="cuda", state_dict=random_weights(config, 0),
-                        gpu_memory_utilization=0.9, **common)
+                        gpu_memory_utilization=0.9, max_model_len=20480, max_num_batched_tokens=20480, **common)
 
 
 def report(result: dict) -> None:

@@ -11,14 +11,16 @@ import asyncio
 import os
 import signal
 import threading
-from collections.abc import Coroutine
+import time
+from contextlib import aclosing
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
 from engine_util import Finished, collect, greedy
 from test_pic_engine import SEP, SYSTEM, pic_config
 
-from hypic import AsyncEngine
+from hypic import AsyncEngine, PromptTooLongError
 from hypic.dist.client import DistributedEngineClient
 from hypic.dist.config import DistConfig
 from hypic.dist.launch import start_cluster
@@ -123,13 +125,17 @@ def assert_idle(loop: LoopThread, client: DistributedEngineClient) -> None:
         assert (s["running"], s["waiting"]) == (0, 0), node_id
         assert s["kv_blocks_total"] - s["kv_blocks_free"] == s["prefix_cache"]["blocks_held"], node_id
         assert s["state_slots_total"] - s["state_slots_free"] == s["prefix_cache"]["slots_held"], node_id
+        assert s["segment_pool"]["pinned"] == 0, node_id
         assert (c.pending_receives, c.pending_receive_bytes, c.active_segment_jobs) == (0, 0, 0), node_id
 
 
-def settled(cluster) -> bool:
-    """Three nodes answering, none with work left (as of their last heartbeats)."""
-    nodes = cluster.usable()
-    return len(nodes) == 3 and all(n.stats["running"] == n.counters.active_segment_jobs == 0 for n in nodes)
+def settled(since: float) -> Callable[[Any], bool]:
+    """Three nodes answering, none with work left, as their heartbeats after `since` say."""
+    def check(cluster) -> bool:
+        nodes = cluster.usable()
+        return len(nodes) == 3 and all(n.last_heartbeat > since and n.stats["running"] == 0
+                                       and n.counters.active_segment_jobs == 0 for n in nodes)
+    return check
 
 
 def test_cold_request_is_spread_over_the_nodes_and_matches_one_engine(cluster, reference):
@@ -175,6 +181,30 @@ def test_mixed_request_pulls_what_is_held_and_builds_the_rest(cluster, reference
     assert_idle(loop, client)
 
 
+def test_typed_errors_cross_processes_and_aborts_free_everything(cluster):
+    loop, client = cluster
+    with pytest.raises(PromptTooLongError):
+        generate(loop, client, prompt(list(range(len(DOCS))) * 2), "too-long")
+
+    async def abort_after_first_output() -> list:
+        outputs = []
+        async for out in client.stream(GenerateRequest(prompt([0, 1]), greedy(200), "aborted")):
+            outputs.append(out)
+            if len(outputs) == 1:
+                await client.abort("aborted")
+        return outputs
+
+    async def leave_after_first_output() -> None:
+        async with aclosing(client.stream(GenerateRequest(prompt([2, 0]), greedy(200), "left"))) as outputs:
+            async for _ in outputs:
+                break
+    outputs = loop.run(abort_after_first_output())
+    assert outputs[-1].finished and outputs[-1].deltas[-1].finish_reason == "abort"
+    loop.run(leave_after_first_output())
+    loop.run(client.cluster.wait_until(settled(time.monotonic()), timeout=60), timeout=70)
+    assert_idle(loop, client)
+
+
 def test_a_worker_killed_mid_request_costs_latency_not_the_request_and_restarts(cluster, reference):
     loop, client = cluster
     before = client.stats().dist
@@ -184,7 +214,7 @@ def test_a_worker_killed_mid_request_costs_latency_not_the_request_and_restarts(
     assert victims and got.metrics.dist.segments_redispatched >= 1
     assert client.stats().dist.node_deaths == before.node_deaths + 1
     assert_idle(loop, client)  # the survivors (the victim may not be back yet)
-    loop.run(client.cluster.wait_until(settled, timeout=300), timeout=310)
+    loop.run(client.cluster.wait_until(settled(time.monotonic()), timeout=300), timeout=310)
     after = client.stats().dist
     assert after.node_restarts == before.node_restarts + 1 and after.nodes_live == 3
 
@@ -200,7 +230,7 @@ def test_a_frozen_worker_is_timed_out_and_rejoins_when_it_wakes(cluster, referen
             os.kill(client.nodes.pid(node_id), signal.SIGCONT)
     assert_same(got, reference[FROZEN])
     assert frozen and got.metrics.dist.segments_redispatched >= 1
-    loop.run(client.cluster.wait_until(settled, timeout=60), timeout=70)  # it wakes, drops its leftovers
+    loop.run(client.cluster.wait_until(settled(time.monotonic()), timeout=60), timeout=70)  # leftovers end
     assert_idle(loop, client)
     after = client.stats().dist
     assert after.node_hangs == before.node_hangs + 1

@@ -66,6 +66,11 @@ def setup(count: int = 3, timeout: float = 60.0) -> tuple[FakeCluster, Router, D
     return cluster, router, dispatch
 
 
+def start(cluster: FakeCluster, router: Router, dispatch: Dispatch, segments: list[SegmentJob]) -> asyncio.Task:
+    placements = router.place(segments, 0, [n.load() for n in cluster.usable()])
+    return asyncio.create_task(dispatch.run(placements))
+
+
 def deliver(cluster: FakeCluster, dispatch: Dispatch, source: int, job, *, built: bool = True) -> None:
     """The source built it (unless pulled) and sent it; the combine node stored it."""
     if built:
@@ -79,7 +84,7 @@ def test_segments_are_used_in_place_pulled_or_built_and_every_charge_and_buffer_
         local, pulled, cold = seg("local"), seg("pulled"), [seg("c1", 600), seg("c2", 500), seg("c3", 400)]
         router.directory.add(local.key, 0)
         router.directory.add(pulled.key, 2)
-        run = asyncio.create_task(dispatch.run([local, pulled, *cold]))
+        run = start(cluster, router, dispatch, [local, pulled, *cold])
         expected = await cluster.wait_sent(0, Expect, 3)  # everything not built on the combine node
         [pull] = await cluster.wait_sent(2, Pull, 1)
         await cluster.wait_sent(None, Build, 3)
@@ -107,7 +112,7 @@ def test_a_failed_or_missing_segment_is_placed_again_away_from_its_source():
         pulled, cold = seg("pulled"), seg("cold", 900)
         router.directory.add(pulled.key, 1)
         cluster.nodes[0].pending_tokens = 5000  # the cold one goes to a worker, not the combine node
-        run = asyncio.create_task(dispatch.run([pulled, cold]))
+        run = start(cluster, router, dispatch, [pulled, cold])
         [pull] = await cluster.wait_sent(1, Pull, 1)
         [build] = await cluster.wait_sent(None, Build, 1)
         worker = next(n for n in (1, 2) if cluster.jobs(n, Build))
@@ -129,9 +134,9 @@ def test_a_failed_or_missing_segment_is_placed_again_away_from_its_source():
 
 def test_a_dead_worker_s_segments_move_and_a_late_original_still_counts():
     async def main() -> None:
-        cluster, _, dispatch = setup()
+        cluster, router, dispatch = setup()
         segments = [seg(f"s{i}") for i in range(6)]
-        run = asyncio.create_task(dispatch.run(segments))
+        run = start(cluster, router, dispatch, segments)
         await cluster.wait_sent(1, Build, 2)
         lost = cluster.jobs(1, Build)
         cluster.nodes[1].link.closed.set()
@@ -149,9 +154,9 @@ def test_a_dead_worker_s_segments_move_and_a_late_original_still_counts():
 
 def test_a_source_past_the_deadline_is_replaced():
     async def main() -> None:
-        cluster, _, dispatch = setup(count=2, timeout=0.05)
+        cluster, router, dispatch = setup(count=2, timeout=0.05)
         cluster.nodes[0].pending_tokens = 5000
-        run = asyncio.create_task(dispatch.run([seg("slow")]))
+        run = start(cluster, router, dispatch, [seg("slow")])
         [late] = await cluster.wait_sent(1, Build, 1)
         [replacement] = await cluster.wait_sent(0, Build, 1)  # the combine node: the only other one
         deliver(cluster, dispatch, 1, late)  # the original wins after all: done, the replacement is moot
@@ -162,9 +167,9 @@ def test_a_source_past_the_deadline_is_replaced():
 
 def test_a_segment_the_combine_node_itself_cannot_build_is_left_to_its_engine():
     async def main() -> None:
-        cluster, _, dispatch = setup(count=2)
+        cluster, router, dispatch = setup(count=2)
         cluster.nodes[1].pending_tokens = 5000
-        run = asyncio.create_task(dispatch.run([seg("huge"), seg("fine")]))
+        run = start(cluster, router, dispatch, [seg("huge"), seg("fine")])
         jobs = await cluster.wait_sent(0, Build, 2)
         dispatch.on_message(cluster.nodes[0], Progress("r", jobs[0].transfer_id, "failed"))
         deliver(cluster, dispatch, 0, jobs[1])
@@ -175,8 +180,8 @@ def test_a_segment_the_combine_node_itself_cannot_build_is_left_to_its_engine():
 
 def test_losing_the_combine_node_aborts_the_dispatch():
     async def main() -> None:
-        cluster, _, dispatch = setup()
-        run = asyncio.create_task(dispatch.run([seg("a"), seg("b"), seg("c")]))
+        cluster, router, dispatch = setup()
+        run = start(cluster, router, dispatch, [seg("a"), seg("b"), seg("c")])
         await cluster.wait_sent(0, Expect, 1)
         dispatch.on_node_down(cluster.nodes[0])
         with pytest.raises(CombineLost):

@@ -109,3 +109,10 @@ def test_directory_forgets_nodes_and_stays_bounded():
     assert d.holders(keys[2]) == {2} and d.holders(keys[1]) == frozenset()
     d.drop(keys[2], 2)
     assert len(d) == 0
+
+
+def test_round_robin_baseline_ignores_sizes_and_loads():
+    r = router(assignment="round_robin")
+    placements = r.place([seg("a", 4000), seg("b", 100), seg("c", 4000), seg("d", 100)], combine=0,
+                         nodes=nodes(0, 9000))
+    assert [p.source for p in placements] == [0, 1, 0, 1]

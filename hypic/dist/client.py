@@ -29,7 +29,7 @@ from hypic.dist.dispatch import CombineLost, Dispatch
 from hypic.dist.messages import (Abort, Arrived, Failed, Generate, Output, Plan, PlanReply, Probe, ProbeReply,
                                  Progress, Shutdown)
 from hypic.dist.remote_errors import raise_remote
-from hypic.dist.router import Router
+from hypic.dist.router import Placement, Router
 from hypic.dist.segment_wire import key_of, segment_job
 from hypic.dist.stats import (ClusterStats, DistRequestMetrics, DistStats, DistTimings, cluster_stats,
                               merge_engine_stats, sum_counters)
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hypic.dist")
 _DOWN = object()  # event: the request's node went down
+_ABORTS_S = 5.0  # at shutdown, how long aborted requests get to deliver their last output
 
 
 class _Retry(Exception):
@@ -154,14 +155,11 @@ class DistributedEngineClient:
 
     async def shutdown(self, grace_s: float) -> None:
         self._accepting = False
-        if self._requests and grace_s > 0:
-            self._drained.clear()
-            try:
-                await asyncio.wait_for(self._drained.wait(), grace_s)
-            except TimeoutError:
-                log.warning("shutdown: aborting %d requests after %.1f s", len(self._requests), grace_s)
+        if not await self._drain(grace_s):
+            log.warning("shutdown: aborting %d requests after %.1f s", len(self._requests), grace_s)
         for request_id in list(self._requests):
             await self.abort(request_id)
+        await self._drain(_ABORTS_S)  # their streams end with the nodes' abort outputs
         self.cluster.closing = True
         self.nodes.expect_exit()
         for node in self.cluster.alive():
@@ -238,6 +236,7 @@ class DistributedEngineClient:
                 excluded.add(node.node_id)
                 self._totals.combine_retries += 1
                 record.node = None
+                await self._send(node, Abort(record.request.request_id))  # a hung node may wake up
         raise EngineDeadError(f"request {record.request.request_id}: {self.dist.max_attempts} engine nodes "
                               "went down under it")
 
@@ -260,7 +259,7 @@ class DistributedEngineClient:
         if all(p.kind == "local" or p.source == combine.node_id for p in placements):
             return combine  # nothing to gather: the combine node's engine prefills what it lacks
         try:
-            timings = await self._gather(record, combine)
+            timings = await self._gather(record, combine, placements)
         except CombineLost:
             excluded.add(combine.node_id)
             self._totals.combine_retries += 1
@@ -273,7 +272,8 @@ class DistributedEngineClient:
         r = record.request
         try:
             reply = await planner.link.call(
-                lambda call_id: Plan(call_id, r.prompt, r.cache_salt, r.cache_mode, r.add_special_tokens),
+                lambda call_id: Plan(call_id, r.prompt, r.cache_salt, r.cache_mode, r.add_special_tokens,
+                                     r.params.max_tokens or 0),
                 self.dist.rpc_timeout_s)
         except (ConnectionError, TimeoutError):
             return None
@@ -286,11 +286,11 @@ class DistributedEngineClient:
                 self.router.directory.add(key_of(job.key), planner.node_id)
         return reply
 
-    async def _gather(self, record: _Request, combine: NodeHandle) -> DistTimings | None:
+    async def _gather(self, record: _Request, combine: NodeHandle, placements: list[Placement]) -> DistTimings | None:
         """Dispatch as a task, so that abort() can cancel it; None when aborted."""
         record.dispatch = Dispatch(record.request.request_id, combine, self.router, self.cluster,
                                    self._transfer_ids, self.dist.segment_timeout_s)
-        record.dispatch_task = asyncio.create_task(record.dispatch.run(record.segments))
+        record.dispatch_task = asyncio.create_task(record.dispatch.run(placements))
         try:
             await asyncio.wait([record.dispatch_task])
             return None if record.dispatch_task.cancelled() else record.dispatch_task.result()
@@ -413,6 +413,17 @@ class DistributedEngineClient:
             plan_seconds=s.get("plan_s", 0.0), dispatch_seconds=s.get("dispatch_s", 0.0),
             comm_seconds=s.get("comm_s", 0.0), combine_seconds=s.get("combine_s", 0.0),
             nodes=sum_counters([n.counters for n in alive]))
+
+    async def _drain(self, timeout: float) -> bool:
+        """Whether every request finished within `timeout` seconds."""
+        if not self._requests:
+            return True
+        self._drained.clear()
+        try:
+            await asyncio.wait_for(self._drained.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
 
     async def _send(self, node: NodeHandle, message: Any) -> bool:
         try:

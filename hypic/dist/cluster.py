@@ -135,7 +135,7 @@ class Cluster:
         if not self.closing:
             self.deaths += 1
             log.warning("%s left (connection closed)", handle.name)
-            self._listener.node_down(handle, "died")
+        self._listener.node_down(handle, "died")  # what it was doing fails over, or ends at shutdown
         await self.notify()
 
     # -- heartbeats -------------------------------------------------------------------------------

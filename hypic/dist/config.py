@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from hypic.errors import InvalidRequestError
 
 TRANSPORTS = ("auto", "tcp", "nccl")
+ASSIGNMENTS = ("lpt", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,9 @@ class DistConfig:
     """Planning and probe calls."""
     start_timeout_s: float = 900.0
     """Longest wait for every node to load its model and join."""
+    assignment: str = "lpt"
+    """How cold segments are spread: lpt (Longest-Processing-Time first, from current loads) or
+    round_robin (in prompt order; a baseline for benchmarks)."""
     min_remote_tokens: int = 256
     """Cold segments shorter than this are prefilled on the combine node (shipping costs more)."""
     combine_load_slack_tokens: int = 8192
@@ -53,5 +57,7 @@ class DistConfig:
                 raise InvalidRequestError(f"{name} must be positive, got {getattr(self, name)}")
         if self.node_timeout_s <= 2 * self.heartbeat_s:
             raise InvalidRequestError("node_timeout_s must exceed two heartbeats, or healthy nodes look hung")
+        if self.assignment not in ASSIGNMENTS:
+            raise InvalidRequestError(f"assignment must be one of {ASSIGNMENTS}, got {self.assignment!r}")
         if self.affinity_granularity <= 0 or self.max_attempts <= 0:
             raise InvalidRequestError("affinity_granularity and max_attempts must be positive")

@@ -23,7 +23,6 @@ from hypic.dist.messages import Arrived, Build, Cancel, Expect, Job, Progress, P
 from hypic.dist.router import NodeLoad, Placement, Router
 from hypic.dist.segment_wire import planned_job
 from hypic.dist.stats import DistTimings
-from hypic.engine.pic_plan import SegmentJob
 
 log = logging.getLogger("hypic.dist")
 
@@ -81,10 +80,9 @@ class Dispatch:
 
     # -- the dispatch -----------------------------------------------------------------------------
 
-    async def run(self, segments: list[SegmentJob]) -> DistTimings:
+    async def run(self, placements: list[Placement]) -> DistTimings:
+        """`placements`: the router's for this combine node (`Router.place`)."""
         start = time.monotonic()
-        nodes = self._candidates(set())
-        placements = self._router.place(segments, self.combine.node_id, nodes)
         try:
             await self._dispatch([p for p in placements if p.kind != "local"], set())
             while self._pending:
@@ -92,7 +90,7 @@ class Dispatch:
         finally:
             self._release_all()
             await self._cancel_leftovers()
-        return self._timings(start, len({s.key for s in segments}), sum(p.kind == "local" for p in placements))
+        return self._timings(start, len(placements), sum(p.kind == "local" for p in placements))
 
     async def _dispatch(self, placements: list[Placement], tried: set[int]) -> None:
         now = time.monotonic()
@@ -102,8 +100,11 @@ class Dispatch:
         remote = [p for p in fresh if p.source != self.combine.node_id]
         if remote:
             await self._send(self.combine, Expect(self.request_id, [_job(p, with_tokens=False) for p in remote]))
-        for (kind, source), group in itertools.groupby(fresh, key=lambda p: (p.placement.kind, p.source)):
-            await self._send_jobs(kind, source, list(group))
+        groups: dict[tuple[str, int], list[_Pending]] = {}  # one message per source, its jobs in order
+        for pending in fresh:
+            groups.setdefault((pending.placement.kind, pending.source), []).append(pending)
+        for (kind, source), group in groups.items():
+            await self._send_jobs(kind, source, group)
 
     def _track(self, pending: _Pending) -> None:
         key = pending.placement.segment.key
@@ -114,8 +115,6 @@ class Dispatch:
         if pending.placement.kind == "build":
             self._router.directory.add(key, pending.source)  # pulls by other requests wait on this build
             self._charge(pending)
-        else:
-            self._tally.pulled += 1
 
     async def _send_jobs(self, kind: str, source: int, group: list[_Pending]) -> None:
         node = self._cluster.nodes.get(source)
@@ -158,7 +157,8 @@ class Dispatch:
         self._tally.transfer_bytes += message.nbytes
         if message.stored:
             self._router.directory.add(key, node_id)
-        self._pending.pop(key, None)  # any transfer of the key will do, a late original included
+        pending = self._pending.pop(key, None)  # any transfer of the key will do, a late original included
+        self._tally.pulled += pending is not None and pending.placement.kind == "pull"
 
     async def _progress(self, node_id: int, message: Progress) -> None:
         key = self._keys.get(message.transfer_id)

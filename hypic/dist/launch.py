@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hypic.config import EngineConfig
@@ -34,15 +35,18 @@ class NodePlan:
     config: EngineConfig
     gpu: int | None  # physical GPU; the process sees only it
     threads: int | None  # torch threads of a CPU node
+    after: int | None = None  # a node sharing the GPU that must have joined before this one starts
 
 
 def start_cluster(config: EngineConfig, workers: int, gpus: list[int] | None, device: str,
-                  dist: DistConfig | None = None) -> DistributedEngineClient:
+                  dist: DistConfig | None = None,
+                  configure: Callable[[EngineConfig], EngineConfig] | None = None) -> DistributedEngineClient:
     """A client for `workers` engine processes (one per GPU of `gpus`, round robin when there are
-    more workers than GPUs; `device="cpu"`: CPU processes). Nothing starts before `await start()`."""
+    more workers than GPUs; `device="cpu"`: CPU processes). Nothing starts before `await start()`.
+    `configure` runs in each node process before its engine is built (see NodeSpec)."""
     dist = dist or DistConfig()
     plans, transport = plan_nodes(config, workers, gpus, device, dist.transport)
-    return DistributedEngineClient(config, LocalNodes(plans, dist, transport), dist)
+    return DistributedEngineClient(config, LocalNodes(plans, dist, transport, configure), dist)
 
 
 def plan_nodes(config: EngineConfig, workers: int, gpus: list[int] | None, device: str,
@@ -61,9 +65,13 @@ def plan_nodes(config: EngineConfig, workers: int, gpus: list[int] | None, devic
         return plans, _transport(transport, distinct_gpus=False)
     assignment = _gpu_assignment(workers, gpus, device)
     share = Counter(assignment)
-    plans = [NodePlan(i, dataclasses.replace(config, device="cuda:0",
-                                             gpu_memory_utilization=config.gpu_memory_utilization / share[gpu]),
-                      gpu, None) for i, gpu in enumerate(assignment)]
+    previous: dict[int, int] = {}  # gpu -> the last node planned on it
+    plans = []
+    for i, gpu in enumerate(assignment):
+        fraction = config.gpu_memory_utilization / share[gpu]
+        plans.append(NodePlan(i, dataclasses.replace(config, device="cuda:0", gpu_memory_utilization=fraction),
+                              gpu, None, previous.get(gpu)))
+        previous[gpu] = i
     return plans, _transport(transport, distinct_gpus=len(share) == len(assignment) > 1)
 
 
@@ -94,9 +102,10 @@ def _transport(requested: str, *, distinct_gpus: bool) -> str:
 class LocalNodes:
     """The engine processes of this host: spawned, watched, restarted."""
 
-    def __init__(self, plans: list[NodePlan], dist: DistConfig, transport: str) -> None:
+    def __init__(self, plans: list[NodePlan], dist: DistConfig, transport: str,
+                 configure: Callable[[EngineConfig], EngineConfig] | None = None) -> None:
         self.plans = {plan.node_id: plan for plan in plans}
-        self.dist, self.transport = dist, transport
+        self.dist, self.transport, self.configure = dist, transport, configure
         self.restarts = 0
         self.failed: str | None = None  # why the cluster cannot come up
         self._processes: dict[int, multiprocessing.Process] = {}
@@ -116,12 +125,18 @@ class LocalNodes:
         self._router_address, self._cluster = router_address, cluster
         self._loop = asyncio.get_running_loop()
         os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by every node
-        for node_id in self.plans:
-            self._spawn(node_id)
+        for plan in self.plans.values():
+            if plan.after is None:
+                self._spawn(plan.node_id)
 
     def joined(self, node_id: int) -> None:
+        """Engines sharing a GPU size their memory from what is free, so they start one at a time."""
+        first_join = node_id not in self._ever_joined
         self._ever_joined.add(node_id)
         self._failures[node_id] = 0
+        for plan in self.plans.values():
+            if first_join and plan.after == node_id and plan.node_id not in self._processes:
+                self._spawn(plan.node_id)
 
     def expect_exit(self) -> None:
         """The nodes are about to be told to exit: stop restarting them."""
@@ -147,9 +162,12 @@ class LocalNodes:
 
     def _spawn(self, node_id: int) -> None:
         plan = self.plans[node_id]
-        spec = NodeSpec(self._router_address, plan.config, node_id, plan.gpu, self.transport, self.dist.data_host,
-                        self.dist.heartbeat_s, self.dist.affinity_granularity, plan.threads,
-                        logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+        shared = any(p.gpu == plan.gpu for p in self.plans.values() if p is not plan and plan.gpu is not None)
+        spec = NodeSpec(self._router_address, plan.config, node_id=node_id, gpu=plan.gpu, transport=self.transport,
+                        data_host=self.dist.data_host, heartbeat_s=self.dist.heartbeat_s,
+                        affinity_granularity=self.dist.affinity_granularity, threads=plan.threads,
+                        log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+                        configure=self.configure, gpu_shared=shared, detach=True)
         process = multiprocessing.get_context("spawn").Process(target=node_main, args=(spec,), daemon=True,
                                                                name=f"hypic-node{node_id}")
         process.start()

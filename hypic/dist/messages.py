@@ -138,6 +138,7 @@ class Plan(msgspec.Struct, frozen=True, tag=True):
     cache_salt: str | None = None
     cache_mode: str | None = None
     add_special_tokens: bool = True
+    max_tokens: int = 0  # a prompt that leaves no room for them is refused here, before any dispatch
 
 
 class PlanReply(msgspec.Struct, frozen=True, tag=True):

@@ -5,9 +5,9 @@ Register next to the server's own collector when the engine client is distribute
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 
+import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -30,12 +30,11 @@ class DistCollector(Collector):
 
 
 def _families(prefix: str, stats: object) -> Iterator[Metric]:
-    for item in dataclasses.fields(stats):
-        value = getattr(stats, item.name)
+    """Every number of a stats dataclass or Struct (nested ones are skipped)."""
+    for field, value in msgspec.to_builtins(stats).items():
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             continue
-        name = prefix + item.name
-        if item.name in _GAUGES:
-            yield GaugeMetricFamily(name, f"Segment parallelism: {item.name}", value=float(value))
+        if field in _GAUGES:
+            yield GaugeMetricFamily(prefix + field, f"Segment parallelism: {field}", value=float(value))
         else:
-            yield CounterMetricFamily(name, f"Segment parallelism: {item.name} (total)", value=float(value))
+            yield CounterMetricFamily(prefix + field, f"Segment parallelism: {field} (total)", value=float(value))

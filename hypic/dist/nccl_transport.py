@@ -30,8 +30,7 @@ _SENDER, _RECEIVER = 0, 1
 @dataclass
 class _Channel:
     comm: object  # cupy.cuda.nccl.NcclCommunicator
-    stream: torch.cuda.Stream
-    watcher: asyncio.Task | None = None  # sender side: aborts the communicator when the peer hangs up
+    stream: torch.cuda.Stream  # this connection's copy stream
     aborted: bool = False
 
 
@@ -50,9 +49,7 @@ class NcclTransport(TensorTransport):
     async def _open_channel(self, peer: _Peer) -> _Channel:
         unique_id = self._nccl.get_unique_id()
         await write_message(peer.writer, NcclHello(_uid_bytes(unique_id)), DATA_CODEC)
-        channel = _Channel(await asyncio.to_thread(self._join, unique_id, _SENDER), torch.cuda.Stream(self.device))
-        channel.watcher = asyncio.create_task(self._watch(peer.reader, channel))
-        return channel
+        return _Channel(await asyncio.to_thread(self._join, unique_id, _SENDER), torch.cuda.Stream(self.device))
 
     async def _accept_channel(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> _Channel:
         hello = await read_message(reader, DATA_CODEC)
@@ -68,16 +65,9 @@ class NcclTransport(TensorTransport):
         with cupy.cuda.Device(self.device.index or 0):
             return self._nccl.NcclCommunicator(2, unique_id, rank)
 
-    async def _watch(self, reader: asyncio.StreamReader, channel: _Channel) -> None:
-        """The receiver never writes back: EOF means it is gone, and a send waiting for its recv
-        would wait forever; aborting the communicator ends it."""
-        await reader.read()
-        self._abort(channel)
-
     def _close_channel(self, state: object) -> None:
+        """Aborting the communicator also ends a send or receive stuck on a vanished peer."""
         if isinstance(state, _Channel):
-            if state.watcher is not None:
-                state.watcher.cancel()
             self._abort(state)
 
     @staticmethod
@@ -118,8 +108,9 @@ class NcclTransport(TensorTransport):
         nccl.groupStart()
         try:
             for tensor in tensors:
-                op(tensor.data_ptr(), tensor.numel() * tensor.element_size(), nccl.NCCL_UINT8, peer,
-                   channel.stream.cuda_stream)
+                if tensor.numel():  # both sides skip the same empty tensors: the specs are shared
+                    op(tensor.data_ptr(), tensor.numel() * tensor.element_size(), nccl.NCCL_UINT8, peer,
+                       channel.stream.cuda_stream)
         finally:
             nccl.groupEnd()
 

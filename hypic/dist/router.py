@@ -78,6 +78,8 @@ class Router:
         small = [s for s in cold if len(s.token_ids) < self.config.min_remote_tokens]
         large = [s for s in cold if len(s.token_ids) >= self.config.min_remote_tokens]
         placements = [Placement(s, "build", combine) for s in small]
+        if self.config.assignment == "round_robin":
+            return placements + [Placement(s, "build", nodes[i % len(nodes)].node_id) for i, s in enumerate(large)]
         start = [self.load(n) + (sum(len(s.token_ids) for s in small) if n.node_id == combine else 0) for n in nodes]
         assignment = lpt_assign([len(s.token_ids) for s in large], len(nodes), start)
         for i in assignment.order:

@@ -19,7 +19,7 @@ import msgspec
 import torch
 
 from hypic.cache.segment_store import SegmentKey, SegmentTuple
-from hypic.dist.messages import Arrived, Build, Expect, Job, NodeCounters, Progress, Pull
+from hypic.dist.messages import Arrived, Build, ErrorInfo, Expect, Job, NodeCounters, Progress, Pull
 from hypic.dist.remote_errors import error_info
 from hypic.dist.segment_wire import key_of, segment_job, tuple_from, tuple_meta, tuple_specs, tuple_tensors
 from hypic.dist.transport import Received, TensorTransport, allocate
@@ -27,6 +27,7 @@ from hypic.engine.async_engine import AsyncEngine
 
 log = logging.getLogger("hypic.dist")
 Report = Callable[[msgspec.Struct], Awaitable[None]]
+_POOL_FULL = ErrorInfo("OutOfMemoryError", "the segment's tuple does not fit this node's segment pool")
 
 
 class SegmentWork:
@@ -85,17 +86,18 @@ class SegmentWork:
     async def _build_one(self, request_id: str, job: Job) -> tuple[SegmentTuple | None, float]:
         key, start = key_of(job.segment.key), time.perf_counter()
         building = self._building[key] = asyncio.get_running_loop().create_future()
-        tup = None
+        tup, failure = None, _POOL_FULL
         try:
             [tup] = await self.engine.build_segments([segment_job(job.segment)])
         except Exception as error:  # noqa: BLE001 - the router re-dispatches; this node keeps serving
             log.exception("building segment for %s failed", request_id)
-            await self._fail(request_id, job, error_info(error))
+            failure = error_info(error)
         finally:
             building.set_result(tup)  # pulls waiting on it get the tuple, or None (they report missing)
             if self._building.get(key) is building:
                 del self._building[key]
         if tup is None:
+            await self._fail(request_id, job, failure)
             return None, 0.0
         self._built += 1
         return tup, time.perf_counter() - start
@@ -127,7 +129,7 @@ class SegmentWork:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         await self._report(Progress(request_id, job.transfer_id, "sent", seconds, nbytes))
 
-    async def _fail(self, request_id: str, job: Job, error: object) -> None:
+    async def _fail(self, request_id: str, job: Job, error: ErrorInfo) -> None:
         self._failures += 1
         await self._report(Progress(request_id, job.transfer_id, "failed", error=error))
 

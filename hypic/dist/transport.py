@@ -68,6 +68,7 @@ class _Peer:
     writer: asyncio.StreamWriter
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     state: object = None  # the payload channel's (an NCCL communicator and its stream)
+    watcher: asyncio.Task | None = None  # ends the connection when the receiver hangs up
 
 
 def spec_of(tensor: torch.Tensor) -> TensorSpec:
@@ -115,10 +116,8 @@ class TensorTransport(ABC):
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for peer in self._peers.values():
-            peer.writer.close()
-            self._close_channel(peer.state)
-        self._peers.clear()
+        for address, peer in list(self._peers.items()):
+            self._drop_peer(address, peer)
         for writer in list(self._accepted):
             writer.close()  # their readers see EOF and end
         for slot in self._slots.values():
@@ -169,16 +168,23 @@ class TensorTransport(ABC):
         header = TransferHeader(transfer_id, request_id, [spec_of(t) for t in tensors], meta)
         peer = await self._peer(address)
         start = time.perf_counter()
+        # Shielded: a caller cancelled mid-payload must not leave half a transfer on the connection.
+        transfer = asyncio.ensure_future(self._transfer(peer, header, tensors, ready))
+        transfer.add_done_callback(_retrieve)  # its failure is the caller's to see, if it still waits
         try:
-            async with peer.lock:
-                await write_message(peer.writer, header, DATA_CODEC)
-                await self._send_payload(peer, tensors, ready)
+            await asyncio.shield(transfer)
         except (ConnectionError, OSError, asyncio.IncompleteReadError) as error:
-            self._drop_peer(address)
+            self._drop_peer(address, peer)
             raise ConnectionError(f"sending to {address} failed: {error!r}") from error
         seconds = time.perf_counter() - start
         self._count_sent(tensors, seconds)
         return seconds
+
+    async def _transfer(self, peer: _Peer, header: TransferHeader, tensors: list[torch.Tensor],
+                        ready: object | None) -> None:
+        async with peer.lock:
+            await write_message(peer.writer, header, DATA_CODEC)
+            await self._send_payload(peer, tensors, ready)
 
     async def _peer(self, address: str) -> _Peer:
         lock = self._connecting.setdefault(address, asyncio.Lock())
@@ -190,14 +196,23 @@ class TensorTransport(ABC):
                     raise ConnectionError(f"cannot reach node at {address}: {error}") from error
                 peer = _Peer(reader, writer)
                 peer.state = await self._open_channel(peer)
+                peer.watcher = asyncio.create_task(self._watch(address, peer))
                 self._peers[address] = peer
             return self._peers[address]
 
-    def _drop_peer(self, address: str) -> None:
-        peer = self._peers.pop(address, None)
-        if peer is not None:
-            peer.writer.close()
-            self._close_channel(peer.state)
+    async def _watch(self, address: str, peer: _Peer) -> None:
+        """A receiver never writes back: EOF means it is gone. Dropping the connection then also
+        ends a payload waiting for it (NCCL would wait for the receive forever)."""
+        await peer.reader.read()
+        self._drop_peer(address, peer)
+
+    def _drop_peer(self, address: str, peer: _Peer) -> None:
+        if self._peers.get(address) is peer:  # not a newer connection opened since
+            del self._peers[address]
+        if peer.watcher is not None and peer.watcher is not asyncio.current_task():
+            peer.watcher.cancel()
+        peer.writer.close()
+        self._close_channel(peer.state)
 
     def _count_sent(self, tensors: list[torch.Tensor], seconds: float) -> None:
         self.counters.sent += 1
@@ -292,3 +307,8 @@ class TensorTransport(ABC):
     @abstractmethod
     async def _receive_payload(self, reader: asyncio.StreamReader, state: object,
                                tensors: list[torch.Tensor], ready: object | None) -> None: ...
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import sys
+from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ from hypic.dist.segment_work import SegmentWork
 from hypic.dist.transport import TensorTransport
 from hypic.engine.async_engine import AsyncEngine
 from hypic.engine.segments import SegmentedPrompt
-from hypic.errors import HypicError
+from hypic.errors import HypicError, PromptTooLongError
 
 log = logging.getLogger("hypic.dist")
 
@@ -53,19 +54,40 @@ class NodeSpec:
     affinity_granularity: int = 64
     threads: int | None = None  # torch intra-op threads (CPU nodes sharing a host)
     log_level: str = "WARNING"
+    configure: Callable[[EngineConfig], EngineConfig] | None = None
+    """Runs in the node process before its engine is built (picklable: a module-level function),
+    e.g. to put in-memory weights into the config."""
+    gpu_shared: bool = False  # other engines use this GPU too (gpu_memory_utilization is this one's share)
+    detach: bool = False
+    """Leave the terminal's process group: Ctrl-C reaches the router, which drains the requests and
+    then stops this node (a node also exits by itself when its router goes away)."""
 
 
 def node_main(spec: NodeSpec) -> None:
     """Process entry point."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # point-to-point never needs NVLink multicast
+    if spec.detach and hasattr(os, "setpgrp"):
+        os.setpgrp()
     if spec.gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)  # before the first CUDA call
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s node{spec.node_id} %(levelname)s %(message)s")
     if spec.threads:
         torch.set_num_threads(spec.threads)
+    if spec.gpu_shared:
+        spec = dataclasses.replace(spec, config=_beside_other_engines(spec.config))
+    if spec.configure is not None:
+        spec = dataclasses.replace(spec, config=spec.configure(spec.config))
     code = _run(EngineNode(spec).run())
     logging.shutdown()
     os._exit(code)  # everything is closed; skip the interpreter's slow teardown of torch
+
+
+def _beside_other_engines(config: EngineConfig) -> EngineConfig:
+    """The engine budgets `gpu_memory_utilization x total - memory in use on the GPU`, every process
+    counted: add what the engines already on this GPU use, so that this one gets its share."""
+    free, total = torch.cuda.mem_get_info()
+    fraction = min(1.0, (total - free) / total + config.gpu_memory_utilization)
+    return dataclasses.replace(config, gpu_memory_utilization=fraction)
 
 
 def make_transport(kind: str, device: torch.device) -> TensorTransport:
@@ -83,7 +105,6 @@ class EngineNode:
         self.spec = spec
         self.node_id = spec.node_id
         self.engine = AsyncEngine(spec.config)
-        self._generations: dict[str, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
         self._grace_s = 0.0
 
@@ -95,10 +116,11 @@ class EngineNode:
         self.link = await self._join()
         self.work = SegmentWork(self.node_id, self.engine, self.transport, self.link.send)
         self.link.start()
-        heartbeats = asyncio.create_task(self._heartbeats())
-        closed = asyncio.create_task(self.link.closed.wait())
-        await asyncio.wait([closed, asyncio.create_task(self._stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-        heartbeats.cancel()
+        waits = [asyncio.create_task(self._heartbeats()), asyncio.create_task(self.link.closed.wait()),
+                 asyncio.create_task(self._stop.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)  # told to stop, or the router is gone
+        for task in waits:
+            task.cancel()
         await self._close()
         return 0
 
@@ -130,7 +152,7 @@ class EngineNode:
     def _on_message(self, message: Any) -> None:
         match message:
             case Generate():
-                self._generations[message.request_id] = self._spawn(self._generate(message))
+                self._spawn(self._generate(message))
             case Abort():
                 self._spawn(self.engine.abort(message.request_id))
             case Plan():
@@ -165,8 +187,6 @@ class EngineNode:
             if not isinstance(error, HypicError):
                 log.exception("request %s failed on node %d", message.request_id, self.node_id)
             await self._send_quietly(Failed(message.request_id, error_info(error)))
-        finally:
-            self._generations.pop(message.request_id, None)
 
     def _plan(self, message: Plan) -> PlanReply:
         try:
@@ -175,6 +195,7 @@ class EngineNode:
             prompt = SegmentedPrompt.build(self.engine.tokenizer, message.prompt,
                                            separator=self.engine.config.segment_separator,
                                            add_special_tokens=message.add_special_tokens)
+            _check_length(prompt.num_tokens, message.max_tokens, self.engine.max_model_len)
         except HypicError as error:
             return PlanReply(message.call_id, error=error_info(error))
         hashes = prefix_hashes(prompt.token_ids, message.cache_salt, self.spec.affinity_granularity)
@@ -195,11 +216,16 @@ class EngineNode:
         except ConnectionError:
             pass  # the router is gone; run() is closing this node
 
-    def _spawn(self, work: Any) -> asyncio.Task:
+    def _spawn(self, work: Any) -> None:
         task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return task
+
+
+def _check_length(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """The engine's own admission rule, checked before segments are prefilled for nothing."""
+    if prompt_tokens >= max_model_len or prompt_tokens + max_tokens > max_model_len:
+        raise PromptTooLongError(prompt_tokens, max_model_len, max_tokens)
 
 
 def _run(main: Any) -> int:
