@@ -94,11 +94,14 @@ def main() -> None:
     parser.add_argument("--counts", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seam-width", type=int, default=8)
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler tables of a cold and a warm request")
     parser.add_argument("--out", type=Path, default=Path("bench/results/pic_h200.json"))
     args = parser.parse_args()
     engine = LLMEngine(engine_config(args))
     rng = random.Random(0)
     measure(engine, 2, 512, rng, 1)  # warm-up: compile and autotune every kernel
+    if args.profile:
+        profile(engine, rng)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "shape": args.shape, "seam_width": args.seam_width,
               "by_length": {}, "by_count": {}}
@@ -114,6 +117,19 @@ def main() -> None:
     report(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
+
+
+def profile(engine: LLMEngine, rng: random.Random) -> None:
+    """Where a cold and a warm 4 x 1024 request spend their time (CPU and CUDA)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    system, docs = random_tokens(SYSTEM_TOKENS, rng), [random_tokens(1024, rng) for _ in range(4)]
+    for label in ("cold", "warm"):
+        prompt = rag_prompt(rng.sample(docs, 4), system, random_tokens(QUERY_TOKENS, rng))
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            elapsed = ttft(engine, prompt, "hypic")
+        print(f"--- {label} hypic request: {elapsed * 1e3:.1f} ms")
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

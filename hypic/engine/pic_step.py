@@ -26,17 +26,21 @@ from hypic.kernels.linear_families import LinearFamily
 
 @dataclass
 class Assembly:
-    """Sequences of the step that compose cached pieces (their batch indices and piece table)."""
+    """The step's sequences that compose cached pieces, split at each one's last piece: the walk
+    (tokens up to it, composed and recurred token by token) and the tail (tokens after it, which
+    continue from the composed state through the ordinary chunked kernel, with the sequences that
+    compose nothing)."""
 
-    seq_index: torch.Tensor  # [A] batch indices of the assembling sequences
-    rows: torch.Tensor  # [R] their token rows in the flat batch, in order
-    cu_seqlens: torch.Tensor  # [A+1] int32, offsets into rows
-    pieces: CachedPieces  # `at` indexes `rows`; offsets of linear layer 0
-    plain_seq_index: torch.Tensor  # [B-A] the other sequences
-    plain_rows: torch.Tensor  # their token rows
-    plain_cu_seqlens: torch.Tensor
-    plain_lens: tuple[int, ...]
-    plain_decodes: int
+    walk_seq_index: torch.Tensor  # [A] batch indices of the assembling sequences
+    walk_rows: torch.Tensor  # [R] their walk tokens' rows in the flat batch, in order
+    walk_cu_seqlens: torch.Tensor  # [A+1] int32, offsets into walk_rows
+    pieces: CachedPieces  # `at` indexes walk_rows; offsets of linear layer 0
+    rest_seq_index: torch.Tensor  # batch indices of the other sequences, then of the non-empty tails
+    rest_rows: torch.Tensor
+    rest_has_state: torch.Tensor  # tails continue from the composed state in their slot
+    rest_cu_seqlens: torch.Tensor
+    rest_lens: tuple[int, ...]
+    rest_decodes: int
     tails: list  # per composed piece (in piece order) its SegmentEntry, for conv tails
     conv_index: torch.Tensor  # rows of cat([x, tails]) forming the spliced conv input
     conv_keep: torch.Tensor  # rows of the spliced conv output that belong to real tokens
@@ -90,16 +94,16 @@ class PicStep:
         if a is None:
             return layer.recur(q, k, v, g, beta, ssm_pool, batch)
         o = torch.empty_like(v)
-        if a.plain_rows.numel():
-            r = a.plain_rows
-            o[r] = gated_delta_rule(q[r], k[r], v[r], g[r], beta[r], ssm_pool, batch.slots[a.plain_seq_index],
-                                    batch.has_state[a.plain_seq_index], a.plain_cu_seqlens, scale=layer.scale,
-                                    num_decodes=a.plain_decodes, seq_lens_cpu=a.plain_lens)
-        r = a.rows
+        r = a.walk_rows
         pieces = a.pieces.shifted(linear_index * self.t_stride, linear_index * self.s0_stride)
-        o[r] = compose_and_recur(q[r], k[r], v[r], g[r], beta[r], ssm_pool, batch.slots[a.seq_index],
-                                 batch.has_state[a.seq_index], a.cu_seqlens, pieces, self.t_src, self.s0_src,
-                                 family=self.family, scale=layer.scale)
+        o[r] = compose_and_recur(q[r], k[r], v[r], g[r], beta[r], ssm_pool, batch.slots[a.walk_seq_index],
+                                 batch.has_state[a.walk_seq_index], a.walk_cu_seqlens, pieces, self.t_src,
+                                 self.s0_src, family=self.family, scale=layer.scale)
+        if a.rest_rows.numel():  # after the walk: the tails read the composed states from the slots
+            r = a.rest_rows
+            o[r] = gated_delta_rule(q[r], k[r], v[r], g[r], beta[r], ssm_pool, batch.slots[a.rest_seq_index],
+                                    a.rest_has_state, a.rest_cu_seqlens, scale=layer.scale,
+                                    num_decodes=a.rest_decodes, seq_lens_cpu=a.rest_lens)
         return o
 
     def capture_linear(self, mixed_qkv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -131,23 +135,29 @@ def build_assembly(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, co
     if not composing:
         return None
     cu = [0, *itertools.accumulate(seq_lens)]
-    plain = [i for i in range(len(chunks)) if i not in set(composing)]
-    rows = [r for i in composing for r in range(cu[i], cu[i + 1])]
-    piece_rows, tails, offset = [], [], 0
+    walk_len = {i: chunks[i].chunk.cached[-1][0] for i in composing}  # tokens before the last piece
+    others = [i for i in range(len(chunks)) if i not in walk_len]
+    tails = [i for i in composing if walk_len[i] < seq_lens[i]]
+    piece_rows, entries, offset = [], [], 0
     for i in composing:
         piece_rows.append([(offset + at, p.entry.t_offset(0), p.entry.s0_offset(0))
                            for at, p in chunks[i].chunk.cached])
-        tails += [p.entry for _, p in chunks[i].chunk.cached]
-        offset += seq_lens[i]
+        entries += [p.entry for _, p in chunks[i].chunk.cached]
+        offset += walk_len[i]
+    rest_spans = [(cu[i], cu[i + 1]) for i in others] + [(cu[i] + walk_len[i], cu[i + 1]) for i in tails]
     conv_index, conv_keep, conv_lens = _splice(chunks, cu, seq_lens, conv_width)
     return Assembly(
-        seq_index=_long(composing, device), rows=_long(rows, device),
-        cu_seqlens=_cumsum([seq_lens[i] for i in composing], device),
+        walk_seq_index=_long(composing, device),
+        walk_rows=_long([r for i in composing for r in range(cu[i], cu[i] + walk_len[i])], device),
+        walk_cu_seqlens=_cumsum([walk_len[i] for i in composing], device),
         pieces=CachedPieces.build(piece_rows, device),
-        plain_seq_index=_long(plain, device), plain_rows=_long([r for i in plain for r in range(cu[i], cu[i + 1])], device),
-        plain_cu_seqlens=_cumsum([seq_lens[i] for i in plain], device),
-        plain_lens=tuple(seq_lens[i] for i in plain), plain_decodes=num_decodes,
-        tails=tails, conv_index=_long(conv_index, device), conv_keep=_long(conv_keep, device),
+        rest_seq_index=_long(others + tails, device),
+        rest_rows=_long([r for start, end in rest_spans for r in range(start, end)], device),
+        rest_has_state=torch.tensor([chunks[i].chunk.start > 0 for i in others] + [True] * len(tails),
+                                    dtype=torch.bool, device=device),
+        rest_cu_seqlens=_cumsum([end - start for start, end in rest_spans], device),
+        rest_lens=tuple(end - start for start, end in rest_spans), rest_decodes=num_decodes,
+        tails=entries, conv_index=_long(conv_index, device), conv_keep=_long(conv_keep, device),
         conv_cu_seqlens=_cumsum(conv_lens, device), conv_lens=tuple(conv_lens))
 
 

@@ -239,13 +239,13 @@ class Scheduler:
     # -- prefix checkpoints --------------------------------------------------------------------
 
     def _checkpoint_positions(self, seq: Sequence) -> list[int]:
-        """End of the first segment (a shared system prompt) and the last page boundary before
-        the end of the prompt (an identical prompt repeated), never inside a cached interior."""
+        """End of the first segment (a shared system prompt) and the last prompt token but one (an
+        identical prompt repeated then computes one token, as a CUDA-graph decode step), never
+        inside a cached interior."""
         if seq.info.cache_mode == "none" or seq.segment_job is not None:
             return []
-        prompt_len, bs = len(seq.info.prompt_ids), self.limits.block_size
-        marks = {seq.info.segment_ends[0] if len(seq.info.segment_ends) > 1 else 0,
-                 (prompt_len - 1) // bs * bs}
+        prompt_len = len(seq.info.prompt_ids)
+        marks = {seq.info.segment_ends[0] if len(seq.info.segment_ends) > 1 else 0, prompt_len - 1}
         inside = [(p.start, p.end) for p in seq.cached]
         return sorted(m for m in marks if 0 < m < prompt_len and not any(a < m <= b for a, b in inside))
 
