@@ -49,6 +49,19 @@ def test_cold_then_warm_hypic_gives_the_same_tokens_and_counts_interiors(tiny_mo
     assert warm.metrics.cached_tokens == interiors + warm.metrics.cached_tokens_by_kind.get("prefix", 0)
 
 
+def test_long_query_after_the_last_segment_matches_a_short_walk(slow_decay_model_dir):
+    """A query longer than TAIL_WALK_MAX continues from the composed state through the chunked
+    kernel in the same step; the first linear layer's state must still equal full recompute."""
+    from hypic.engine.pic_step import TAIL_WALK_MAX
+    long_query = "the quick brown fox jumps over the lazy dog. " * 9
+    p = prompt(DOCS[2], query=long_query)
+    assert len(_tokenizer(slow_decay_model_dir).encode(long_query)) > TAIL_WALK_MAX
+    one_step = {"max_num_batched_tokens": 1024}  # the whole assembly chunk, tail included, in one step
+    full = _state_after_prefill(pic_config(slow_decay_model_dir, cache_mode="none", **one_step), p, 0, warm_first=False)
+    composed = _state_after_prefill(pic_config(slow_decay_model_dir, **one_step), p, 0, warm_first=True)
+    assert _rel(composed["ssm"], full["ssm"]) <= 1e-4
+
+
 def test_seam_wide_enough_to_recompute_everything_equals_none(tiny_model_dir):
     p = prompt(*DOCS)
     full, = run(pic_config(tiny_model_dir, cache_mode="none"), [(p, greedy(6, logprobs=0), {})])

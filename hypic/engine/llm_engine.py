@@ -254,7 +254,7 @@ class LLMEngine:
         if len(prompt.segments) > self.config.max_segments:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt.segments)} segments, more than max_segments={self.config.max_segments}")
-        longest = max(len(s) for s in prompt.segments)
+        longest = max((len(s) for s in prompt.segments[1:-1]), default=0)  # PIC segments, not prefix or query
         if mode in ("hypic", "naive") and len(prompt.segments) > 2 and longest > self.config.max_num_batched_tokens:
             raise InvalidRequestError(
                 f"a segment has {longest} tokens; segments are prefilled in one step, so at most "

@@ -24,6 +24,9 @@ from hypic.kernels.gdn import gated_delta_rule
 from hypic.kernels.linear_families import LinearFamily
 
 
+TAIL_WALK_MAX = 256  # tokens after the last cached piece that are still walked token by token
+
+
 @dataclass
 class Assembly:
     """The step's sequences that compose cached pieces, split at each one's last piece: the walk
@@ -135,7 +138,7 @@ def build_assembly(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, co
     if not composing:
         return None
     cu = [0, *itertools.accumulate(seq_lens)]
-    walk_len = {i: chunks[i].chunk.cached[-1][0] for i in composing}  # tokens before the last piece
+    walk_len = {i: _walk_length(chunks[i].chunk, seq_lens[i]) for i in composing}
     others = [i for i in range(len(chunks)) if i not in walk_len]
     tails = [i for i in composing if walk_len[i] < seq_lens[i]]
     piece_rows, entries, offset = [], [], 0
@@ -159,6 +162,14 @@ def build_assembly(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, co
         rest_lens=tuple(end - start for start, end in rest_spans), rest_decodes=num_decodes,
         tails=entries, conv_index=_long(conv_index, device), conv_keep=_long(conv_keep, device),
         conv_cu_seqlens=_cumsum(conv_lens, device), conv_lens=tuple(conv_lens))
+
+
+def _walk_length(chunk, num_tokens: int) -> int:
+    """Tokens of an assembling chunk walked token by token. A long tail after the last piece goes
+    to the chunked kernel instead; a short one stays in the walk, which costs less than the chunked
+    kernel's fixed per-call overhead."""
+    last_piece = chunk.cached[-1][0]
+    return last_piece if num_tokens - last_piece > TAIL_WALK_MAX else num_tokens
 
 
 def _splice(chunks: list, cu: list[int], seq_lens: tuple[int, ...], width: int):
