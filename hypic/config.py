@@ -24,7 +24,8 @@ class EngineConfig:
     max_model_len: int | None = None
     """Longest prompt + output in tokens; None takes the model's max_position_embeddings."""
     gpu_memory_utilization: float = 0.85
-    """Fraction of GPU memory the engine may use in all (weights, activations, caches)."""
+    """This engine's share of the GPU's memory, for weights, activations and caches together; the
+    caches never take more than is free, so engines and processes can share a GPU."""
     cpu_cache_bytes: int = 512 << 20
     """Bytes of KV pages + state slots on CPU."""
     block_size: int = 16

@@ -162,12 +162,11 @@ class LocalNodes:
 
     def _spawn(self, node_id: int) -> None:
         plan = self.plans[node_id]
-        shared = any(p.gpu == plan.gpu for p in self.plans.values() if p is not plan and plan.gpu is not None)
         spec = NodeSpec(self._router_address, plan.config, node_id=node_id, gpu=plan.gpu, transport=self.transport,
                         data_host=self.dist.data_host, heartbeat_s=self.dist.heartbeat_s,
                         affinity_granularity=self.dist.affinity_granularity, threads=plan.threads,
                         log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
-                        configure=self.configure, gpu_shared=shared, detach=True)
+                        configure=self.configure, detach=True)
         process = multiprocessing.get_context("spawn").Process(target=node_main, args=(spec,), daemon=True,
                                                                name=f"hypic-node{node_id}")
         process.start()

@@ -57,7 +57,6 @@ class NodeSpec:
     configure: Callable[[EngineConfig], EngineConfig] | None = None
     """Runs in the node process before its engine is built (picklable: a module-level function),
     e.g. to put in-memory weights into the config."""
-    gpu_shared: bool = False  # other engines use this GPU too (gpu_memory_utilization is this one's share)
     detach: bool = False
     """Leave the terminal's process group: Ctrl-C reaches the router, which drains the requests and
     then stops this node (a node also exits by itself when its router goes away)."""
@@ -73,21 +72,11 @@ def node_main(spec: NodeSpec) -> None:
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s node{spec.node_id} %(levelname)s %(message)s")
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    if spec.gpu_shared:
-        spec = dataclasses.replace(spec, config=_beside_other_engines(spec.config))
     if spec.configure is not None:
         spec = dataclasses.replace(spec, config=spec.configure(spec.config))
     code = _run(EngineNode(spec).run())
     logging.shutdown()
     os._exit(code)  # everything is closed; skip the interpreter's slow teardown of torch
-
-
-def _beside_other_engines(config: EngineConfig) -> EngineConfig:
-    """The engine budgets `gpu_memory_utilization x total - memory in use on the GPU`, every process
-    counted: add what the engines already on this GPU use, so that this one gets its share."""
-    free, total = torch.cuda.mem_get_info()
-    fraction = min(1.0, (total - free) / total + config.gpu_memory_utilization)
-    return dataclasses.replace(config, gpu_memory_utilization=fraction)
 
 
 def make_transport(kind: str, device: torch.device) -> TensorTransport:

@@ -264,8 +264,9 @@ class LLMEngine:
 
     def _plan_memory(self) -> tuple[CachePlan, int, int]:
         shape = self.model_config.cache_shape()
+        weight_bytes = sum(t.numel() * t.element_size() for t in self.model.parameters())
         total = cache_budget_bytes(self.config, self.device, self.config.max_num_batched_tokens,
-                                   self.model_config.hidden_size)
+                                   self.model_config.hidden_size, weight_bytes)
         pool = total // 4 if self.config.segment_pool_bytes is None else self.config.segment_pool_bytes
         budget = total - pool
         model_max = self.model_config.max_position_embeddings

@@ -46,16 +46,17 @@ def resolve_model_dir(model: str | None) -> Path:
 
 
 def cache_budget_bytes(config: EngineConfig, device: torch.device, activation_tokens: int,
-                       hidden_size: int) -> int:
-    """Bytes left for KV pages and state slots once weights and activations are counted."""
+                       hidden_size: int, weight_bytes: int) -> int:
+    """Bytes left for KV pages, state slots and the segment pool: this engine's share of the GPU
+    (gpu_memory_utilization x total) less its weights and activations, and never more than is free
+    (other processes and engines keep what they hold)."""
     if device.type == "cpu":
         return config.cpu_cache_bytes
     # blocks this process freed (an engine closed earlier) stay reserved by torch's caching allocator
-    # and would count as in use: release them first
+    # and would count as taken: release them first
     gc.collect()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    in_use = total - free
     # Activations of the largest step: generous per-token scratch plus a fixed margin.
     reserve = (2 << 30) + activation_tokens * hidden_size * 2 * 64
-    return int(total * config.gpu_memory_utilization) - in_use - reserve
+    return min(int(total * config.gpu_memory_utilization) - weight_bytes, free) - reserve
