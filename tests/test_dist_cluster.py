@@ -235,3 +235,11 @@ def test_a_frozen_worker_is_timed_out_and_rejoins_when_it_wakes(cluster, referen
     after = client.stats().dist
     assert after.node_hangs == before.node_hangs + 1
     assert (after.node_deaths, after.node_restarts) == (before.node_deaths, before.node_restarts)
+
+
+def test_flush_reaches_every_node_and_the_directory(cluster):
+    loop, client = cluster
+    assert loop.run(client.flush_cache("no-such-tenant")) == 0
+    assert loop.run(client.flush_cache(None)) > 0  # the earlier tests left segments on the nodes
+    assert len(client.router.directory) == 0
+    assert loop.run(client.flush_cache(None)) == 0

@@ -26,7 +26,7 @@ from hypic.config import EngineConfig
 from hypic.dist.cluster import Cluster, NodeHandle
 from hypic.dist.config import DistConfig
 from hypic.dist.dispatch import CombineLost, Dispatch
-from hypic.dist.messages import (Abort, Arrived, Failed, Generate, Output, Plan, PlanReply, Probe, ProbeReply,
+from hypic.dist.messages import (Abort, Arrived, Failed, Flush, Generate, Output, Plan, PlanReply, Probe, ProbeReply,
                                  Progress, Shutdown)
 from hypic.dist.remote_errors import raise_remote
 from hypic.dist.router import Placement, Router
@@ -181,6 +181,14 @@ class DistributedEngineClient:
         """Fresh stats and segment counters of one node."""
         node = self.cluster.nodes[node_id]
         return await node.link.call(Probe, self.dist.rpc_timeout_s)
+
+    async def flush_cache(self, cache_salt: str | None) -> int:
+        """Flushes every live node's segment pool and prefix checkpoints (of one salt); returns the
+        number of segment entries dropped across the cluster."""
+        self.router.directory.forget_salt(cache_salt)
+        replies = await asyncio.gather(*(n.link.call(lambda i: Flush(i, cache_salt), self.dist.rpc_timeout_s)
+                                         for n in self.cluster.alive()))
+        return sum(reply.flushed for reply in replies)
 
     # -- ClusterListener --------------------------------------------------------------------------
 

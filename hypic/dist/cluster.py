@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from hypic.dist.config import DistConfig
 from hypic.dist.link import Link
-from hypic.dist.messages import (NODE_CODEC, Heartbeat, Hello, NodeCounters, PlanReply, ProbeReply, Welcome,
+from hypic.dist.messages import (NODE_CODEC, FlushReply, Heartbeat, Hello, NodeCounters, PlanReply, ProbeReply, Welcome,
                                  read_message, write_message)
 from hypic.dist.net import listen
 from hypic.dist.router import NodeLoad
@@ -110,7 +110,7 @@ class Cluster:
         node_id = self._id_for(hello)
         await write_message(writer, Welcome(node_id), NODE_CODEC)
         handle = NodeHandle(node_id, hello, Link(reader, writer, NODE_CODEC, lambda m: self._on_message(handle, m),
-                                                 f"node{node_id}", (PlanReply, ProbeReply)))
+                                                 f"node{node_id}", (PlanReply, ProbeReply, FlushReply)))
         previous = self.nodes.get(node_id)
         if previous is not None:
             previous.link.close()  # a stale connection of the same node (it restarted)

@@ -31,6 +31,11 @@ class SegmentDirectory:
             if not holders:
                 del self._holders[key]
 
+    def forget_salt(self, salt: str | None) -> None:
+        """Entries of one salt (or all, for None) were flushed everywhere."""
+        for key in [k for k in self._holders if salt is None or k.salt == salt]:
+            del self._holders[key]
+
     def forget_node(self, node_id: int) -> None:
         """The node died or restarted: its store is gone."""
         for key in [k for k, holders in self._holders.items() if node_id in holders]:

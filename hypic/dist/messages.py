@@ -212,12 +212,24 @@ class ProbeReply(msgspec.Struct, frozen=True, tag=True):
     counters: NodeCounters
 
 
+class Flush(msgspec.Struct, frozen=True, tag=True):
+    """Drop the node's cached segments and prefix checkpoints (of one salt, or all)."""
+
+    call_id: int
+    salt: str | None
+
+
+class FlushReply(msgspec.Struct, frozen=True, tag=True):
+    call_id: int
+    flushed: int
+
+
 class Shutdown(msgspec.Struct, frozen=True, tag=True):
     grace_s: float = 0.0
 
 
 NodeMessage = (Hello | Welcome | Heartbeat | Generate | Output | Failed | Abort | Plan | PlanReply | Build
-               | Pull | Expect | Progress | Arrived | Cancel | Probe | ProbeReply | Shutdown)
+               | Pull | Expect | Progress | Arrived | Cancel | Probe | ProbeReply | Flush | FlushReply | Shutdown)
 
 
 # -- engine node -> engine node (data connections) -------------------------------------------------

@@ -28,7 +28,7 @@ from hypic.config import EngineConfig
 from hypic.dist.affinity import prefix_hashes
 from hypic.dist.link import Link
 from hypic.dist.messages import (NODE_CODEC, Abort, Build, Cancel, Expect, Failed, Generate, Heartbeat,
-                                 Hello, Output, Plan, PlanReply, Probe, ProbeReply, Pull,
+                                 Flush, FlushReply, Hello, Output, Plan, PlanReply, Probe, ProbeReply, Pull,
                                  Shutdown, Welcome, read_message, write_message)
 from hypic.dist.net import connect
 from hypic.dist.remote_errors import error_info
@@ -156,11 +156,16 @@ class EngineNode:
                 self.work.cancel(message.request_id)
             case Probe():
                 self._spawn(self.link.send(ProbeReply(message.call_id, self._stats(), self.work.counters())))
+            case Flush():
+                self._spawn(self._flush(message))
             case Shutdown():
                 self._grace_s = message.grace_s
                 self._stop.set()
             case _:
                 log.warning("node %d ignores %s", self.node_id, type(message).__name__)
+
+    async def _flush(self, message: Flush) -> None:
+        await self.link.send(FlushReply(message.call_id, await self.engine.flush_segments(message.salt)))
 
     async def _generate(self, message: Generate) -> None:
         outputs = self.engine.generate(message.prompt, message.params, request_id=message.request_id,

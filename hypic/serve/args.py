@@ -19,6 +19,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add_model_arguments(parser)
     _add_cache_arguments(parser)
     _add_server_arguments(parser)
+    _add_parallel_arguments(parser)
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +75,29 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-level", choices=_LOG_LEVELS, default="info", help="(default: %(default)s)")
 
 
+def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("segment parallelism")
+    group.add_argument("--workers", type=_positive_int, default=1, metavar="N",
+                       help="engine processes; a request's cold segments are prefilled on several at once "
+                            "(default: %(default)s, one engine in the server's process)")
+    group.add_argument("--gpus", type=_gpu_list, default=None, metavar="LIST",
+                       help="GPU ids for the engine processes, e.g. 0,1,2,3 (default: one per worker)")
+    group.add_argument("--transport", choices=("auto", "tcp", "nccl"), default="auto",
+                       help="data plane between engines: nccl when every engine has a GPU of its own (default: auto)")
+    group.add_argument("--router-address", default="tcp://127.0.0.1:0", metavar="URL",
+                       help="where engines on other machines join (python -m hypic.dist.worker --router URL)")
+
+
+def _gpu_list(text: str) -> tuple[int, ...]:
+    try:
+        gpus = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GPU ids like 0,1,2, got {text!r}") from None
+    if len(set(gpus)) != len(gpus) or min(gpus) < 0:
+        raise argparse.ArgumentTypeError(f"GPU ids must be distinct and >= 0, got {text!r}")
+    return gpus
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """Raises InvalidRequestError for a value EngineConfig refuses."""
     options = dict(
@@ -92,7 +116,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def server_settings(args: argparse.Namespace) -> ServerSettings:
     if args.shutdown_grace < 0:
         raise InvalidRequestError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
-    return ServerSettings(args.served_model_name, args.api_key or None, args.shutdown_grace)
+    return ServerSettings(args.served_model_name, args.api_key or None, args.shutdown_grace,
+                          workers=args.workers, gpus=args.gpus, transport=args.transport,
+                          router_address=args.router_address)
 
 
 def _device(text: str) -> str:

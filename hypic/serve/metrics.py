@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hypic.dist.metrics import DistCollector
 from hypic.outputs import RequestOutput
 from hypic.serve.gpu_metrics import GpuCollector
 
@@ -40,6 +41,7 @@ class ServerMetrics:
             "hypic_cached_prompt_tokens", "Prompt tokens served from a cache, by cache kind", ["kind"], registry=registry
         )
         registry.register(EngineStatsCollector(stats))
+        registry.register(DistCollector(stats))  # segment-parallel counters; nothing for one engine
         if device.startswith("cuda"):
             registry.register(GpuCollector(device))
 

@@ -48,8 +48,18 @@ def run(config: EngineConfig, settings: ServerSettings, host: str, port: int, *,
         return 1
 
 
+def engine_client(config: EngineConfig, settings: ServerSettings) -> EngineClient:
+    """One engine in this process, or a cluster of engine processes behind the same interface."""
+    if settings.workers == 1 and not settings.gpus:
+        return InProcessEngineClient(config)
+    from hypic.dist import DistConfig, start_cluster
+    dist = DistConfig(transport=settings.transport, router_address=settings.router_address)
+    return start_cluster(config, settings.workers, list(settings.gpus) if settings.gpus else None,
+                         config.device, dist)
+
+
 async def serve(config: EngineConfig, settings: ServerSettings, host: str, port: int, *, access_log: bool) -> int:
-    client = InProcessEngineClient(config)
+    client = engine_client(config, settings)
     await client.start()
     runner = runner_for(build_app(client, settings), access_log=access_log)
     await runner.setup()

@@ -15,6 +15,10 @@ class ServerSettings:
     api_key: str | None = None  # None: no authentication
     shutdown_grace_s: float = 30.0
     max_body_bytes: int = 64 << 20  # a full-context prompt of token ids fits with room to spare
+    workers: int = 1  # engine processes (segment parallelism); 1: the engine runs in this process
+    gpus: tuple[int, ...] | None = None
+    transport: str = "auto"
+    router_address: str = "tcp://127.0.0.1:0"
 
 
 @dataclass
