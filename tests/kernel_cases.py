@@ -83,7 +83,7 @@ def gdn_recurrence_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     outs = []
     for t in range(q.shape[0]):
         for hv in range(v.shape[1]):
-            kt, qt = k[t, hv // ratio].double(), q[t, hv // ratio].double()
+            kt = k[t, hv // ratio].double()
             a, b = g[t, hv].double().exp(), beta[t, hv].double()
             s[hv] = a * (s[hv] - b * torch.outer(kt, kt @ s[hv])) + b * torch.outer(kt, v[t, hv].double())
         outs.append(torch.einsum("hkv,hk->hv", s, torch.stack(

@@ -8,7 +8,7 @@ import torch
 from conftest import make_model_dir
 from engine_util import collect, cpu_config, greedy
 
-from hypic import AsyncEngine, SamplingParams
+from hypic import AsyncEngine
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.segments import SegmentedPrompt
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 from engine_util import collect, greedy
 from test_pic_engine import DOCS, prompt
 
