@@ -49,6 +49,18 @@ def chain_hash(prev: int, block: Sequence[int]) -> int:
     return h.intdigest()
 
 
+def share_pages(blocks: BlockPool, caches: ModelCaches, block_ids: Sequence[int], num_tokens: int,
+                block_size: int) -> list[int]:
+    """Pages for another sequence continuing after `num_tokens` tokens: the full ones shared (one
+    more ref each) and a partly filled last one copied, since the new sequence writes into it."""
+    full = num_tokens // block_size
+    own = blocks.allocate(1) if num_tokens % block_size else []  # first: NoFreeBlocks changes nothing
+    if own:
+        caches.copy_block(block_ids[full], own[0])
+    blocks.ref(block_ids[:full])
+    return [*block_ids[:full], *own]
+
+
 @dataclass(frozen=True)
 class PrefixHit:
     """A checkpoint a request may start from; pinned until `PrefixCache.release(hit)`."""
@@ -143,16 +155,8 @@ class PrefixCache:
         return PrefixHit(n, best.provenance, best.block_ids, best.slot, n % self.block_size != 0)
 
     def attach(self, hit: PrefixHit) -> list[int]:
-        """The request's blocks for the hit's tokens: the full ones shared (one more ref each) and,
-        when the last one is partial, a private copy of it, since the request will write into it."""
-        if not hit.partial_last_block:
-            self._blocks.ref(hit.block_ids)
-            return list(hit.block_ids)
-        [own] = self._blocks.allocate(1)  # first, so that NoFreeBlocks leaves everything as it was
-        self._caches.copy_block(hit.block_ids[-1], own)
-        shared = hit.block_ids[:-1]
-        self._blocks.ref(shared)
-        return [*shared, own]
+        """The request's blocks for the hit's tokens (see `share_pages`)."""
+        return share_pages(self._blocks, self._caches, hit.block_ids, hit.num_tokens, self.block_size)
 
     def release(self, hit: PrefixHit) -> None:
         """Unpin the hit's checkpoint, once its state has been copied."""

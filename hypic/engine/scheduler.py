@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from hypic.cache.block_pool import BlockPool, NoFreeBlocks
 from hypic.cache.model_caches import ModelCaches
-from hypic.cache.prefix_cache import PrefixCache, accepted_provenances
+from hypic.cache.prefix_cache import PrefixCache, accepted_provenances, share_pages
 from hypic.cache.slot_pool import SlotPool
 from hypic.engine.pieces import Chunk
 from hypic.engine.sequence import Sequence, SequenceStatus
@@ -107,7 +107,8 @@ class Scheduler:
             return False
         self.caches.copy_slot(parent.slot, child.slot)
         try:
-            child.block_ids = self._share_blocks(parent.block_ids, parent.num_computed)
+            child.block_ids = share_pages(self.blocks, self.caches, parent.block_ids, parent.num_computed,
+                                          self.limits.block_size)
         except NoFreeBlocks:
             self._free(child)
             return False
@@ -219,16 +220,6 @@ class Scheduler:
         seq.num_computed = hit.num_tokens
         if seq.info.first_scheduled_time is None:  # counted once, not again after a preemption
             seq.info.cached_tokens_by_kind["prefix"] = hit.num_tokens
-
-    def _share_blocks(self, block_ids: list[int], num_tokens: int) -> list[int]:
-        """Full pages are shared by reference; a partly filled last page is copied."""
-        full = num_tokens // self.limits.block_size
-        partial = full < -(-num_tokens // self.limits.block_size)
-        copy = self.blocks.allocate(1) if partial else []
-        if copy:
-            self.caches.copy_block(block_ids[full], copy[0])
-        self.blocks.ref(block_ids[:full])
-        return list(block_ids[:full]) + copy
 
     def _free(self, seq: Sequence) -> None:
         self.blocks.release(seq.block_ids)
