@@ -120,7 +120,8 @@ def main() -> None:
 
 
 def profile(engine: LLMEngine, rng: random.Random) -> None:
-    """Where a cold and a warm 4 x 1024 request spend their time (CPU and CUDA)."""
+    """Where a cold and a warm 4 x 1024 request spend their time: host ops, GPU kernels, and the
+    Python lines that make the host wait for the GPU."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     system, docs = random_tokens(SYSTEM_TOKENS, rng), [random_tokens(1024, rng) for _ in range(4)]
@@ -129,7 +130,37 @@ def profile(engine: LLMEngine, rng: random.Random) -> None:
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             elapsed = ttft(engine, prompt, "hypic")
         print(f"--- {label} hypic request: {elapsed * 1e3:.1f} ms")
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+        table = prof.key_averages()
+        print(table.table(sort_by="cpu_time_total", row_limit=20, max_name_column_width=60))
+        print(table.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+        prompt = rag_prompt(rng.sample(docs, 4), system, random_tokens(QUERY_TOKENS, rng))
+        if label == "cold":
+            engine.flush_segments()
+        print_sync_sites(lambda: ttft(engine, prompt, "hypic"))
+
+
+def print_sync_sites(run) -> None:
+    """Counts the host syncs of `run` by the innermost hypic line that caused them."""
+    import collections
+    import traceback
+    import warnings
+    sites: collections.Counter = collections.Counter()
+
+    def record(*_args, **_kwargs) -> None:
+        frames = [f for f in traceback.extract_stack() if "/hypic/" in f.filename]
+        sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-3:][::-1])] += 1
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    print(f"host syncs: {sum(sites.values())}")
+    for site, count in sites.most_common(25):
+        print(f"{count:5d}  {site}")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

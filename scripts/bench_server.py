@@ -42,7 +42,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=64, help="chat requests in all (default: %(default)s)")
     parser.add_argument("--concurrency", type=int, default=64, help="requests in flight at once (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=2, help="requests sent first and not measured (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=64,
+                        help="requests sent together first and not measured (default: %(default)s)")
     parser.add_argument("--device", default="auto", help="device of a started server (default: %(default)s)")
     parser.add_argument("--shape", choices=SHAPES, help="serve random weights of this released shape (GPU)")
     parser.add_argument("--max-model-len", type=int, default=4096, help="context of a started server (default: %(default)s)")
@@ -81,8 +82,9 @@ async def load(url: str, args: argparse.Namespace) -> tuple[list[Sample], float,
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         async with session.get(url + "/v1/models") as response:
             model = (await response.json())["data"][0]["id"]
-        for index in range(args.warmup):
-            await one_chat(session, url, model, -1 - index, args.max_tokens)
+        # one unmeasured wave as wide as the measured one: kernels compile for its batch shapes
+        await asyncio.gather(*(one_chat(session, url, model, -1 - index, args.max_tokens)
+                               for index in range(args.warmup)))
 
         async def gated(index: int) -> Sample:
             async with gate:

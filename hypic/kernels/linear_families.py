@@ -291,7 +291,8 @@ def segment_sum(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Sum over each span of a varlen batch: x [N, ...] -> [B, ...] (empty spans give 0).
     Summed per span, not as differences of one running cumsum, which loses float32 precision."""
     lengths = cu_seqlens.long().diff()
-    span_of_token = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths)
+    span_of_token = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths,
+                                            output_size=x.shape[0])  # sized on the host: no sync
     return x.new_zeros(lengths.numel(), *x.shape[1:]).index_add_(0, span_of_token, x)
 
 
