@@ -25,6 +25,7 @@ import datetime
 import functools
 import gc
 import json
+import math
 import random
 import statistics
 import time
@@ -117,11 +118,13 @@ def summarise(items: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-async def measure(client: EngineClient, texts: Texts, sizes: list[int], repeats: int, none: bool) -> dict:
+async def measure(client: EngineClient, texts: Texts, prompts: dict[str, list[int]], repeats: int,
+                  none: bool) -> dict[str, dict]:
+    """Cold/warm (and optionally `none`) TTFT of each named set of segment sizes, on one started client."""
     await client.start()
     try:
-        await cold_and_warm(client, texts, [min(sizes)] * 2, 1, none)  # warm-up: compile, autotune, connect
-        return await cold_and_warm(client, texts, sizes, repeats, none)
+        await cold_and_warm(client, texts, [min(min(s) for s in prompts.values())] * 2, 1, none)  # warm-up
+        return {name: await cold_and_warm(client, texts, sizes, repeats, none) for name, sizes in prompts.items()}
     finally:
         await client.shutdown(0.0)
 
@@ -129,17 +132,17 @@ async def measure(client: EngineClient, texts: Texts, sizes: list[int], repeats:
 # -- the experiments --------------------------------------------------------------------------------
 
 def one_gpu(args: argparse.Namespace, base: EngineConfig, configure: Any, texts: Texts) -> dict:
-    sizes = [args.doc_tokens] * args.docs
+    prompts = {"docs": [args.doc_tokens] * args.docs}
     gpus = None if args.device == "cpu" else [0]
     two = DistConfig(transport="tcp", min_remote_tokens=0)
     result = {
         "cluster_1_worker": run(measure(start_cluster(base, 1, gpus, args.device, configure=configure),
-                                        texts, sizes, args.repeats, False)),
+                                        texts, prompts, args.repeats, False))["docs"],
         "cluster_2_workers_tcp": run(measure(start_cluster(base, 2, gpus, args.device, two, configure=configure),
-                                             texts, sizes, args.repeats, False)),
+                                             texts, prompts, args.repeats, False))["docs"],
     }
     local = InProcessEngineClient(configure(base) if configure else base)
-    result["local"] = run(measure(local, texts, sizes, args.repeats, True))
+    result["local"] = run(measure(local, texts, prompts, args.repeats, True))["docs"]
     del local
     gc.collect()
     for kind in ("cold", "warm"):
@@ -147,22 +150,44 @@ def one_gpu(args: argparse.Namespace, base: EngineConfig, configure: Any, texts:
     return result
 
 
+UNEVEN = (2.0, 0.4, 1.6, 0.4, 1.2, 0.6, 1.8, 0.4, 0.8, 1.4, 0.4)  # segment lengths, in doc_tokens
+
+
 def fig14(args: argparse.Namespace, base: EngineConfig, configure: Any, texts: Texts) -> dict:
+    """Per worker count, one cluster per assignment: equal segments (args.docs, and 16), and uneven
+    ones; efficiency is the speedup over serial isolated prefill (1 worker) against n / ceil(n / m)."""
     available = torch.cuda.device_count() if args.device != "cpu" else max(args.workers)
-    result: dict[str, Any] = {"equal": {}, "uneven": {}, "skipped": [n for n in args.workers if n > available]}
-    sizes = [args.doc_tokens] * args.docs
-    uneven = [int(args.doc_tokens * f) for f in (2.0, 0.4, 1.6, 0.4, 1.2, 0.6, 1.8, 0.4, 0.8, 1.4, 0.4)][: args.docs]
+    prompts = {"equal": [args.doc_tokens] * args.docs, "equal16": [args.doc_tokens] * 16,
+               "uneven": [int(args.doc_tokens * f) for f in UNEVEN][: args.docs]}
+    result: dict[str, Any] = {name: {} for name in prompts} | {"skipped": [n for n in args.workers if n > available]}
     for n in [n for n in args.workers if n <= available]:
         gpus = None if args.device == "cpu" else list(range(n))
-        both = ("lpt", "round_robin") if n > 1 else ("lpt",)
-        for name, segment_sizes, assignments in (("equal", sizes, ("lpt",)), ("uneven", uneven, both)):
-            for assignment in assignments:
-                dist = DistConfig(min_remote_tokens=0, assignment=assignment)
-                client = start_cluster(base, n, gpus, args.device, dist, configure=configure)
-                key = f"{n}_{assignment}"
-                result[name][key] = run(measure(client, texts, segment_sizes, args.repeats, none=n == 1))
-                print(f"{name:>7} {key:>16}: TTFT {result[name][key]['cold']['ttft_s'] * 1e3:8.1f} ms", flush=True)
+        for assignment in ("lpt", "round_robin") if n > 1 else ("lpt",):
+            wanted = prompts if assignment == "lpt" else {"uneven": prompts["uneven"]}
+            client = start_cluster(base, n, gpus, args.device, DistConfig(min_remote_tokens=0, assignment=assignment),
+                                   configure=configure)
+            for name, row in run(measure(client, texts, wanted, args.repeats, none=n == 1)).items():
+                result[name][f"{n}_{assignment}"] = row
+                print(f"{name:>7} {n}_{assignment:>12}: TTFT {row['cold']['ttft_s'] * 1e3:8.1f} ms", flush=True)
+    result["efficiency"] = efficiency(result, prompts)
     return result
+
+
+def efficiency(result: dict, prompts: dict[str, list[int]]) -> dict[str, dict]:
+    """Cold speedup over 1 worker and over `none`, and the share of the ideal n / ceil(n / m)."""
+    table: dict[str, dict] = {}
+    for name in ("equal", "equal16"):
+        serial = result[name].get("1_lpt")
+        if serial is None:
+            continue
+        n = len(prompts[name])
+        for key, row in result[name].items():
+            m = int(key.split("_")[0])
+            speedup = serial["cold"]["ttft_s"] / row["cold"]["ttft_s"]
+            table[f"{name}_{key}"] = {"speedup_vs_serial": speedup, "ideal": n / math.ceil(n / m),
+                                      "efficiency": speedup / (n / math.ceil(n / m)),
+                                      "speedup_vs_none": serial["none"]["ttft_s"] / row["cold"]["ttft_s"]}
+    return table
 
 
 # -- plumbing ---------------------------------------------------------------------------------------
@@ -182,7 +207,7 @@ def with_random_weights(config: EngineConfig, shape: dict, seed: int) -> EngineC
 
 def setup(args: argparse.Namespace) -> tuple[EngineConfig, Any, str]:
     common = dict(max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_num_seqs=32, seam_width=8)
+                  max_num_seqs=32, seam_width=8, enforce_eager=True)  # TTFT only: no decode graphs to capture
     if args.model:
         return EngineConfig(model=args.model, device=args.device, **common), None, args.model
     shape = shape_config(args.shape, args.max_model_len)
@@ -234,6 +259,7 @@ def chart_rows(experiment: str, result: dict) -> dict:
         return {"rows": rows, "none_ttft_s": result["local"]["none"]["ttft_s"],
                 "title": "one GPU: cold TTFT (overhead, and transfer hidden behind prefill)"}
     rows = {k: v["cold"] for k, v in result["equal"].items()}
+    rows.update({f"16 segs {k}": v["cold"] for k, v in result["equal16"].items()})
     rows.update({f"uneven {k}": v["cold"] for k, v in result["uneven"].items()})
     none = result["equal"].get("1_lpt", {}).get("none", {}).get("ttft_s")
     return {"rows": rows, "none_ttft_s": none, "title": "Fig. 14: cold TTFT vs workers"}
@@ -266,7 +292,7 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=2))
     plot(chart_rows(args.experiment, result), args.out.with_suffix(".png"))
     report(chart_rows(args.experiment, result))
-    print(json.dumps({k: v for k, v in result.items() if k.startswith("overhead")}, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k.startswith("overhead") or k == "efficiency"}, indent=2))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 

@@ -2,6 +2,7 @@
 
     python scripts/train_model.py --ckpt runs/notes --time-limit 540        # one GPU run (resumes)
     python scripts/train_model.py --ckpt /tmp/smoke --smoke                 # CPU, under a minute
+    torchrun --standalone --nproc_per_node 2 scripts/train_model.py --ckpt runs/notes --stage 1  # 2 GPUs
     python scripts/make_default_model.py --out hypic/assets/default_model --weights runs/notes/weights.safetensors
 
 Loss is on answer tokens only ("Answer: X<|im_end|>", several questions per context). A curriculum
@@ -14,6 +15,11 @@ names), optimizer.safetensors (Adam's second moments, bf16; first moments restar
 rebuild in a few steps), state.json (step, stage, time, schedule) and curve.json (loss curve,
 throughput and evaluations). Exact match is measured teacher-forced: all answer tokens are the
 argmax given the gold prefix, which is exactly when greedy decoding reproduces the answer.
+
+Under torchrun (WORLD_SIZE > 1) the ranks train one model data parallel (DDP; NCCL on CUDA, gloo on
+CPU): `--tokens-per-step` is the global batch, each rank builds its share from its own data groups,
+and rank 0 alone decides when to stop or save (its clock and training time are broadcast every
+step), logs, evaluates and writes the checkpoint.
 """
 from __future__ import annotations
 
@@ -25,13 +31,16 @@ import argparse  # noqa: E402
 import collections  # noqa: E402
 import json  # noqa: E402
 import multiprocessing  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,21 +64,25 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="training seconds of all runs together (LR decay and stage deadlines follow it)")
     p.add_argument("--decay-frac", type=float, default=0.25)
-    p.add_argument("--tokens-per-step", type=int, default=65536)
+    p.add_argument("--tokens-per-step", type=int, default=65536, help="global batch, split over the ranks")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100, help="steps (30 after a resume)")
     p.add_argument("--chunk", type=int, default=64, help="Gated DeltaNet chunk length")
-    p.add_argument("--workers", type=int, default=max(1, min(12, (multiprocessing.cpu_count() or 2) - 2)))
+    p.add_argument("--workers", type=int, default=None,
+                   help="data processes per rank (default: all ranks together use all cores but 4)")
+    p.add_argument("--stage", type=int, choices=range(len(STAGES)), help="resume in this curriculum stage")
     p.add_argument("--eval-per-kind", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=25, help="steps between loss-curve points")
     p.add_argument("--tiny", action="store_true", help="a 0.4 M parameter model of the same layout")
-    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, about 30 s")
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, about 30 s (other flags still apply)")
     args = p.parse_args()
     if args.smoke:
-        args.tiny = True
-        args.time_limit, args.budget_s, args.tokens_per_step = 30.0, 20.0, 2048
-        args.eval_per_kind, args.workers, args.warmup, args.log_every = 1, 1, 5, 5
+        p.set_defaults(tiny=True, time_limit=30.0, budget_s=20.0, tokens_per_step=2048, eval_per_kind=1,
+                       workers=1, warmup=5, log_every=5)
+        args = p.parse_args()
+    if args.workers is None:
+        args.workers = max(1, (len(os.sched_getaffinity(0)) - 4) // int(os.environ.get("WORLD_SIZE", "1")))
     return args
 
 
@@ -79,6 +92,58 @@ def build_model(args: argparse.Namespace, device: torch.device) -> Qwen35ForTrai
         cfg.update(SMOKE_DIMS, num_hidden_layers=len(SMOKE_DIMS["layer_types"]))
     torch.manual_seed(args.seed)
     return Qwen35ForTraining(cfg, chunk=args.chunk).to(device)
+
+
+class Ranks:
+    """This process's place in a torchrun data-parallel job; rank 0 of 1 without torchrun."""
+
+    def __init__(self) -> None:
+        self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        self.local = int(os.environ.get("LOCAL_RANK", "0"))
+        self.main = self.rank == 0
+        self.control: dist.ProcessGroup | None = None
+
+    def init(self, device: torch.device) -> None:
+        """After the data workers are forked: a fork must not copy the process group's threads."""
+        if self.world > 1:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            # Per-step decisions travel over gloo between CPUs: an NCCL tensor read back each step
+            # would make the CPU wait for the GPU and lose the launch overlap.
+            self.control = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
+
+    def decide(self, stop: bool, save: bool, train_s: float) -> tuple[bool, bool, float]:
+        """Rank 0's stop and save decisions and training time, the same on every rank."""
+        if self.world == 1:
+            return stop, save, train_s
+        t = torch.tensor([float(stop), float(save), train_s], dtype=torch.float64)
+        dist.broadcast(t, 0, group=self.control)
+        return bool(t[0]), bool(t[1]), t[2].item()
+
+    def maximum(self, value: int) -> int:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, dist.ReduceOp.MAX, group=self.control)
+        return int(t.item())
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
+    def replica_diff(self, net: torch.nn.Module) -> float:
+        """Largest difference of any weight from rank 0's: zero unless the replicas diverged."""
+        flat = torch.cat([p.detach().flatten() for p in net.parameters()])
+        ref = flat.clone()
+        dist.broadcast(ref, 0)
+        diff = (flat - ref).abs().max()
+        dist.all_reduce(diff, dist.ReduceOp.MAX)
+        return diff.item()
+
+    def finish(self) -> None:
+        if self.world > 1:
+            dist.barrier(group=self.control)  # the others wait while rank 0 evaluates and saves
+            dist.destroy_process_group()
 
 
 class Checkpoint:
@@ -118,24 +183,31 @@ class Checkpoint:
 class Feed:
     """Prefetches batch groups from worker processes; batches of the current stage come first."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, ranks: Ranks) -> None:
         tokenizer = str(args.model_dir / "tokenizer.json")
         self.args, self.multiple = args, args.chunk
+        self.rank, self.world, self.budget = ranks.rank, ranks.world, args.tokens_per_step // ranks.world
         self.pool = multiprocessing.get_context("fork").Pool(args.workers, init_worker, (tokenizer,))
         self.pending: collections.deque = collections.deque()
         self.ready: collections.deque = collections.deque()
         self.stage, self.group = 0, 0
 
-    def restart(self, stage: int, group: int) -> None:
-        self.stage, self.group = stage, group
+    def start(self, stage: int, group: int) -> None:
+        """From `group` on (the maximum over ranks of `self.group` when saved), rank r builds groups
+        group + r, group + r + world, ...: no two ranks, and no two runs, see the same group."""
+        self.group = group + self.rank
+        self.switch(stage)
+
+    def switch(self, stage: int) -> None:
+        self.stage = stage
         self.pending.clear()
         self.ready.clear()
 
     def _submit(self) -> None:
         a = self.args
         self.pending.append(self.pool.apply_async(
-            make_group, (self.stage, a.seed, self.group, a.tokens_per_step, self.multiple)))
-        self.group += 1
+            make_group, (self.stage, a.seed, self.group, self.budget, self.multiple)))
+        self.group += self.world
 
     def next(self) -> Batch:
         while len(self.pending) < 2 * self.args.workers:
@@ -157,7 +229,8 @@ def to_device(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]:
     return {f: torch.from_numpy(getattr(batch, f)).to(device, non_blocking=True).long() for f in fields}
 
 
-def answer_loss(net, b: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def answer_loss(net: torch.nn.Module, b: dict[str, torch.Tensor],
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy over supervised tokens, and per-answer correctness (all tokens argmax)."""
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         logits = net(b["ids"], b["positions"]).float()
@@ -186,11 +259,15 @@ class Meter:
         self.loss += loss.detach()
         self.steps, self.tokens = self.steps + 1, self.tokens + tokens
 
-    def read(self) -> dict:
-        hits, count = self.hits.tolist(), self.count.tolist()
+    def read(self, ranks: Ranks) -> dict:
+        """Over all ranks (a collective: every rank reads at the same step); tokens summed."""
+        n = len(KINDS)
+        total = ranks.sum(torch.cat([self.hits, self.count, self.loss[None] / ranks.world,
+                                     torch.tensor([float(self.tokens)], device=self.device)])).tolist()
+        hits, count = total[:n], total[n: 2 * n]
         em = {k: round(h / c, 4) for k, h, c in zip(KINDS, hits, count) if c}
-        return {"loss": round(self.loss.item() / max(1, self.steps), 4), "em": em,
-                "em_mean": round(sum(hits) / max(1.0, sum(count)), 4)}
+        return {"loss": round(total[2 * n] / max(1, self.steps), 4), "em": em,
+                "em_mean": round(sum(hits) / max(1.0, sum(count)), 4), "tokens": total[2 * n + 1]}
 
 
 @torch.no_grad()
@@ -223,11 +300,15 @@ def run_evals(net, args, tokenizer, device, stage: int) -> dict:
 
 
 def main() -> None:
-    args, started = parse_args(), STARTED
-    feed = Feed(args)  # fork before CUDA is touched
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    if device.type == "cpu":
+    args, started, ranks = parse_args(), STARTED, Ranks()
+    feed = Feed(args, ranks)  # fork before CUDA or the process group is touched
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device(f"cuda:{ranks.local}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
         torch.set_num_threads(1)  # the data workers take the other cores; oversubscribed OpenMP crawls
+    ranks.init(device)
     torch.backends.cuda.matmul.allow_tf32 = True
     net = build_model(args, device)
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05,
@@ -236,75 +317,97 @@ def main() -> None:
     resumed = ckpt.exists()
     state, curve = ckpt.load(net, opt) if resumed else (
         {"step": 0, "stage": 0, "train_s": 0.0, "group": 0, "stage_step": 0, "runs": 0}, {"points": [], "evals": []})
+    if args.stage is not None:
+        state["stage"], state["stage_step"] = args.stage, 0
     tokenizer = Tokenizer.from_file(str(args.model_dir / "tokenizer.json"))
-    feed.restart(state["stage"], state["group"])
+    feed.start(state["stage"], state["group"])
     params = sum(p.numel() for p in net.parameters())
-    print(f"device {device} params {params / 1e6:.2f}M resumed={resumed} state={state}", flush=True)
-    train(args, net, opt, feed, device, state, curve, resumed, started, ckpt)
-    curve["evals"].append({"step": state["step"], "stage": state["stage"],
-                           **run_evals(net, args, tokenizer, device, state["stage"])})
-    print(json.dumps(curve["evals"][-1]), flush=True)
-    state["runs"] += 1
-    ckpt.save(net, opt, state, curve)
+    if ranks.main:
+        print(f"device {device} x{ranks.world} workers {args.workers} params {params / 1e6:.2f}M "
+              f"resumed={resumed} state={state}", flush=True)
+    model = net if ranks.world == 1 else DistributedDataParallel(net, device_ids=[device.index] if cuda else None)
+    train(args, model, opt, feed, device, state, curve, resumed, started, ckpt, ranks)
+    if ranks.world > 1:
+        diff = ranks.replica_diff(net)
+        if ranks.main:
+            print(f"replicas: max |weight - rank 0's| = {diff:g}", flush=True)
+    if ranks.main:
+        curve["evals"].append({"step": state["step"], "stage": state["stage"],
+                               **run_evals(net, args, tokenizer, device, state["stage"])})
+        print(json.dumps(curve["evals"][-1]), flush=True)
+        state["runs"] += 1
+        ckpt.save(net, opt, state, curve)
+        print(f"saved {args.ckpt} after {time.monotonic() - started:.0f}s", flush=True)
     feed.pool.terminate()
-    print(f"saved {args.ckpt} after {time.monotonic() - started:.0f}s", flush=True)
+    ranks.finish()
 
 
-def train(args, net, opt, feed: Feed, device, state: dict, curve: dict, resumed: bool,
-          started: float, ckpt: Checkpoint) -> None:
+def train(args, model: torch.nn.Module, opt, feed: Feed, device, state: dict, curve: dict, resumed: bool,
+          started: float, ckpt: Checkpoint, ranks: Ranks) -> None:
+    """`model` is the DDP wrapper under torchrun: its backward averages the gradients over ranks."""
+    net = model.module if isinstance(model, DistributedDataParallel) else model
     reserve = 8.0 if args.smoke else 45.0  # evaluation + save at the end
     meter, gate_meter = Meter(device), Meter(device)
     run_step, last_log, last_save = 0, time.monotonic(), time.monotonic()
-    while time.monotonic() - started < args.time_limit - reserve:
+    while True:
+        now = time.monotonic()
+        stop, save, state["train_s"] = ranks.decide(
+            now - started >= args.time_limit - reserve, now - last_save > 150, state["train_s"])
+        if save:
+            state["group"] = ranks.maximum(feed.group)
+            if ranks.main:
+                ckpt.save(net, opt, state, curve)
+            last_save = time.monotonic()
+        if stop:
+            break
         t0 = time.monotonic()
         batch = feed.next()
         b = to_device(batch, device)
         for group in opt.param_groups:
             group["lr"] = lr_at(args, state["train_s"], run_step, resumed)
-        loss, correct = answer_loss(net, b, device)
+        loss, correct = answer_loss(model, b, device)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         meter.add(loss, correct, b, batch.tokens)
         gate_meter.add(loss, correct, b, batch.tokens)
         state["step"], state["stage_step"], run_step = state["step"] + 1, state["stage_step"] + 1, run_step + 1
         if state["step"] % args.log_every == 0:
-            log_point(args, meter, state, curve, opt, last_log)
+            log_point(meter, state, curve, opt, last_log, ranks)
             meter.reset()
             last_log = time.monotonic()
-            maybe_advance(args, gate_meter, state, feed)
+            maybe_advance(args, gate_meter, state, feed, ranks)
         state["train_s"] += time.monotonic() - t0
-        if time.monotonic() - last_save > 150:
-            state["group"] = feed.group
-            ckpt.save(net, opt, state, curve)
-            last_save = time.monotonic()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    state["group"] = feed.group
+    state["group"] = ranks.maximum(feed.group)
 
 
-def log_point(args, meter: Meter, state: dict, curve: dict, opt, since: float) -> None:
+def log_point(meter: Meter, state: dict, curve: dict, opt, since: float, ranks: Ranks) -> None:
+    """Every rank's counts, summed; rank 0 prints them (the others' curves are never saved)."""
     point = {"step": state["step"], "stage": state["stage"], "train_s": round(state["train_s"], 1),
-             "lr": opt.param_groups[0]["lr"], **meter.read(),
-             "tok_per_s": round(meter.tokens / max(1e-9, time.monotonic() - since))}
+             "lr": opt.param_groups[0]["lr"], **meter.read(ranks)}
+    point["tok_per_s"] = round(point.pop("tokens") / max(1e-9, time.monotonic() - since))
     curve["points"].append(point)
-    print(json.dumps(point), flush=True)
+    if ranks.main:
+        print(json.dumps(point), flush=True)
 
 
-def maybe_advance(args, gate_meter: Meter, state: dict, feed: Feed) -> None:
+def maybe_advance(args, gate_meter: Meter, state: dict, feed: Feed, ranks: Ranks) -> None:
     """Next stage once the stage's answers (last >= 100 steps) pass its gate on every kind seen,
     or once the stage's share of the time budget is spent."""
     stage = STAGES[state["stage"]]
     late = state["train_s"] >= stage.until * args.budget_s
     if gate_meter.steps < 100 and not late:
         return
-    em = gate_meter.read()["em"]
+    em = gate_meter.read(ranks)["em"]
     passed = bool(em) and min(em.values()) >= stage.gate
     if state["stage"] + 1 < len(STAGES) and (passed or late):
         state["stage"], state["stage_step"] = state["stage"] + 1, 0
-        feed.restart(state["stage"], feed.group)
-        print(f"stage -> {state['stage']} at step {state['step']} (em {em})", flush=True)
+        feed.switch(state["stage"])
+        if ranks.main:
+            print(f"stage -> {state['stage']} at step {state['step']} (em {em})", flush=True)
     gate_meter.reset()
 
 

@@ -24,6 +24,7 @@ REQUESTS: tuple[tuple[tuple[tuple[str, int], ...], bool], ...] = (
     ((("c", 4), ("t", 5)), True),  # chunk ends on a tuple
     ((("c", 6),), False),  # an ordinary prefill
     ((("t", 4), ("t", 4)), True),  # no tokens this step
+    ((("c", 37), ("t", 6), ("c", 16), ("t", 3), ("c", 21)), True),  # spans of several kernel chunks
 )
 
 
@@ -84,7 +85,7 @@ class _CaseBuilder:
     def finish(self, dtype: torch.dtype, tuple_dtype: torch.dtype | None) -> Case:
         lens = [sum(n for kind, n in pieces if kind == "c") for pieces, _ in REQUESTS]
         has_state = torch.tensor([h for _, h in REQUESTS])
-        slots = torch.tensor([5, 0, 3, 6, 1])
+        slots = torch.tensor([5, 0, 3, 6, 1, 7])
         pool_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         pool = torch.full((8, *self.inits[0].shape), float("nan"), dtype=pool_dtype)  # stale slots must not leak
         pool[slots[has_state]] = torch.stack(self.inits)[has_state].to(pool_dtype)

@@ -7,6 +7,7 @@ import torch
 
 from hypic.engine.forward_batch import ForwardBatch
 from hypic.engine.scheduler import ScheduledBatch
+from hypic.kernels.host_copy import host_to_device
 
 
 def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.device) -> ForwardBatch:
@@ -38,7 +39,7 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.de
 def to_device(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
     if device.type == "cpu":
         return batch
-    moved = {name: getattr(batch, name).pin_memory().to(device, non_blocking=True)
+    moved = {name: host_to_device(getattr(batch, name), getattr(batch, name).dtype, device)
              for name in _TENSOR_FIELDS}
     return ForwardBatch(**moved, num_decodes=batch.num_decodes, seq_lens_cpu=batch.seq_lens_cpu,
                         max_kv_len=batch.max_kv_len)

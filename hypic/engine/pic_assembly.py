@@ -14,6 +14,7 @@ from collections import defaultdict
 import torch
 
 from hypic.cache.segment_store import SegmentKey, SegmentStore, SegmentTuple
+from hypic.kernels.host_copy import host_to_device
 from hypic.engine.pic_plan import PicPolicy, PlannedSegment, SegmentJob, plan_segments
 from hypic.engine.pic_step import Capture
 from hypic.engine.pieces import Cached
@@ -128,19 +129,21 @@ class PicAssembler:
 
     def _scatter_piece(self, seq: Sequence, piece: Cached) -> None:
         bs, entry = self.caches.block_size, piece.entry
-        positions = torch.arange(piece.start, piece.end)
-        pages = torch.tensor(seq.block_ids, dtype=torch.long)[positions // bs]
         device = self.store.kv_src.device
-        dst = (pages * bs + positions % bs).to(device)
+        host_positions = torch.arange(piece.start, piece.end)
+        pages = torch.tensor(seq.block_ids, dtype=torch.long)[host_positions // bs]
+        dst = host_to_device(pages * bs + host_positions % bs, torch.long, device)
+        positions = torch.arange(piece.start, piece.end, device=device)  # made on the device: no copy
         tokens = torch.arange(entry.interior_len, device=device) * entry.layout.kv_token_stride
         for full_index, layer_id in enumerate(self.caches.shape.full_layers):
             k_cache, v_cache = self.caches.kv(layer_id)
             src = entry.kv_offset(full_index) + tokens
-            scatter_kv(self.store.kv_src, src, positions.to(device), k_cache, v_cache, dst, self.inv_freq)
+            scatter_kv(self.store.kv_src, src, positions, k_cache, v_cache, dst, self.inv_freq)
 
 
 def _tuple_of(capture: Capture, j: int, job: SegmentJob) -> SegmentTuple:
-    start, end = capture.cu_seqlens[j].item(), capture.cu_seqlens[j + 1].item()
+    start = sum(capture.seq_lens[:j])  # host lengths: reading the device cu_seqlens would sync
+    end = start + capture.seq_lens[j]
     return SegmentTuple(
         interior=job.interior,
         T=[t[j] for t in capture.T], S0=[s[j] for s in capture.S0],

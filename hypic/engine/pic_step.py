@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hypic.engine.forward_batch import ForwardBatch
+from hypic.kernels.host_copy import host_to_device
 from hypic.engine.pic_plan import SegmentJob
 from hypic.kernels.compose import CachedPieces, compose_and_recur
 from hypic.kernels.conv1d import causal_conv1d
@@ -58,6 +59,7 @@ class Capture:
     jobs: list[SegmentJob]
     rows: torch.Tensor  # [R] interior token rows, job after job
     cu_seqlens: torch.Tensor  # [J+1] int32 offsets into rows
+    seq_lens: tuple[int, ...]  # [J] interior lengths, on the host
     tail_rows: torch.Tensor  # [J, W-1] rows of the pre-conv inputs just before each interior's end
     T: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, HV, *t_shape]
     S0: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, HV, K, V]
@@ -115,7 +117,7 @@ class PicStep:
         if c is None:
             return
         r = c.rows
-        T, S0 = self.family.extract_tuple(k[r], v[r], g[r], beta[r], c.cu_seqlens)
+        T, S0 = self.family.extract_tuple(k[r], v[r], g[r], beta[r], c.cu_seqlens, seq_lens=c.seq_lens)
         for j, job in enumerate(c.jobs):
             if job.identity_T:
                 T[j] = self.family.identity_T(T.shape[1], k.shape[-1], T.dtype, T.device)
@@ -156,8 +158,8 @@ def build_assembly(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, co
         pieces=CachedPieces.build(piece_rows, device),
         rest_seq_index=_long(others + tails, device),
         rest_rows=_long([r for start, end in rest_spans for r in range(start, end)], device),
-        rest_has_state=torch.tensor([chunks[i].chunk.start > 0 for i in others] + [True] * len(tails),
-                                    dtype=torch.bool, device=device),
+        rest_has_state=host_to_device([chunks[i].chunk.start > 0 for i in others] + [True] * len(tails),
+                                 torch.bool, device),
         rest_cu_seqlens=_cumsum([end - start for start, end in rest_spans], device),
         rest_lens=tuple(end - start for start, end in rest_spans), rest_decodes=num_decodes,
         tails=entries, conv_index=_long(conv_index, device), conv_keep=_long(conv_keep, device),
@@ -200,14 +202,14 @@ def build_capture(chunks: list, seq_lens: tuple[int, ...], conv_width: int,
         return None
     rows = [r for i, job in jobs for r in range(cu[i] + job.interior[0], cu[i] + job.interior[1])]
     tails = [[cu[i] + job.interior[1] - conv_width + 1 + t for t in range(conv_width - 1)] for i, job in jobs]
-    return Capture(jobs=[job for _, job in jobs], rows=_long(rows, device),
-                   cu_seqlens=_cumsum([job.interior[1] - job.interior[0] for _, job in jobs], device),
-                   tail_rows=torch.tensor(tails, dtype=torch.long, device=device))
+    lens = tuple(job.interior[1] - job.interior[0] for _, job in jobs)
+    return Capture(jobs=[job for _, job in jobs], rows=_long(rows, device), cu_seqlens=_cumsum(lens, device),
+                   seq_lens=lens, tail_rows=_long(tails, device))
 
 
-def _long(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+def _long(values: list, device: torch.device) -> torch.Tensor:
+    return host_to_device(values, torch.long, device)
 
 
-def _cumsum(lengths: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+def _cumsum(lengths: list[int] | tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return host_to_device([0, *itertools.accumulate(lengths)], torch.int32, device)

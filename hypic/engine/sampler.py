@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from hypic.errors import InvalidRequestError
+from hypic.kernels.host_copy import host_to_device
 from hypic.outputs import TokenLogprob
 from hypic.sampling_params import SamplingParams
 
@@ -154,7 +155,7 @@ def _is_plain_greedy(params: SamplingParams) -> bool:
 
 def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
     """[M, 1] float32 tensor on like's device (one small host-to-device copy)."""
-    return torch.tensor(values, dtype=torch.float32).to(like.device, non_blocking=True).unsqueeze(1)
+    return host_to_device(list(values), torch.float32, like.device).unsqueeze(1)
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

@@ -16,11 +16,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hypic.kernels.host_copy import host_to_device
 from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
 CHUNK = 64  # tokens per chunk of the reference's WY form
+FLA_CHUNK = 64  # tokens per chunk of FLA's kernel (its default), which its chunk indices must match
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -157,9 +159,17 @@ def _prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     o, final = chunk_gated_delta_rule(
         q[None], k[None], v[None], g[None].float(), beta[None], scale=scale,
         initial_state=_initial_states(ssm_pool, slots, has_state), output_final_state=True,
-        use_qk_l2norm_in_kernel=False, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+        use_qk_l2norm_in_kernel=False, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+        chunk_indices=_fla_chunk_indices(seq_lens, q.device), chunk_size=FLA_CHUNK)
     ssm_pool.index_copy_(0, slots, final)
     return o[0]
+
+
+def _fla_chunk_indices(seq_lens: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """FLA's `prepare_chunk_indices`, built on the host: [chunks, 2] (sequence, chunk within it).
+    FLA's own copies its host result with a pageable `.to()`, which syncs the stream."""
+    pairs = [(b, i) for b, n in enumerate(seq_lens) for i in range(-(-n // FLA_CHUNK))]
+    return host_to_device(pairs, torch.long, device).view(-1, 2)
 
 
 # ----------------------------------------------------------------------------- GPU: Triton decode

@@ -19,6 +19,7 @@ oracle.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from abc import ABC, abstractmethod
 from typing import ClassVar
@@ -26,6 +27,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from hypic.kernels.host_copy import host_to_device
 from hypic.errors import UnsupportedModelError
 from hypic.kernels.gdn import gated_delta_rule
 from hypic.kernels.scatter_kv import apply_rope
@@ -100,11 +102,12 @@ class LinearFamily(ABC):
 
     def final_states(self, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor | None, initial: torch.Tensor,
-                     cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """End state of every span of a varlen batch, span b starting from initial[b]."""
+                     cu_seqlens: torch.Tensor, seq_lens: tuple[int, ...]) -> torch.Tensor:
+        """End state of every span of a varlen batch, span b starting from initial[b];
+        `seq_lens` are the spans' lengths on the host (cu_seqlens' differences)."""
         k, v, g, beta = _cast(initial.dtype, expand_heads(k, v.shape[1]), v, g, beta)
         ends = []
-        for b, (start, end) in enumerate(_spans(cu_seqlens)):
+        for b, (start, end) in enumerate(_spans(seq_lens)):
             state = initial[b]
             for t in range(start, end):
                 state = self.step(state, k[t], v[t], g[t], None if beta is None else beta[t])
@@ -112,22 +115,24 @@ class LinearFamily(ABC):
         return torch.stack(ends)
 
     def extract_tuple(self, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                      beta: torch.Tensor | None, cu_seqlens: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      beta: torch.Tensor | None, cu_seqlens: torch.Tensor,
+                      seq_lens: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(T [B, HV, *t_shape], S0 [B, HV, K, V]) of every span of a varlen batch.
 
         S0 is the end state from zero. Dense T is the end state from I with v = 0 (value dim K),
-        since (prod T_t) I = T_C; scalar/diagonal T is the sum of log gates.
+        since (prod T_t) I = T_C; scalar/diagonal T is the sum of log gates. `seq_lens`: the spans'
+        lengths on the host; without them they are read from cu_seqlens (a host sync on a GPU).
         """
         num, heads, key_dim = cu_seqlens.numel() - 1, v.shape[1], k.shape[-1]
+        lens = tuple(cu_seqlens.diff().tolist()) if seq_lens is None else seq_lens
         dtype = torch.promote_types(k.dtype, torch.float32)
         zeros = torch.zeros(num, heads, key_dim, v.shape[2], dtype=dtype, device=v.device)
-        S0 = self.final_states(k, v, g, beta, zeros, cu_seqlens)
+        S0 = self.final_states(k, v, g, beta, zeros, cu_seqlens, lens)
         if self.kind != "dense":
             return segment_sum(g.to(dtype), cu_seqlens), S0
         eye = self.identity_T(heads, key_dim, dtype, v.device).expand(num, -1, -1, -1).contiguous()
         no_values = torch.zeros(v.shape[0], heads, key_dim, dtype=v.dtype, device=v.device)
-        return self.final_states(k, no_values, g, beta, eye, cu_seqlens), S0
+        return self.final_states(k, no_values, g, beta, eye, cu_seqlens, lens), S0
 
 
 class ScalarFamily(LinearFamily):
@@ -236,26 +241,26 @@ class GatedDeltaFamily(DenseFamily):
         if state.dtype == torch.float64:
             return self.recur(state, q, k, v, g, beta, scale=scale)
         pool = state[None].to(torch.float32, copy=True)
-        o = self._kernel(q, k, v, g, beta, pool, torch.tensor([0, v.shape[0]], dtype=torch.int32), scale)
+        cu_seqlens = host_to_device([0, v.shape[0]], torch.int32, pool.device)
+        o = self._kernel(q, k, v, g, beta, pool, cu_seqlens, (v.shape[0],), scale)
         return o, pool[0]
 
     def final_states(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor,
-                     cu_seqlens: Tensor) -> Tensor:
+                     cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> Tensor:
         if initial.dtype == torch.float64:
-            return super().final_states(k, v, g, beta, initial, cu_seqlens)
+            return super().final_states(k, v, g, beta, initial, cu_seqlens, seq_lens)
         pool = initial.to(torch.float32, copy=True).contiguous()
-        self._kernel(k, k, v, g, beta, pool, cu_seqlens, 1.0)
+        self._kernel(k, k, v, g, beta, pool, cu_seqlens, seq_lens, 1.0)
         return pool
 
     @staticmethod
     def _kernel(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, cu_seqlens: Tensor,
-                scale: float) -> Tensor:
+                seq_lens: tuple[int, ...], scale: float) -> Tensor:
         """Sequence b of the varlen batch runs from pool[b] and leaves its end state there."""
         num, device = pool.shape[0], pool.device
-        lens = tuple(int(n) for n in cu_seqlens.diff().tolist())
         return gated_delta_rule(q, k, v, g.float(), beta, pool, torch.arange(num, device=device),
                                 torch.ones(num, dtype=torch.bool, device=device),
-                                cu_seqlens.to(device, torch.int32), scale=scale, num_decodes=0, seq_lens_cpu=lens)
+                                cu_seqlens.to(device, torch.int32), scale=scale, num_decodes=0, seq_lens_cpu=seq_lens)
 
 
 class KimiDeltaFamily(DenseFamily):
@@ -301,9 +306,8 @@ def _cast(dtype: torch.dtype, *xs: torch.Tensor | None) -> tuple[torch.Tensor | 
     return tuple(None if x is None else x.to(dtype) for x in xs)
 
 
-def _spans(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
-    bounds = cu_seqlens.tolist()
-    return list(zip(bounds[:-1], bounds[1:]))
+def _spans(seq_lens: tuple[int, ...]) -> list[tuple[int, int]]:
+    return list(itertools.pairwise(itertools.accumulate(seq_lens, initial=0)))
 
 
 def _stack(outputs: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
