@@ -45,7 +45,6 @@ from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
 FAMILY_CODES: dict[str, int] = {"scalar": 0, "diagonal": 1, "gdn": 2, "kda": 3}  # the kernel's FAMILY
-CHUNK, CHUNK_LOG2 = 16, 4  # recompute tokens per step of the Triton walk (tl.dot needs >= 16)
 
 
 @dataclass(frozen=True)
@@ -169,7 +168,7 @@ def compose_and_recur_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         g if beta is None else beta.contiguous(), o, ssm_pool, slots, has_state, cu_seqlens,
         pieces.ptr, pieces.at, pieces.t_off, pieces.s0_off, t_src, s0_src, scale,
         H=num_heads, HV=value_heads, K=key_dim, V=value_dim, BK=max(16, next_power_of_2(key_dim)),
-        BV=block_v, BC=CHUNK, BC_LOG2=CHUNK_LOG2, FAMILY=FAMILY_CODES[family.name], num_warps=8 if family.kind == "dense" else 4)
+        BV=block_v, FAMILY=FAMILY_CODES[family.name], num_warps=8 if family.kind == "dense" else 4)
     return o
 
 
@@ -177,8 +176,7 @@ def compose_and_recur_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 def _compose_recur_kernel(q, k, v, g, beta, o, pool, slots, has_state, cu_seqlens,
                           ptr, at, t_off, s0_off, t_src, s0_src, scale,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                          BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, BC_LOG2: tl.constexpr,
-                          FAMILY: tl.constexpr):
+                          BK: tl.constexpr, BV: tl.constexpr, FAMILY: tl.constexpr):
     i_v, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     ok = tl.arange(0, BK)
@@ -192,80 +190,13 @@ def _compose_recur_kernel(q, k, v, g, beta, o, pool, slots, has_state, cu_seqlen
     cursor = tl.load(cu_seqlens + i_b).to(tl.int64)
     for p in range(tl.load(ptr + i_b), tl.load(ptr + i_b + 1)):
         stop = tl.load(at + p).to(tl.int64)
-        S = _span(S, cursor, stop, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mk, mv, H, HV, K, V, BC, BC_LOG2,
-                  FAMILY)
+        for t in range(cursor, stop):
+            S = _token(S, t, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mk, mv, H, HV, K, V, FAMILY)
         S = _compose(S, p, t_off, s0_off, t_src, s0_src, i_hv, ok, ov, mk, mv, K, V, FAMILY)
         cursor = stop
-    stop = tl.load(cu_seqlens + i_b + 1).to(tl.int64)
-    S = _span(S, cursor, stop, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mk, mv, H, HV, K, V, BC, BC_LOG2,
-                  FAMILY)
+    for t in range(cursor, tl.load(cu_seqlens + i_b + 1).to(tl.int64)):
+        S = _token(S, t, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mk, mv, H, HV, K, V, FAMILY)
     tl.store(state_ptrs, S, mask=mk[:, None] & mv[None, :])
-
-
-@triton_kernel
-def _span(S, start, stop, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mk, mv,
-          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr,
-          BC_LOG2: tl.constexpr, FAMILY: tl.constexpr):
-    """Recompute tokens [start, stop): BC at a time where the gate is one number per head
-    (scalar, gdn), token by token where it is one per key (diagonal, kda)."""
-    if FAMILY == 0 or FAMILY == 2:
-        for t0 in range(start, stop, BC):
-            S = _chunk(S, t0, stop, q, k, v, g, beta, o, scale, i_h, i_hv, ok, mk, ov, mv, H, HV, K, V,
-                       BC, BC_LOG2, FAMILY)
-    else:
-        for t in range(start, stop):
-            S = _token(S, t, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mk, mv, H, HV, K, V, FAMILY)
-    return S
-
-
-@triton_kernel
-def _chunk(S, t0, stop, q, k, v, g, beta, o, scale, i_h, i_hv, ok, mk, ov, mv,
-           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-           BC: tl.constexpr, BC_LOG2: tl.constexpr, FAMILY: tl.constexpr):
-    """Tokens t0 .. min(t0 + BC, stop) at once, exactly what `_token` computes one by one.
-
-    With G the running sum of log gates from t0 and D[i, j] = exp(G_i - G_j) for j <= i, the
-    written values u (rows) solve (I + diag(b) strict(K K^T * D)) u = diag(b) (V - exp(G) K S)
-    for the delta rule (u = V otherwise); then O = exp(G) Q S + (Q K^T * D) u and
-    S' = exp(G_end) S + (K * exp(G_end - G))^T u. Tokens past `stop` load as zeros: they write
-    nothing and change no state."""
-    oc = tl.arange(0, BC)
-    t = t0 + oc
-    mt = t < stop
-    mask_k, mask_v = mt[:, None] & mk[None, :], mt[:, None] & mv[None, :]
-    Kc = tl.load(k + (t * H + i_h)[:, None] * K + ok[None, :], mask=mask_k, other=0.0).to(tl.float32)
-    Qc = tl.load(q + (t * H + i_h)[:, None] * K + ok[None, :], mask=mask_k, other=0.0).to(tl.float32) * scale
-    Vc = tl.load(v + (t * HV + i_hv)[:, None] * V + ov[None, :], mask=mask_v, other=0.0).to(tl.float32)
-    gates = tl.load(g + t * HV + i_hv, mask=mt, other=0.0).to(tl.float32)
-    G = tl.cumsum(gates, 0)
-    G_end = tl.sum(gates, 0)
-    D = tl.exp(tl.where(oc[:, None] >= oc[None, :], G[:, None] - G[None, :], float("-inf")))
-    U = Vc
-    if FAMILY == 2:
-        b = tl.load(beta + t * HV + i_hv, mask=mt, other=0.0).to(tl.float32)
-        KK = tl.dot(Kc, tl.trans(Kc), input_precision="ieee")
-        N = tl.where(oc[:, None] > oc[None, :], KK * D, 0.0) * b[:, None]
-        recalled = tl.dot(Kc * tl.exp(G)[:, None], S, input_precision="ieee")
-        U = tl.dot(_unit_lower_inverse(N, BC, BC_LOG2), (Vc - recalled) * b[:, None], input_precision="ieee")
-    O = tl.dot(Qc * tl.exp(G)[:, None], S, input_precision="ieee") + \
-        tl.dot(tl.dot(Qc, tl.trans(Kc), input_precision="ieee") * D, U, input_precision="ieee")
-    tl.store(o + (t * HV + i_hv)[:, None] * V + ov[None, :], O.to(o.dtype.element_ty), mask=mask_v)
-    written = tl.trans(Kc * tl.exp(G_end - G)[:, None])
-    return S * tl.exp(G_end) + tl.dot(written, U, input_precision="ieee")
-
-
-@triton_kernel
-def _unit_lower_inverse(N, BC: tl.constexpr, BC_LOG2: tl.constexpr):
-    """(I + N)^-1 for a strictly lower-triangular [BC, BC] N: N is nilpotent, so the inverse is
-    sum_{i < BC} (-N)^i = (I - N)(I + N^2)(I + N^4)..., BC_LOG2 - 1 squarings."""
-    oc = tl.arange(0, BC)
-    eye = tl.where(oc[:, None] == oc[None, :], 1.0, 0.0)
-    power = -N
-    inverse = eye + power
-    for _ in tl.static_range(BC_LOG2 - 1):
-        power = tl.dot(power, power, input_precision="ieee")
-        inverse = tl.dot(inverse, eye + power, input_precision="ieee")
-    return inverse
 
 
 @triton_kernel
@@ -303,5 +234,7 @@ def _compose(S, p, t_off, s0_off, t_src, s0_src, i_hv, ok, ov, mk, mv,
     else:
         rows = t_base + i_hv * K * K + ok[:, None] * K + ok[None, :]
         T = tl.load(rows, mask=mk[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        S = tl.dot(T, S, input_precision="ieee")  # exact fp32: tf32 would cost ~1e-3 relative
+        # tf32x3: fp32-accurate on tensor cores (tf32 alone costs ~1e-3 relative); the "ieee" FMA
+        # dot kept T's K x K operands in registers and spilled ~7 KB a thread (sm90 ptxas)
+        S = tl.dot(T, S, input_precision="tf32x3")
     return S + S0.to(tl.float32)

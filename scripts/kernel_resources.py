@@ -1,0 +1,65 @@
+"""Registers and spills of the PIC walk kernel on sm90, compiled here: no GPU needed.
+
+A kernel that spills its tiles to the stack runs many times slower than its arithmetic suggests,
+and only ptxas knows: this compiles `_compose_recur_kernel` for Hopper with the local Triton and
+prints cuobjdump's resource line (REG = registers a thread, STACK = bytes spilled a thread).
+
+    python scripts/kernel_resources.py                       # Qwen3-Next / Qwen3.5 GDN heads
+    python scripts/kernel_resources.py --family scalar --key-dim 64
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import tempfile
+from pathlib import Path
+
+from hypic.kernels import compose
+from hypic.kernels.triton_lazy import _bind_module, next_power_of_2
+
+POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*bf16", "o": "*bf16",
+            "pool": "*fp32", "slots": "*i64", "has_state": "*i1", "cu_seqlens": "*i32", "ptr": "*i32",
+            "at": "*i32", "t_off": "*i64", "s0_off": "*i64", "t_src": "*fp32", "s0_src": "*fp32", "scale": "fp32"}
+
+
+def compile_walk(args: argparse.Namespace) -> bytes:
+    """The cubin of the walk kernel as `compose_and_recur_triton` would launch it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = _bind_module(vars(compose))["_compose_recur_kernel"]
+    family = compose.FAMILY_CODES[args.family]
+    block_v = max(16, min(32, next_power_of_2(args.value_dim)))
+    constants = {"H": args.key_heads, "HV": args.value_heads, "K": args.key_dim, "V": args.value_dim,
+                 "BK": max(16, next_power_of_2(args.key_dim)), "BV": block_v, "FAMILY": family}
+    signature = {name: "constexpr" if name in constants else POINTERS[name] for name in kernel.arg_names}
+    source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(n),): v for n, v in constants.items()})
+    warps = 8 if args.family in ("gdn", "kda") else 4  # as compose_and_recur_triton launches it
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]
+
+
+def resource_usage(cubin: bytes) -> str:
+    import triton
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        report = subprocess.run([str(cuobjdump), "--dump-resource-usage", file.name],
+                                capture_output=True, text=True, check=True).stdout
+    return next(line.strip() for line in report.splitlines() if "REG:" in line)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=tuple(compose.FAMILY_CODES), default="gdn")
+    parser.add_argument("--key-heads", type=int, default=16)
+    parser.add_argument("--value-heads", type=int, default=32)
+    parser.add_argument("--key-dim", type=int, default=128)
+    parser.add_argument("--value-dim", type=int, default=128)
+    args = parser.parse_args()
+    print(f"_compose_recur_kernel sm90 {vars(args)}: {resource_usage(compile_walk(args))}")
+
+
+if __name__ == "__main__":
+    main()
