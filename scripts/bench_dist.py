@@ -123,7 +123,8 @@ async def measure(client: EngineClient, texts: Texts, prompts: dict[str, list[in
     """Cold/warm (and optionally `none`) TTFT of each named set of segment sizes, on one started client."""
     await client.start()
     try:
-        await cold_and_warm(client, texts, [min(min(s) for s in prompts.values())] * 2, 1, none)  # warm-up
+        for sizes in prompts.values():  # warm-up: kernels compile and autotune for every shape measured
+            await cold_and_warm(client, texts, sizes, 1, none)
         return {name: await cold_and_warm(client, texts, sizes, repeats, none) for name, sizes in prompts.items()}
     finally:
         await client.shutdown(0.0)
