@@ -225,7 +225,7 @@ def lr_at(args: argparse.Namespace, train_s: float, run_step: int, resumed: bool
 
 
 def to_device(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]:
-    fields = ("ids", "positions", "targets", "answer", "kinds", "current")
+    fields = ("ids", "positions", "targets", "answer", "kinds", "current", "first")
     return {f: torch.from_numpy(getattr(batch, f)).to(device, non_blocking=True).long() for f in fields}
 
 
@@ -241,7 +241,8 @@ def answer_loss(net: torch.nn.Module, b: dict[str, torch.Tensor],
 
 
 class Meter:
-    """Running exact match per kind of the current stage's answers, and loss, on the device."""
+    """Running exact match per kind of the current stage's answers (all turns, and first turns alone:
+    later turns see earlier gold answers, which inflates two_hop), and loss, on the device."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -250,24 +251,31 @@ class Meter:
     def reset(self) -> None:
         self.hits = torch.zeros(len(KINDS), device=self.device)
         self.count = torch.zeros(len(KINDS), device=self.device)
+        self.hits_first = torch.zeros(len(KINDS), device=self.device)
+        self.count_first = torch.zeros(len(KINDS), device=self.device)
         self.loss, self.steps, self.tokens = torch.zeros((), device=self.device), 0, 0
 
     def add(self, loss: torch.Tensor, correct: torch.Tensor, b: dict[str, torch.Tensor], tokens: int) -> None:
         current = b["current"].float()  # weights, not a mask: masking would wait for the GPU
         self.hits.index_add_(0, b["kinds"], correct.float() * current)
         self.count.index_add_(0, b["kinds"], current)
+        first = current * b["first"].float()
+        self.hits_first.index_add_(0, b["kinds"], correct.float() * first)
+        self.count_first.index_add_(0, b["kinds"], first)
         self.loss += loss.detach()
         self.steps, self.tokens = self.steps + 1, self.tokens + tokens
 
     def read(self, ranks: Ranks) -> dict:
         """Over all ranks (a collective: every rank reads at the same step); tokens summed."""
         n = len(KINDS)
-        total = ranks.sum(torch.cat([self.hits, self.count, self.loss[None] / ranks.world,
+        total = ranks.sum(torch.cat([self.hits, self.count, self.hits_first, self.count_first,
+                                     self.loss[None] / ranks.world,
                                      torch.tensor([float(self.tokens)], device=self.device)])).tolist()
         hits, count = total[:n], total[n: 2 * n]
         em = {k: round(h / c, 4) for k, h, c in zip(KINDS, hits, count) if c}
-        return {"loss": round(total[2 * n] / max(1, self.steps), 4), "em": em,
-                "em_mean": round(sum(hits) / max(1.0, sum(count)), 4), "tokens": total[2 * n + 1]}
+        em_first = {k: round(h / c, 4) for k, h, c in zip(KINDS, total[2 * n: 3 * n], total[3 * n: 4 * n]) if c}
+        return {"loss": round(total[4 * n] / max(1, self.steps), 4), "em": em, "em_first": em_first,
+                "em_mean": round(sum(hits) / max(1.0, sum(count)), 4), "tokens": total[4 * n + 1]}
 
 
 @torch.no_grad()
@@ -395,19 +403,26 @@ def log_point(meter: Meter, state: dict, curve: dict, opt, since: float, ranks: 
 
 
 def maybe_advance(args, gate_meter: Meter, state: dict, feed: Feed, ranks: Ranks) -> None:
-    """Next stage once the stage's answers (last >= 100 steps) pass its gate on every kind seen,
-    or once the stage's share of the time budget is spent."""
+    """Every >= 100 steps: next stage once the stage's first-turn answers pass its gate on every kind
+    seen, or once the stage's share of the time budget is spent, but a deadline forces the stage only
+    after `min_steps` steps in it and once each kind in `needs` reaches `floor` (first turns)."""
     stage = STAGES[state["stage"]]
-    late = state["train_s"] >= stage.until * args.budget_s
-    if gate_meter.steps < 100 and not late:
+    if gate_meter.steps < 100:
         return
-    em = gate_meter.read(ranks)["em"]
+    em = gate_meter.read(ranks)["em_first"]
     passed = bool(em) and min(em.values()) >= stage.gate
-    if state["stage"] + 1 < len(STAGES) and (passed or late):
+    short = {k: em.get(k, 0.0) for k in stage.needs if em.get(k, 0.0) < stage.floor}
+    late = state["train_s"] >= stage.until * args.budget_s
+    forced = late and state["stage_step"] >= stage.min_steps and not short
+    if state["stage"] + 1 < len(STAGES) and (passed or forced):
         state["stage"], state["stage_step"] = state["stage"] + 1, 0
         feed.switch(state["stage"])
         if ranks.main:
-            print(f"stage -> {state['stage']} at step {state['step']} (em {em})", flush=True)
+            print(f"stage -> {state['stage']} at step {state['step']} ({'gate' if passed else 'deadline'}, "
+                  f"first-turn em {em})", flush=True)
+    elif late and state["stage"] + 1 < len(STAGES) and ranks.main:
+        print(f"stage {state['stage']} past its deadline, staying: step {state['stage_step']} of at least "
+              f"{stage.min_steps}, below floor {stage.floor}: {short}", flush=True)
     gate_meter.reset()
 
 

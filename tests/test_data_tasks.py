@@ -92,3 +92,10 @@ def test_note_lengths_follow_the_spec_in_tokens() -> None:
     tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
     lengths = [len(tokenizer.encode(n).ids) for p in make_prompts(EVAL_SPEC, "test", 30) for n in p.notes]
     assert min(lengths) >= 0.8 * EVAL_SPEC.min_note_tokens and max(lengths) <= 1.2 * EVAL_SPEC.max_note_tokens
+
+
+def test_lookup_only_worlds_always_have_a_question() -> None:
+    """A world drawn with only "X is based in Y" facts has nothing to ask; it is redrawn, not a crash."""
+    spec = TaskSpec(2, 4, 32, 96, (1.0, 0.0, 0.0, 0.0), rich_names=False, questions=4, facts_per_note=(1, 2))
+    prompts = make_prompts(spec, "train", 600)
+    assert all(p.kind == "lookup" and p.answer for p in prompts)

@@ -217,11 +217,13 @@ def _assemble(rng: random.Random, notes: list[Note], units: list[tuple[int, ...]
 def make_prompt(spec: TaskSpec, split: str, index: int, seed: int = 0) -> Prompt:
     """Prompt `index` of `split`: a fresh world whose notes are all included, shuffled by unit."""
     rng = _rng(split, seed, index, "prompt")
-    kinds = rng.choices(KINDS, weights=spec.kind_weights, k=spec.questions)
-    plan = _plan(rng, spec, rng.randint(spec.min_notes, spec.max_notes), Counter(kinds))
-    notes, units = _build(World(rng, spec.rich_names), spec, plan)
-    qas = _pick(rng, _candidates(notes, set(range(len(notes)))), kinds)
-    return _assemble(rng, notes, units, qas)
+    while True:  # a world without any question (only "X is based in Y" facts) is redrawn from the same rng
+        kinds = rng.choices(KINDS, weights=spec.kind_weights, k=spec.questions)
+        plan = _plan(rng, spec, rng.randint(spec.min_notes, spec.max_notes), Counter(kinds))
+        notes, units = _build(World(rng, spec.rich_names), spec, plan)
+        qas = _pick(rng, _candidates(notes, set(range(len(notes)))), kinds)
+        if qas:
+            return _assemble(rng, notes, units, qas)
 
 
 def make_prompts(spec: TaskSpec, split: str, count: int, seed: int = 0) -> list[Prompt]:
