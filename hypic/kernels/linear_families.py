@@ -127,12 +127,13 @@ class LinearFamily(ABC):
         lens = tuple(cu_seqlens.diff().tolist()) if seq_lens is None else seq_lens
         dtype = torch.promote_types(k.dtype, torch.float32)
         zeros = torch.zeros(num, heads, key_dim, v.shape[2], dtype=dtype, device=v.device)
-        S0 = self.final_states(k, v, g, beta, zeros, cu_seqlens, lens)
         if self.kind != "dense":
-            return segment_sum(g.to(dtype), cu_seqlens), S0
-        eye = self.identity_T(heads, key_dim, dtype, v.device).expand(num, -1, -1, -1).contiguous()
-        no_values = torch.zeros(v.shape[0], heads, key_dim, dtype=v.dtype, device=v.device)
-        return self.final_states(k, no_values, g, beta, eye, cu_seqlens, lens), S0
+            return segment_sum(g.to(dtype), cu_seqlens), self.final_states(k, v, g, beta, zeros, cu_seqlens, lens)
+        # one pass for both: value columns recur independently, so [v | 0] from [0 | I] ends at [S0 | T]
+        values = torch.cat([v, v.new_zeros(v.shape[0], heads, key_dim)], -1)
+        eye = self.identity_T(heads, key_dim, dtype, v.device).expand(num, -1, -1, -1)
+        both = self.final_states(k, values, g, beta, torch.cat([zeros, eye], -1), cu_seqlens, lens)
+        return both[..., v.shape[2]:].contiguous(), both[..., : v.shape[2]].contiguous()
 
 
 class ScalarFamily(LinearFamily):
