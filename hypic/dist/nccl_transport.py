@@ -6,7 +6,7 @@ both sides join. One direction per communicator means a send never waits behind 
 other way, and a node that dies takes only its own communicators with it.
 
 Sends run on the connection's own CUDA stream, which first waits for the segment's CUDA event: the
-transfer of segment i overlaps the prefill of segment i+1 on the compute stream. Receives run on
+transfers overlap whatever the compute stream runs next. Receives run on
 the receiver's stream for that connection, after an event recorded when the destination was
 allocated (the caching allocator only orders reuse on the allocating stream).
 

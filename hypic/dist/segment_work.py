@@ -1,8 +1,10 @@
 """An engine node's side of segment parallelism (paper §4.4, §5).
 
-As a worker it prefills the segments a `Build` names one at a time, largest first, and ships each the
-moment it is built — the transfer of segment i overlaps the prefill of segment i+1 — and ships stored
-tuples on a `Pull`. As a combine node it allocates the destination of every expected tuple when the
+As a worker it prefills the segments a `Build` names together, in one engine step, and ships each as
+soon as the step is done (or a stored tuple on a `Pull`). DESIGN §6 overlaps segment i's transfer with
+segment i+1's prefill instead; on the H200 a step per segment made two workers slower than one
+(bench/results/dist_fig14_h200.json: 1.4-1.8 s to build what one engine batches in 0.8-1.2 s),
+while all transfers together took 5-7 ms. As a combine node it allocates the destination of every expected tuple when the
 router announces it (`Expect`), before anything is dispatched, and imports each into its segment
 store as it lands. Every milestone is reported to the router; `cancel` drops a request's jobs and
 buffers here. Transfers already on the wire are never cut (the transport shields them): the
@@ -73,8 +75,8 @@ class SegmentWork:
     # -- worker side ------------------------------------------------------------------------------
 
     async def _build(self, message: Build) -> None:
-        for job in message.jobs:  # one at a time: each ships while the next one prefills
-            tup, seconds = await self._build_one(message.request_id, job)
+        built, seconds = await self._build_batch(message.request_id, message.jobs)
+        for job, tup in zip(message.jobs, built):
             if tup is None:
                 continue
             await self._report(Progress(message.request_id, job.transfer_id, "built", seconds))
@@ -83,24 +85,29 @@ class SegmentWork:
             else:
                 self._ship(message.request_id, message.dest_address, job, tup)
 
-    async def _build_one(self, request_id: str, job: Job) -> tuple[SegmentTuple | None, float]:
-        key, start = key_of(job.segment.key), time.perf_counter()
-        building = self._building[key] = asyncio.get_running_loop().create_future()
-        tup, failure = None, _POOL_FULL
+    async def _build_batch(self, request_id: str, jobs: list[Job]) -> tuple[list[SegmentTuple | None], float]:
+        """All of a Build's segments in one engine step: a step each would read every weight (all
+        experts of a MoE) once per segment, which cost more than their transfers overlap."""
+        keys, start = [key_of(job.segment.key) for job in jobs], time.perf_counter()
+        waiting = {key: asyncio.get_running_loop().create_future() for key in keys}
+        self._building.update(waiting)
+        built: list[SegmentTuple | None] = [None] * len(jobs)
+        failure = _POOL_FULL
         try:
-            [tup] = await self.engine.build_segments([segment_job(job.segment)])
+            built = await self.engine.build_segments([segment_job(job.segment) for job in jobs])
         except Exception as error:  # noqa: BLE001 - the router re-dispatches; this node keeps serving
-            log.exception("building segment for %s failed", request_id)
+            log.exception("building segments for %s failed", request_id)
             failure = error_info(error)
         finally:
-            building.set_result(tup)  # pulls waiting on it get the tuple, or None (they report missing)
-            if self._building.get(key) is building:
-                del self._building[key]
-        if tup is None:
-            await self._fail(request_id, job, failure)
-            return None, 0.0
-        self._built += 1
-        return tup, time.perf_counter() - start
+            for key, tup in zip(keys, built):  # pulls waiting on a build get its tuple, or None (missing)
+                waiting[key].set_result(tup)
+                if self._building.get(key) is waiting[key]:
+                    del self._building[key]
+        for job, tup in zip(jobs, built):
+            if tup is None:
+                await self._fail(request_id, job, failure)
+        self._built += sum(tup is not None for tup in built)
+        return built, time.perf_counter() - start
 
     async def _pull(self, message: Pull) -> None:
         for job in message.jobs:
