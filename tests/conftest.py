@@ -1,13 +1,19 @@
 """Shared fixtures: tiny checkpoints made here (never downloaded)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import pytest
-import torch
+if os.environ.get("HYPIC_TRITON_INTERPRET") == "1":
+    # before anything imports triton (transformers may): its language functions are made
+    # interpreted or compiled once, at import
+    os.environ["TRITON_INTERPRET"] = "1"
 
-from models_util import make_hf_model, save_checkpoint
-from tokenizer_util import write_byte_level
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from models_util import make_hf_model, save_checkpoint  # noqa: E402
+from tokenizer_util import write_byte_level  # noqa: E402
 
 EOS_ID = 2  # <|im_end|> in the byte-level test tokenizer
 
