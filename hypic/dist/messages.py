@@ -150,8 +150,8 @@ class PlanReply(msgspec.Struct, frozen=True, tag=True):
 
 
 class Build(msgspec.Struct, frozen=True, tag=True):
-    """Prefill these segments one by one, largest first, and send each to `dest_address` as soon as
-    it is built (dest_node == this node: keep it, nothing to send)."""
+    """Prefill these segments together (one engine step) and send each to `dest_address` (dest_node
+    == this node: keep it, nothing to send)."""
 
     request_id: str
     dest_node: int
