@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 import torch
 
 from hypic.engine.forward_batch import ForwardBatch
-from hypic.kernels.host_copy import host_to_device
 from hypic.engine.pic_plan import SegmentJob
 from hypic.kernels.compose import CachedPieces, compose_and_recur
 from hypic.kernels.conv1d import causal_conv1d
 from hypic.kernels.gdn import gated_delta_rule
+from hypic.kernels.host_copy import host_to_device
 from hypic.kernels.linear_families import LinearFamily
 
 
@@ -159,7 +159,7 @@ def build_assembly(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, co
         rest_seq_index=_long(others + tails, device),
         rest_rows=_long([r for start, end in rest_spans for r in range(start, end)], device),
         rest_has_state=host_to_device([chunks[i].chunk.start > 0 for i in others] + [True] * len(tails),
-                                 torch.bool, device),
+                                      torch.bool, device),
         rest_cu_seqlens=_cumsum([end - start for start, end in rest_spans], device),
         rest_lens=tuple(end - start for start, end in rest_spans), rest_decodes=num_decodes,
         tails=entries, conv_index=_long(conv_index, device), conv_keep=_long(conv_keep, device),
