@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from hypic.kernels import compose
-from hypic.kernels.triton_lazy import _bind_module, next_power_of_2
+from hypic.kernels.triton_lazy import bind_module, next_power_of_2
 
 POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*bf16", "o": "*bf16",
             "pool": "*fp32", "slots": "*i64", "has_state": "*i1", "cu_seqlens": "*i32", "ptr": "*i32",
@@ -28,7 +28,7 @@ def compile_walk(args: argparse.Namespace) -> bytes:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel = _bind_module(vars(compose))["_compose_recur_kernel"]
+    kernel = bind_module(vars(compose))["_compose_recur_kernel"]
     family = compose.FAMILY_CODES[args.family]
     block_v = max(16, min(32, next_power_of_2(args.value_dim)))
     constants = {"H": args.key_heads, "HV": args.value_heads, "K": args.key_dim, "V": args.value_dim,

@@ -76,7 +76,7 @@ class _CaseBuilder:
         self.inits.append(init)
 
     def _add_tuple(self, part: dict, n: int) -> None:
-        T, S0 = self.family.extract_tuple(*_fields64(part, ("k", "v", "g", "beta")), torch.tensor([0, n]))
+        T, S0 = self.family.extract_tuple(*_fields64(part, ("k", "v", "g", "beta")), torch.tensor([0, n]), (n,))
         self.rows[-1].append((self.cursor, self.t_len, self.s0_len))
         self.t_parts.append(T.flatten())
         self.s0_parts.append(S0.flatten())

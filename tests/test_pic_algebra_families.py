@@ -43,7 +43,7 @@ def sequential_end(family: LinearFamily, state: torch.Tensor, tokens: dict) -> t
 
 
 def extract(family: LinearFamily, tokens: dict, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    return family.extract_tuple(tokens["k"], tokens["v"], tokens["g"], tokens["beta"], cu_of(lens))
+    return family.extract_tuple(tokens["k"], tokens["v"], tokens["g"], tokens["beta"], cu_of(lens), tuple(lens))
 
 
 FAMILY_NAMES = sorted(FAMILIES)
@@ -153,5 +153,5 @@ def test_gdn_extraction_on_gpu_matches_float64_oracle() -> None:
     T64, S064 = extract(family, tokens, lens)
     cuda = {name: None if x is None else x.to("cuda", torch.bfloat16 if name in "qkv" else torch.float32)
             for name, x in tokens.items()}
-    T, S0 = family.extract_tuple(cuda["k"], cuda["v"], cuda["g"], cuda["beta"], cu_of(lens).cuda())
+    T, S0 = family.extract_tuple(cuda["k"], cuda["v"], cuda["g"], cuda["beta"], cu_of(lens).cuda(), tuple(lens))
     assert rel_err(T.double().cpu(), T64) <= 2e-2 and rel_err(S0.double().cpu(), S064) <= 2e-2

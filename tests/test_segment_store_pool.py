@@ -180,7 +180,7 @@ def test_composed_from_store_matches_sequential(state_dtype: torch.dtype, bound:
     rows = []
     for n, (start, end) in enumerate(((0, 12), (12, 24))):
         args = [None if tokens[x] is None else tokens[x][start:end].float() for x in ("k", "v", "g", "beta")]
-        T, S0 = family.extract_tuple(*args, torch.tensor([0, end - start]))
+        T, S0 = family.extract_tuple(*args, torch.tensor([0, end - start]), (end - start,))
         tup = random_tuple(store.layout, 3)
         tup = SegmentTuple(tup.interior, [T[0], T[0]], [S0[0], S0[0]], tup.conv_tail, tup.K, tup.V)
         store.put(key(str(n)), tup)
@@ -226,7 +226,7 @@ def test_store_on_gpu_feeds_the_triton_kernels() -> None:
     rows = []
     for n, (start, end, at) in enumerate(((10, 50, 10), (55, 85, 15))):  # at: flat index of the next seam token
         part = [cuda[x][start:end] for x in ("k", "v", "g", "beta")]
-        T, S0 = family.extract_tuple(*part, torch.tensor([0, end - start], device="cuda"))
+        T, S0 = family.extract_tuple(*part, torch.tensor([0, end - start], device="cuda"), (end - start,))
         kv = [torch.randn(end - start, 2, 256, generator=gen).to("cuda", torch.bfloat16)]
         conv = [torch.zeros(64, 3, device="cuda")] * 2
         assert store.put(key(str(n)), SegmentTuple((start, end), [T[0]] * 2, [S0[0]] * 2, conv, kv, kv))

@@ -39,8 +39,8 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.de
 def to_device(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
     if device.type == "cpu":
         return batch
-    moved = {name: host_to_device(getattr(batch, name), getattr(batch, name).dtype, device)
-             for name in _TENSOR_FIELDS}
+    host = {name: getattr(batch, name) for name in _TENSOR_FIELDS}
+    moved = {name: host_to_device(tensor, tensor.dtype, device) for name, tensor in host.items()}
     return ForwardBatch(**moved, num_decodes=batch.num_decodes, seq_lens_cpu=batch.seq_lens_cpu,
                         max_kv_len=batch.max_kv_len)
 

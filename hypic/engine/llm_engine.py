@@ -28,6 +28,7 @@ from hypic.engine.setup import (cache_budget_bytes, resolve_device, resolve_dtyp
                                 resolve_model_dir)
 from hypic.engine.tokenizer import Tokenizer
 from hypic.errors import InvalidRequestError, PromptTooLongError
+from hypic.kernels.host_copy import host_to_device
 from hypic.kernels.linear_families import get_family
 from hypic.kernels.scatter_kv import rope_inv_freq
 from hypic.models.registry import load_model
@@ -149,7 +150,7 @@ class LLMEngine:
         rows = self._sampling_rows(batch)
         deltas: dict[str, list[CompletionDelta]] = {}
         if rows:
-            picked = self.sampler.sample(logits[torch.tensor([i for i, _ in rows], device=logits.device)],
+            picked = self.sampler.sample(logits[host_to_device([i for i, _ in rows], torch.long, logits.device)],
                                          [self._sampling_row(c) for _, c in rows])
             for (_, completion), token, logprob in zip(rows, picked.token_ids, picked.logprobs):
                 self._take_token(completion, token, logprob, deltas)

@@ -9,6 +9,7 @@ layers compose the pieces as its chunks reach them.
 """
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 
 import torch
@@ -75,8 +76,9 @@ class PicAssembler:
         if capture is None:
             return []
         done = []
-        for j, job in enumerate(capture.jobs):
-            stored = self.store.put(job.key, _tuple_of(capture, j, job))
+        starts = itertools.accumulate(capture.seq_lens, initial=0)  # host lengths: no read of cu_seqlens
+        for j, (job, start) in enumerate(zip(capture.jobs, starts)):
+            stored = self.store.put(job.key, _tuple_of(capture, j, job, start))
             self._wake(job.key, stored)
             done.append((self.jobs.pop(job.key), stored))
         return done
@@ -141,8 +143,7 @@ class PicAssembler:
             scatter_kv(self.store.kv_src, src, positions, k_cache, v_cache, dst, self.inv_freq)
 
 
-def _tuple_of(capture: Capture, j: int, job: SegmentJob) -> SegmentTuple:
-    start = sum(capture.seq_lens[:j])  # host lengths: reading the device cu_seqlens would sync
+def _tuple_of(capture: Capture, j: int, job: SegmentJob, start: int) -> SegmentTuple:
     end = start + capture.seq_lens[j]
     return SegmentTuple(
         interior=job.interior,

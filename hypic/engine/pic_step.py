@@ -117,7 +117,7 @@ class PicStep:
         if c is None:
             return
         r = c.rows
-        T, S0 = self.family.extract_tuple(k[r], v[r], g[r], beta[r], c.cu_seqlens, seq_lens=c.seq_lens)
+        T, S0 = self.family.extract_tuple(k[r], v[r], g[r], beta[r], c.cu_seqlens, c.seq_lens)
         for j, job in enumerate(c.jobs):
             if job.identity_T:
                 T[j] = self.family.identity_T(T.shape[1], k.shape[-1], T.dtype, T.device)

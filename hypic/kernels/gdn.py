@@ -10,6 +10,7 @@ place (no gather/scatter: the decode step must be cheap and CUDA-graph capturabl
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -165,6 +166,7 @@ def _prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     return o[0]
 
 
+@functools.lru_cache(maxsize=16)  # every linear layer of a step asks for the same lengths; FLA only reads it
 def _fla_chunk_indices(seq_lens: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """FLA's `prepare_chunk_indices`, built on the host: [chunks, 2] (sequence, chunk within it).
     FLA's own copies its host result with a pageable `.to()`, which syncs the stream."""

@@ -116,23 +116,23 @@ class LinearFamily(ABC):
 
     def extract_tuple(self, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                       beta: torch.Tensor | None, cu_seqlens: torch.Tensor,
-                      seq_lens: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      seq_lens: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """(T [B, HV, *t_shape], S0 [B, HV, K, V]) of every span of a varlen batch.
 
         S0 is the end state from zero. Dense T is the end state from I with v = 0 (value dim K),
         since (prod T_t) I = T_C; scalar/diagonal T is the sum of log gates. `seq_lens`: the spans'
-        lengths on the host; without them they are read from cu_seqlens (a host sync on a GPU).
+        lengths on the host (cu_seqlens' differences; reading those back would sync a GPU).
         """
         num, heads, key_dim = cu_seqlens.numel() - 1, v.shape[1], k.shape[-1]
-        lens = tuple(cu_seqlens.diff().tolist()) if seq_lens is None else seq_lens
         dtype = torch.promote_types(k.dtype, torch.float32)
         zeros = torch.zeros(num, heads, key_dim, v.shape[2], dtype=dtype, device=v.device)
         if self.kind != "dense":
-            return segment_sum(g.to(dtype), cu_seqlens), self.final_states(k, v, g, beta, zeros, cu_seqlens, lens)
+            S0 = self.final_states(k, v, g, beta, zeros, cu_seqlens, seq_lens)
+            return segment_sum(g.to(dtype), cu_seqlens), S0
         # one pass for both: value columns recur independently, so [v | 0] from [0 | I] ends at [S0 | T]
         values = torch.cat([v, v.new_zeros(v.shape[0], heads, key_dim)], -1)
         eye = self.identity_T(heads, key_dim, dtype, v.device).expand(num, -1, -1, -1)
-        both = self.final_states(k, values, g, beta, torch.cat([zeros, eye], -1), cu_seqlens, lens)
+        both = self.final_states(k, values, g, beta, torch.cat([zeros, eye], -1), cu_seqlens, seq_lens)
         return both[..., v.shape[2]:].contiguous(), both[..., : v.shape[2]].contiguous()
 
 

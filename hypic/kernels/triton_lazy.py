@@ -18,14 +18,15 @@ class LazyKernel:
         self.fn = fn
 
     def __getitem__(self, grid: Any) -> Any:
-        return _bind_module(self.fn.__globals__)[self.fn.__name__][grid]
+        return bind_module(self.fn.__globals__)[self.fn.__name__][grid]
 
 
 def triton_kernel(fn: Callable[..., Any]) -> LazyKernel:
     return LazyKernel(fn)
 
 
-def _bind_module(scope: dict[str, Any]) -> dict[str, Any]:
+def bind_module(scope: dict[str, Any]) -> dict[str, Any]:
+    """A kernel module's globals with its marked functions made `triton.jit` (nothing compiles yet)."""
     import triton
     import triton.language
 
