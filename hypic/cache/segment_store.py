@@ -119,6 +119,11 @@ class SegmentLayout:
         return math.prod(self.s0_shape)
 
     @property
+    def conv_layer_stride(self) -> int:
+        """Elements between consecutive linear layers' conv tails of an entry."""
+        return math.prod(self.conv_shape)
+
+    @property
     def kv_token_stride(self) -> int:
         """Elements (model dtype) between consecutive tokens' K blocks of one layer."""
         return self.num_full * 2 * self.kv_heads * self.head_dim
@@ -171,6 +176,10 @@ class SegmentEntry:
         """Element offset of linear layer `linear_index`'s S0 in `SegmentStore.s0_src`."""
         return self._block(1) // self.layout.state_dtype.itemsize + linear_index * self.layout.s0_layer_stride
 
+    def conv_offset(self, linear_index: int) -> int:
+        """Element offset of linear layer `linear_index`'s conv tail [conv_dim, W-1] in `SegmentStore.conv_src`."""
+        return self._block(2) // self.layout.model_dtype.itemsize + linear_index * self.layout.conv_layer_stride
+
     def kv_offset(self, full_index: int, token: int = 0) -> int:
         """Element offset of interior token `token`'s K block of full layer `full_index` in
         `SegmentStore.kv_src` (its V block follows right after, as `scatter_kv` expects)."""
@@ -219,7 +228,12 @@ class SegmentStore:
     def __init__(self, layout: SegmentLayout, capacity_bytes: int, device: torch.device | str) -> None:
         self.layout = layout
         self.capacity_bytes = capacity_bytes // ALIGN * ALIGN
-        self._arena = torch.zeros(self.capacity_bytes, dtype=torch.uint8, device=device)
+        # past the budget, an all-zero tuple that is never evicted: composing it keeps any state
+        # finite (dense T = 0, log-gate T = 0), so padding rows of a CUDA graph may compose it
+        zero_bytes = layout.entry_bytes(0)
+        self._arena = torch.zeros(self.capacity_bytes + zero_bytes, dtype=torch.uint8, device=device)
+        self.zero_entry = SegmentEntry(SegmentKey(bytes(16), None), (0, 0), self.capacity_bytes, zero_bytes,
+                                       layout, self._arena)
         self._free = _FreeList(self.capacity_bytes)
         self._index: OrderedDict[SegmentKey, SegmentEntry] = OrderedDict()  # LRU first
         self._flushed: list[SegmentEntry] = []  # removed from the index, still pinned
@@ -233,6 +247,10 @@ class SegmentStore:
     @property
     def s0_src(self) -> torch.Tensor:
         return self._arena.view(self.layout.state_dtype)
+
+    @property
+    def conv_src(self) -> torch.Tensor:
+        return self._arena.view(self.layout.model_dtype)
 
     @property
     def kv_src(self) -> torch.Tensor:

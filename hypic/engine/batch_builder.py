@@ -6,8 +6,16 @@ import itertools
 import torch
 
 from hypic.engine.forward_batch import ForwardBatch
+from hypic.engine.pic_step import build_pic_step
 from hypic.engine.scheduler import ScheduledBatch
 from hypic.kernels.host_copy import host_to_device
+
+
+def build_step(batch: ScheduledBatch, block_size: int, store, family, device: torch.device) -> ForwardBatch:
+    """The ForwardBatch of a step with its PIC part over the segment store `store`."""
+    forward = build_forward_batch(batch, block_size, device)
+    forward.pic = build_pic_step(batch.chunks, forward.seq_lens_cpu, forward.num_decodes, store, family, device)
+    return forward
 
 
 def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.device) -> ForwardBatch:
@@ -39,13 +47,13 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.de
 def to_device(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
     if device.type == "cpu":
         return batch
-    host = {name: getattr(batch, name) for name in _TENSOR_FIELDS}
+    host = {name: getattr(batch, name) for name in TENSOR_FIELDS}
     moved = {name: host_to_device(tensor, tensor.dtype, device) for name, tensor in host.items()}
     return ForwardBatch(**moved, num_decodes=batch.num_decodes, seq_lens_cpu=batch.seq_lens_cpu,
                         max_kv_len=batch.max_kv_len)
 
 
-_TENSOR_FIELDS = ("input_ids", "positions", "cu_seqlens", "slots", "has_state", "block_tables",
+TENSOR_FIELDS = ("input_ids", "positions", "cu_seqlens", "slots", "has_state", "block_tables",
                   "kv_lens", "kv_write_slots", "logits_indices")
 
 

@@ -290,8 +290,8 @@ class LLMEngine:
         self.prefix = PrefixCache(self.blocks, self.slots, self.caches, bs, max_checkpoints)
         limits = SchedulerLimits(self.config.max_num_seqs, self.config.max_num_batched_tokens, bs)
         self.scheduler = Scheduler(limits, self.blocks, self.slots, self.prefix, self.caches)
-        settings = RunnerSettings(bs, self.config.max_num_seqs, self.max_model_len,
-                                  self.tokenizer.vocab_size,
+        settings = RunnerSettings(bs, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                  self.max_model_len, self.tokenizer.vocab_size,
                                   not self.config.enforce_eager and self.device.type == "cuda")
         state_dtype = torch.float32 if self.config.segment_state_dtype == "float32" else torch.bfloat16
         layout = SegmentLayout.from_cache_shape(shape, self.family, state_dtype, self.dtype)

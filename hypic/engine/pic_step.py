@@ -45,7 +45,7 @@ class Assembly:
     rest_cu_seqlens: torch.Tensor
     rest_lens: tuple[int, ...]
     rest_decodes: int
-    tails: list  # per composed piece (in piece order) its SegmentEntry, for conv tails
+    tail_offsets: torch.Tensor  # [P*(W-1)] int64: conv_src offset of (piece, tap) at linear layer 0
     conv_index: torch.Tensor  # rows of cat([x, tails]) forming the spliced conv input
     conv_keep: torch.Tensor  # rows of the spliced conv output that belong to real tokens
     conv_cu_seqlens: torch.Tensor
@@ -75,8 +75,10 @@ class PicStep:
     capture: Capture | None
     t_src: torch.Tensor | None = None
     s0_src: torch.Tensor | None = None
+    conv_src: torch.Tensor | None = None
     t_stride: int = 0
     s0_stride: int = 0
+    conv_stride: int = 0
 
     # -- linear layers -------------------------------------------------------------------------
 
@@ -86,12 +88,19 @@ class PicStep:
         a = self.assembly
         if a is None:
             return layer.conv(mixed_qkv, conv_pool, batch)
-        tails = [e.conv_tail(linear_index).transpose(0, 1) for e in a.tails]
-        spliced = torch.cat([mixed_qkv, *tails])[a.conv_index]
+        spliced = torch.cat([mixed_qkv, self._conv_tails(a, linear_index, mixed_qkv.shape[1])])[a.conv_index]
         out = causal_conv1d(spliced, layer.conv1d_weight, None, conv_pool, batch.slots, batch.has_state,
                             a.conv_cu_seqlens, num_decodes=batch.num_decodes, seq_lens_cpu=a.conv_lens,
                             activation="silu")
         return out[a.conv_keep]
+
+    def _conv_tails(self, a: Assembly, linear_index: int, conv_dim: int) -> torch.Tensor:
+        """[P*(W-1), conv_dim]: every composed piece's tail rows, gathered from the store in place
+        (tensor offsets, not a list of views, so a CUDA graph can replay it for other pieces)."""
+        width = self.conv_stride // conv_dim  # W - 1: a stored tail is [conv_dim, W-1]
+        channels = torch.arange(conv_dim, device=a.tail_offsets.device) * width
+        rows = a.tail_offsets + linear_index * self.conv_stride
+        return self.conv_src[rows[:, None] + channels[None, :]]
 
     def recur(self, layer, q, k, v, g, beta, ssm_pool: torch.Tensor, batch: ForwardBatch,
               linear_index: int) -> torch.Tensor:
@@ -133,6 +142,19 @@ class PicStep:
 
 # -- building a step's PIC part on the host --------------------------------------------------------
 
+def build_pic_step(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, store, family: LinearFamily,
+                   device: torch.device) -> PicStep | None:
+    """The PIC part of a step over the segment store `store`; None when no chunk needs one."""
+    conv_width = store.layout.conv_kernel
+    assembly = build_assembly(chunks, seq_lens, num_decodes, conv_width, device)
+    capture = build_capture(chunks, seq_lens, conv_width, device)
+    if assembly is None and capture is None:
+        return None
+    layout = store.layout
+    return PicStep(family, assembly, capture, store.t_src, store.s0_src, store.conv_src,
+                   layout.t_layer_stride, layout.s0_layer_stride, layout.conv_layer_stride)
+
+
 def build_assembly(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, conv_width: int,
                    device: torch.device) -> Assembly | None:
     """`chunks`: the step's ScheduledChunks (decodes first). None when no chunk composes pieces."""
@@ -140,14 +162,15 @@ def build_assembly(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, co
     if not composing:
         return None
     cu = [0, *itertools.accumulate(seq_lens)]
-    walk_len = {i: _walk_length(chunks[i].chunk, seq_lens[i]) for i in composing}
+    walk_len = {i: walk_length(chunks[i].chunk) for i in composing}
     others = [i for i in range(len(chunks)) if i not in walk_len]
     tails = [i for i in composing if walk_len[i] < seq_lens[i]]
-    piece_rows, entries, offset = [], [], 0
+    piece_rows, tail_offsets, offset = [], [], 0
     for i in composing:
         piece_rows.append([(offset + at, p.entry.t_offset(0), p.entry.s0_offset(0))
                            for at, p in chunks[i].chunk.cached])
-        entries += [p.entry for _, p in chunks[i].chunk.cached]
+        tail_offsets += [p.entry.conv_offset(0) + tap for _, p in chunks[i].chunk.cached
+                         for tap in range(conv_width - 1)]
         offset += walk_len[i]
     rest_spans = [(cu[i], cu[i + 1]) for i in others] + [(cu[i] + walk_len[i], cu[i + 1]) for i in tails]
     conv_index, conv_keep, conv_lens = _splice(chunks, cu, seq_lens, conv_width)
@@ -162,16 +185,16 @@ def build_assembly(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, co
                                       torch.bool, device),
         rest_cu_seqlens=_cumsum([end - start for start, end in rest_spans], device),
         rest_lens=tuple(end - start for start, end in rest_spans), rest_decodes=num_decodes,
-        tails=entries, conv_index=_long(conv_index, device), conv_keep=_long(conv_keep, device),
+        tail_offsets=_long(tail_offsets, device), conv_index=_long(conv_index, device), conv_keep=_long(conv_keep, device),
         conv_cu_seqlens=_cumsum(conv_lens, device), conv_lens=tuple(conv_lens))
 
 
-def _walk_length(chunk, num_tokens: int) -> int:
+def walk_length(chunk) -> int:
     """Tokens of an assembling chunk walked token by token. A long tail after the last piece goes
     to the chunked kernel instead; a short one stays in the walk, which costs less than the chunked
     kernel's fixed per-call overhead."""
     last_piece = chunk.cached[-1][0]
-    return last_piece if num_tokens - last_piece > TAIL_WALK_MAX else num_tokens
+    return last_piece if chunk.num_tokens - last_piece > TAIL_WALK_MAX else chunk.num_tokens
 
 
 def _splice(chunks: list, cu: list[int], seq_lens: tuple[int, ...], width: int):

@@ -6,10 +6,12 @@ from dataclasses import dataclass
 import torch
 
 from hypic.cache.model_caches import ModelCaches
-from hypic.engine.batch_builder import build_forward_batch
 from hypic.cache.segment_store import SegmentStore
+from hypic.engine.assembly_graphs import AssemblyGraphs
+from hypic.engine.batch_builder import build_step
 from hypic.engine.cuda_graphs import DecodeGraphs
-from hypic.engine.pic_step import Capture, PicStep, build_assembly, build_capture
+from hypic.engine.forward_batch import ForwardBatch
+from hypic.engine.pic_step import Capture
 from hypic.engine.scheduler import ScheduledBatch
 from hypic.kernels.linear_families import LinearFamily
 
@@ -18,6 +20,7 @@ from hypic.kernels.linear_families import LinearFamily
 class RunnerSettings:
     block_size: int
     max_num_seqs: int
+    max_num_batched_tokens: int
     max_model_len: int
     tokenizer_vocab_size: int  # logits past it (embedding padding) are never sampled
     use_cuda_graphs: bool
@@ -30,37 +33,40 @@ class ModelRunner:
         self.store, self.family = store, family
         self.device = caches.kv_device
         self.graphs: DecodeGraphs | None = None
+        self.assembly_graphs: AssemblyGraphs | None = None
         if settings.use_cuda_graphs and self.device.type == "cuda":
+            max_blocks = -(-settings.max_model_len // settings.block_size)
             self.graphs = DecodeGraphs(
-                model, caches, max_num_seqs=settings.max_num_seqs,
-                max_blocks=-(-settings.max_model_len // settings.block_size),
-                scratch_slot=scratch_slot, scratch_block=scratch_block,
-                max_kv_len=settings.max_model_len)
+                model, caches, max_num_seqs=settings.max_num_seqs, max_blocks=max_blocks,
+                scratch_slot=scratch_slot, scratch_block=scratch_block, max_kv_len=settings.max_model_len)
+            self.assembly_graphs = AssemblyGraphs(model, caches, store, family, max_blocks=max_blocks,
+                                                  scratch_slot=scratch_slot, scratch_block=scratch_block,
+                                                  max_tokens=min(settings.max_model_len,
+                                                                 settings.max_num_batched_tokens))
 
     def capture_graphs(self) -> None:
-        if self.graphs is not None:
-            with torch.inference_mode():
-                self.graphs.capture()
+        with torch.inference_mode():
+            for graphs in (self.graphs, self.assembly_graphs):
+                if graphs is not None:
+                    graphs.capture()
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, Capture | None]:
         """Logits [M, V] (float32) of the chunks that sample, in chunk order, and the tuples
         captured from the step's cold segments."""
-        forward = build_forward_batch(batch, self.settings.block_size, self.device)
-        forward.pic = self._pic_step(batch, forward.seq_lens_cpu, forward.num_decodes)
-        if self.graphs is not None and self.graphs.can_run(forward):
-            logits = self.graphs.run(forward)
+        padded = self.assembly_graphs.padded(batch) if self.assembly_graphs is not None else None
+        if padded is not None:
+            logits = self.assembly_graphs.run(self._forward_batch(padded), sum(c.samples for c in batch.chunks))
+            capture = None
         else:
-            logits = self.model.compute_logits(self.model(forward, self.caches))
+            forward = self._forward_batch(batch)
+            if self.graphs is not None and self.graphs.can_run(forward):
+                logits = self.graphs.run(forward)
+            else:
+                logits = self.model.compute_logits(self.model(forward, self.caches))
+            capture = forward.pic.capture if forward.pic is not None else None
         logits[:, self.settings.tokenizer_vocab_size:] = float("-inf")
-        return logits, forward.pic.capture if forward.pic is not None else None
+        return logits, capture
 
-    def _pic_step(self, batch: ScheduledBatch, seq_lens: tuple[int, ...], num_decodes: int) -> PicStep | None:
-        width = self.caches.shape.conv_kernel
-        assembly = build_assembly(batch.chunks, seq_lens, num_decodes, width, self.device)
-        capture = build_capture(batch.chunks, seq_lens, width, self.device)
-        if assembly is None and capture is None:
-            return None
-        layout = self.store.layout
-        return PicStep(self.family, assembly, capture, self.store.t_src, self.store.s0_src,
-                       layout.t_layer_stride, layout.s0_layer_stride)
+    def _forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:
+        return build_step(batch, self.settings.block_size, self.store, self.family, self.device)

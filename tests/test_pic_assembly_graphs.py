@@ -1,0 +1,89 @@
+"""The padded assembly step of AssemblyGraphs, run eagerly on CPU: padding rows (scratch slot and
+page, zero tuples) must not change the request's logits nor its state."""
+from __future__ import annotations
+
+import pytest
+from engine_util import greedy
+from test_pic_engine import DOCS, SEP, pic_config, prompt
+
+from hypic.engine.assembly_graphs import MAX_PIECES, AssemblyGraphs
+from hypic.engine.llm_engine import LLMEngine
+from hypic.engine.segments import SegmentedPrompt
+
+
+def padded_engine(config, sizes: tuple[int, ...]) -> tuple[LLMEngine, list[int]]:
+    """An engine whose assembly steps run padded (eagerly); the list collects each padded size."""
+    engine = LLMEngine(config)
+    runner = engine.runner
+    graphs = AssemblyGraphs(runner.model, runner.caches, runner.store, runner.family,
+                            max_blocks=engine.max_model_len // config.block_size,
+                            scratch_slot=engine.caches.num_slots - 1, scratch_block=engine.caches.num_blocks - 1,
+                            max_tokens=engine.max_model_len, sizes=sizes, use_graphs=False)
+    graphs.capture()
+    sizes_used: list[int] = []
+    run = graphs.run
+
+    def recording_run(forward, num_samples):
+        sizes_used.append(forward.num_tokens)
+        return run(forward, num_samples)
+    graphs.run = recording_run
+    runner.assembly_graphs = graphs
+    return engine, sizes_used
+
+
+def generate(engine: LLMEngine, text: str, max_tokens: int) -> tuple[list[int], list[float]]:
+    rid = engine.add_request(SegmentedPrompt.build(engine.tokenizer, text, separator=SEP),
+                             greedy(max_tokens, logprobs=0))
+    tokens, logprobs = [], []
+    while engine.has_work():
+        for out in engine.step():
+            for delta in out.deltas if out.request_id == rid else ():
+                tokens += delta.token_ids
+                logprobs += [lp.logprob for lp in delta.logprobs]
+    return tokens, logprobs
+
+
+def test_padded_assembly_step_gives_the_eager_tokens_and_logprobs(slow_decay_model_dir):
+    config = pic_config(slow_decay_model_dir)
+    cold_then_warm = [prompt(*DOCS), prompt(DOCS[2], DOCS[0], DOCS[1]), prompt(DOCS[1], DOCS[2])]
+    eager = LLMEngine(config)
+    expected = [generate(eager, p, 5) for p in cold_then_warm]
+    padded, sizes_used = padded_engine(config, sizes=(32, 40, 48, 56, 64, 96, 128))
+    got = [generate(padded, p, 5) for p in cold_then_warm]
+    assert len(sizes_used) >= 2 and len(set(sizes_used)) >= 2  # the warm requests ran padded, at two sizes
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected):
+        assert tokens == want_tokens
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-5)
+
+
+def test_requests_a_graph_cannot_hold_run_eagerly(slow_decay_model_dir):
+    config = pic_config(slow_decay_model_dir)
+    engine, sizes_used = padded_engine(config, sizes=(32,))
+    p = prompt(*DOCS)
+    generate(engine, p, 2)
+    generate(engine, p, 2)  # warm, but its assembly chunk has more than 31 tokens
+    assert sizes_used == []
+    assert MAX_PIECES >= len(DOCS)
+
+
+@pytest.mark.gpu
+def test_captured_assembly_graphs_match_the_eager_engine_on_cuda(slow_decay_model_dir):
+    """Replays (capture-time host lengths, padded rows) against the same engine launched eagerly."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cold_then_warm = [prompt(*DOCS), prompt(DOCS[2], DOCS[0], DOCS[1]), prompt(DOCS[1], DOCS[2])]
+    base = dict(device="cuda", dtype="float32", block_size=16, gpu_memory_utilization=0.3)
+    eager = LLMEngine(pic_config(slow_decay_model_dir, enforce_eager=True, **base))
+    expected = [generate(eager, p, 6) for p in cold_then_warm]
+    del eager
+    engine = LLMEngine(pic_config(slow_decay_model_dir, **base))
+    graphs = engine.runner.assembly_graphs
+    sizes_used: list[int] = []
+    run = graphs.run
+    graphs.run = lambda forward, n: (sizes_used.append(forward.num_tokens), run(forward, n))[1]
+    got = [generate(engine, p, 6) for p in cold_then_warm]
+    assert len(sizes_used) >= 2
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected):
+        assert tokens == want_tokens
+        assert logprobs == pytest.approx(want_logprobs, abs=2e-3)
