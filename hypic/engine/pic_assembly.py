@@ -65,8 +65,8 @@ class PicAssembler:
     def scatter(self, batch: ScheduledBatch) -> None:
         """Interior K (rotated to its global positions) and V into the pages of admitted sequences."""
         for seq in batch.admitted:
-            for piece in seq.cached:
-                self._scatter_piece(seq, piece)
+            if seq.cached:
+                self._scatter_pieces(seq)
 
     def after_step(self, batch: ScheduledBatch, capture: Capture | None) -> list[tuple[Sequence, bool]]:
         """Unpins composed pieces, stores captured tuples; returns (finished job, stored) pairs."""
@@ -129,18 +129,20 @@ class PicAssembler:
         seq.segment_job = job
         return seq
 
-    def _scatter_piece(self, seq: Sequence, piece: Cached) -> None:
-        bs, entry = self.caches.block_size, piece.entry
+    def _scatter_pieces(self, seq: Sequence) -> None:
+        """Every piece of `seq` in one launch per full layer (offsets built once on the host)."""
+        bs, stride = self.caches.block_size, self.store.layout.kv_token_stride
+        positions = torch.cat([torch.arange(p.start, p.end) for p in seq.cached])
+        src = torch.cat([p.entry.kv_offset(0) + torch.arange(p.entry.interior_len) * stride for p in seq.cached])
+        pages = torch.tensor(seq.block_ids, dtype=torch.long)[positions // bs]
         device = self.store.kv_src.device
-        host_positions = torch.arange(piece.start, piece.end)
-        pages = torch.tensor(seq.block_ids, dtype=torch.long)[host_positions // bs]
-        dst = host_to_device(pages * bs + host_positions % bs, torch.long, device)
-        positions = torch.arange(piece.start, piece.end, device=device)  # made on the device: no copy
-        tokens = torch.arange(entry.interior_len, device=device) * entry.layout.kv_token_stride
+        dst, positions, src = (host_to_device(t, torch.long, device) for t in (pages * bs + positions % bs,
+                                                                              positions, src))
+        layer_stride = self.store.layout.kv_layer_stride
         for full_index, layer_id in enumerate(self.caches.shape.full_layers):
             k_cache, v_cache = self.caches.kv(layer_id)
-            src = entry.kv_offset(full_index) + tokens
-            scatter_kv(self.store.kv_src, src, positions, k_cache, v_cache, dst, self.inv_freq)
+            scatter_kv(self.store.kv_src, src + full_index * layer_stride, positions, k_cache, v_cache, dst,
+                       self.inv_freq)
 
 
 def _tuple_of(capture: Capture, j: int, job: SegmentJob, start: int) -> SegmentTuple:
