@@ -41,8 +41,10 @@ class Stage:
 # asked relation occurs once in ~37 % of the lookups, so copying a city or a job after its cue pays
 # off before binding to the name does, and twice in ~40 %, where only the name decides. In the old
 # stage 1 a "lives" lookup had ~3 "lives in" facts in its context (1 in 9 % of them) and the model
-# never learned to copy a city at all (diagnose_model.py; .notes/TRAINING.md).
-LOOKUP_SIMPLE = TaskSpec(2, 4, 32, 96, (1.0, 0.0, 0.0, 0.0), rich_names=False, questions=4, facts_per_note=(1, 2))
+# never learned to copy a city at all (diagnose_model.py; .notes/TRAINING.md). No "X is based in
+# <city>" facts here: they put cities after the same " in" cue, so "copy the city" paid off less.
+LOOKUP_SIMPLE = TaskSpec(2, 4, 32, 96, (1.0, 0.0, 0.0, 0.0), rich_names=False, questions=4, facts_per_note=(1, 2),
+                         relations=("lives", "job", "code"))
 LOOKUP_RICH = TaskSpec(2, 4, 48, 128, (1.0, 0.0, 0.0, 0.0), rich_names=True, questions=4, facts_per_note=(1, 2))
 NEEDS = ("lookup", "two_hop")  # the issue's targets: >= 95 % lookup, >= 85 % two_hop on EVAL_SPEC
 

@@ -99,3 +99,14 @@ def test_lookup_only_worlds_always_have_a_question() -> None:
     spec = TaskSpec(2, 4, 32, 96, (1.0, 0.0, 0.0, 0.0), rich_names=False, questions=4, facts_per_note=(1, 2))
     prompts = make_prompts(spec, "train", 600)
     assert all(p.kind == "lookup" and p.answer for p in prompts)
+
+
+def test_relations_restrict_the_random_facts() -> None:
+    """Without "based" the notes hold no "is based in" sentence, so every city in them is a lookup answer."""
+    spec = TaskSpec(2, 4, 32, 96, (1.0, 0.0, 0.0, 0.0), rich_names=False, questions=4, facts_per_note=(1, 2),
+                    relations=("lives", "job", "code"))
+    prompts = make_prompts(spec, "train", 200)
+    assert not any(" is based in " in note for p in prompts for note in p.notes)
+    assert {qa.question.split()[0] for p in prompts for qa in p.qas} == {"Where", "What"}
+    with pytest.raises(ValueError):
+        TaskSpec(relations=("lives", "hobby"))

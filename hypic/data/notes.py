@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 from hypic.data import lexicon
 
+RELATIONS: tuple[str, ...] = ("lives", "job", "code", "based")
+"""Relations of a random fact sentence; "based" ("Acme is based in Oslo.") answers no lookup itself."""
+
 CHARS_PER_TOKEN = 4.7
 """Average characters per token of the bundled tokenizer on notes (used to size notes)."""
 
@@ -74,9 +77,10 @@ def _article(word: str) -> str:
     return f"an {word}" if word[0] in "aeiou" else f"a {word}"
 
 
-def _fact(world: World, note: Note, index: int, chain: tuple[str, str] | None = None) -> str:
-    """One random fact sentence about a fresh entity, recorded as a lookup candidate on `note`."""
-    person, relation = world.person(), world.rng.choice(("lives", "job", "code", "based"))
+def _fact(world: World, note: Note, index: int, relations: tuple[str, ...],
+          chain: tuple[str, str] | None = None) -> str:
+    """One fact sentence of a random relation about a fresh entity, recorded as a lookup candidate on `note`."""
+    person, relation = world.person(), world.rng.choice(relations)
     if chain is not None:  # first hop of a two-hop chain: person lives in a city stated elsewhere
         person, city = chain
         note.lives[person] = city
@@ -117,14 +121,16 @@ def _finish(note: Note, body: list[str], signer: str) -> Note:
 
 
 def fact_note(world: World, index: int, target_tokens: int, num_facts: int,
-              chains: list[tuple[str, str]], bases: list[tuple[str, str]]) -> Note:
-    """Filler plus `num_facts` facts; `chains` (person, city) and `bases` (city, company) are planted."""
+              chains: list[tuple[str, str]], bases: list[tuple[str, str]],
+              relations: tuple[str, ...] = RELATIONS) -> Note:
+    """Filler plus `num_facts` facts; `chains` (person, city) and `bases` (city, company) are planted,
+    the others draw their relation from `relations`."""
     note = Note()
-    facts = [_fact(world, note, index, chain) for chain in chains]
+    facts = [_fact(world, note, index, relations, chain) for chain in chains]
     for city, company in bases:
         note.based[city] = company
         facts.append(f"{company} is based in {city}.")
-    facts += [_fact(world, note, index) for _ in range(max(0, num_facts - len(facts)))]
+    facts += [_fact(world, note, index, relations) for _ in range(max(0, num_facts - len(facts)))]
     world.rng.shuffle(facts)
     return _finish(note, _fill(world, facts, target_tokens, 30), world.person())
 

@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from hypic.config import PIC_SEPARATOR
-from hypic.data.notes import Candidate, Note, World, dependent_note, fact_note, long_note
+from hypic.data.notes import RELATIONS, Candidate, Note, World, dependent_note, fact_note, long_note
 
 KINDS: tuple[str, ...] = ("lookup", "two_hop", "linked", "long")
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
@@ -47,6 +47,8 @@ class TaskSpec:
     """Questions per prompt: the first sits in the query segment, the rest follow as chat turns."""
     facts_per_note: tuple[int, int] = (1, 3)
     """Fewest and most fact sentences in an ordinary note (planted two-hop facts included)."""
+    relations: tuple[str, ...] = RELATIONS
+    """Relations the random (not planted) facts draw from."""
 
     def __post_init__(self) -> None:
         if not 2 <= self.min_notes <= self.max_notes:
@@ -59,6 +61,8 @@ class TaskSpec:
             raise ValueError("questions must be >= 1")
         if not 1 <= self.facts_per_note[0] <= self.facts_per_note[1]:
             raise ValueError(f"need 1 <= fewest <= most facts_per_note, got {self.facts_per_note}")
+        if not self.relations or not set(self.relations) <= set(RELATIONS):
+            raise ValueError(f"relations must be a non-empty subset of {RELATIONS}, got {self.relations}")
 
 
 EVAL_SPEC = TaskSpec(min_notes=4, max_notes=8, min_note_tokens=64, max_note_tokens=256)
@@ -170,8 +174,8 @@ def _build(world: World, spec: TaskSpec, plan: _Plan) -> tuple[list[Note], list[
         city = world.city()
         chains[i].append((world.person(), city))
         bases[j].append((city, world.company()))
-    notes = [fact_note(world, i, _lengths(rng, spec)[0], rng.randint(*spec.facts_per_note), chains[i], bases[i])
-             for i in range(n_fact_like)]
+    notes = [fact_note(world, i, _lengths(rng, spec)[0], rng.randint(*spec.facts_per_note), chains[i], bases[i],
+                       spec.relations) for i in range(n_fact_like)]
     units: list[tuple[int, ...]] = [(i,) for i in range(plan.facts)]
     for anchor in range(plan.facts, n_fact_like):
         notes.append(dependent_note(world, len(notes), anchor, notes, _lengths(rng, spec)[0]))

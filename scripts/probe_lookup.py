@@ -1,0 +1,173 @@
+"""Small CPU probe: how fast does single-hop lookup emerge in a shrunken model of the bundled layout?
+
+    python3 scripts/probe_lookup.py --layers LLLF --hidden 64 --minutes 4
+    python3 scripts/probe_lookup.py --value-weight 0.0 --lr 1e-3 --minutes 4   # variants
+
+Trains a fresh Qwen3.5-layout model (L = Gated DeltaNet layer, F = full attention) on lookup-only
+prompts (scripts/train_data.py encoding and collation, the trainer's loss) and prints first-turn
+teacher-forced exact match per relation (lives / job / code) on validation prompts as it goes,
+so training-setup hypotheses can be compared in minutes instead of GPU runs.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from train_data import Batch, collate, encode  # noqa: E402
+from train_model import DEFAULT_MODEL  # noqa: E402
+from train_net import Qwen35ForTraining  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+
+from hypic.data.notes import RELATIONS as FACT_RELATIONS
+from hypic.data.tasks import QA, Prompt, TaskSpec, make_prompt  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", default="LLLF", help="one letter per layer: L linear attention, F full attention")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--minutes", type=float, default=4.0)
+    p.add_argument("--tokens-per-step", type=int, default=4096)
+    p.add_argument("--notes", type=int, nargs=2, default=(2, 4), help="fewest and most notes")
+    p.add_argument("--note-tokens", type=int, nargs=2, default=(32, 96))
+    p.add_argument("--facts", type=int, nargs=2, default=(1, 2), help="facts per note")
+    p.add_argument("--questions", type=int, default=4)
+    p.add_argument("--relations", nargs="+", default=list(FACT_RELATIONS), help="relations of the random facts")
+    p.add_argument("--restate", action="store_true", help="replies restate the fact (see restated())")
+    p.add_argument("--value-weight", type=float, default=1.0,
+                   help="loss weight of answer-value tokens relative to the reply's other tokens (1: as trained)")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-prompts", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    return p.parse_args()
+
+
+def build(args: argparse.Namespace) -> Qwen35ForTraining:
+    cfg = json.loads((DEFAULT_MODEL / "config.json").read_text())
+    head = max(16, args.hidden // 4)
+    cfg.update(hidden_size=args.hidden, intermediate_size=3 * args.hidden, head_dim=head, linear_key_head_dim=head,
+               linear_value_head_dim=head, num_hidden_layers=len(args.layers),
+               layer_types=["full_attention" if c == "F" else "linear_attention" for c in args.layers])
+    torch.manual_seed(args.seed)
+    return Qwen35ForTraining(cfg)
+
+
+RELATIONS = ("lives", "job", "code")
+
+
+def relation(question: str) -> int:
+    return RELATIONS.index("lives" if question.startswith("Where does") else "job" if question.endswith("job?") else "code")
+
+
+def restated(prompt: Prompt) -> Prompt:
+    """The prompt with each reply restating its fact ("Answer: Mark lives in Oslo"): the value then follows
+    the same tokens as in the note, so a plain induction head can copy it (a reply-format experiment)."""
+    def sentence(qa: QA) -> str:
+        name = qa.question.split()[2] if qa.question.startswith("Where") else qa.question.split()[2][:-2]
+        if qa.question.startswith("Where"):
+            return f"{name} lives in {qa.answer}"
+        if qa.question.endswith("job?"):
+            return f"{name} works as {'an' if qa.answer[0] in 'aeiou' else 'a'} {qa.answer}"
+        return f"{name}'s locker code is {qa.answer}"
+    return replace(prompt, qas=tuple(replace(qa, answer=sentence(qa)) for qa in prompt.qas))
+
+
+def rows_of(tokenizer: Tokenizer, prompts: list[Prompt], all_questions: bool) -> list[tuple]:
+    """collate() rows whose "kinds" are RELATIONS indices (only the probe's own tally reads them)."""
+    return [encode(tokenizer, p, all_questions) + ([relation(qa.question) for qa in p.qas], True) for p in prompts]
+
+
+def batches(rows: list[tuple], token_budget: int) -> list[Batch]:
+    """Length-sorted rows cut into padded batches of about `token_budget` tokens."""
+    rows, out, start = sorted(rows, key=lambda r: len(r[0])), [], 0
+    while start < len(rows):
+        end = start + 1
+        while end < len(rows) and (end + 1 - start) * len(rows[end][0]) <= token_budget:
+            end += 1
+        out.append(collate(rows[start:end], 64))
+        start = end
+    return out
+
+
+def token_weights(batch: Batch, value_weight: float) -> torch.Tensor:
+    """Loss weight per supervised token, summing to one: `value_weight` on the answer's value tokens,
+    1 on "Answer", ":" and <|im_end|> (value_weight 1 is the trainer's plain mean)."""
+    w = torch.ones(len(batch.targets))
+    first = {a: i for i, a in reversed(list(enumerate(batch.answer.tolist())))}
+    length = collections.Counter(batch.answer.tolist())
+    for a, i in first.items():
+        w[i + 2: i + length[a] - 1] = value_weight
+    return w / w.sum()
+
+
+@torch.no_grad()
+def evaluate(net: Qwen35ForTraining, tokenizer: Tokenizer, prompts: list[Prompt]) -> dict[str, float]:
+    """First-turn teacher-forced exact match per relation."""
+    net.eval()
+    hits, count = collections.Counter(), collections.Counter()
+    for batch in batches(rows_of(tokenizer, prompts, False), 8192):
+        logits = net(torch.from_numpy(batch.ids).long(), torch.from_numpy(batch.positions))
+        wrong = torch.zeros(len(batch.kinds)).index_add_(
+            0, torch.from_numpy(batch.answer), (logits.argmax(-1) != torch.from_numpy(batch.targets)).float())
+        for rel, ok in zip(batch.kinds.tolist(), (wrong == 0).tolist()):
+            hits[RELATIONS[rel]], count[RELATIONS[rel]] = hits[RELATIONS[rel]] + ok, count[RELATIONS[rel]] + 1
+    net.train()
+    em = {r: round(hits[r] / count[r], 3) for r in RELATIONS if count[r]}
+    em["all"] = round(sum(hits.values()) / sum(count.values()), 3)
+    return em
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    tokenizer = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
+    spec = TaskSpec(args.notes[0], args.notes[1], args.note_tokens[0], args.note_tokens[1], (1.0, 0.0, 0.0, 0.0),
+                    rich_names=False, questions=args.questions, facts_per_note=tuple(args.facts),
+                    relations=tuple(args.relations))
+    shape = restated if args.restate else (lambda prompt: prompt)
+    val = [shape(make_prompt(spec, "validation", i)) for i in range(args.eval_prompts)]
+    net = build(args)
+    opt = torch.optim.AdamW(net.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
+    rng, started, step, seen, answers = random.Random(args.seed), time.monotonic(), 0, 0, 0
+    print(json.dumps({"args": vars(args), "params": sum(p.numel() for p in net.parameters())}), flush=True)
+    while time.monotonic() - started < 60 * args.minutes:
+        prompts, tokens = [], 0
+        while tokens < args.tokens_per_step:
+            prompts.append(shape(make_prompt(spec, "train", rng.getrandbits(40))))
+            tokens += len(prompts[-1].text()) // 4
+        for batch in batches(rows_of(tokenizer, prompts, True), args.tokens_per_step):
+            for group in opt.param_groups:
+                group["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
+            logits = net(torch.from_numpy(batch.ids).long(), torch.from_numpy(batch.positions))
+            ce = F.cross_entropy(logits, torch.from_numpy(batch.targets), reduction="none")
+            loss = (ce * token_weights(batch, args.value_weight)).sum()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step, seen, answers = step + 1, seen + batch.tokens, answers + len(batch.kinds)
+            if step % args.eval_every == 0:
+                print(json.dumps({"step": step, "s": round(time.monotonic() - started), "tokens": seen,
+                                  "answers": answers, "loss": round(loss.item(), 3),
+                                  "em": evaluate(net, tokenizer, val)}), flush=True)
+    print(json.dumps({"final": True, "step": step, "tokens": seen, "answers": answers,
+                      "em": evaluate(net, tokenizer, val)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
