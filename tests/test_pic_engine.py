@@ -94,6 +94,35 @@ def test_warm_up_and_side_effect_caching_give_identical_results(tiny_model_dir):
     assert a.metrics.cached_tokens_by_kind["pic"] == b.metrics.cached_tokens_by_kind["pic"] > 0
 
 
+def test_warm_request_prefills_in_one_step(slow_decay_model_dir):
+    """After the system prompt's prefix hit, a warm request's seams, pieces and query are one step
+    that samples (no checkpoint one token before the end splits it: a repeat could not use it, a
+    prefix hit stops at the first piece); a repeat gives the same tokens and logprobs."""
+    engine = LLMEngine(pic_config(slow_decay_model_dir))
+    p = SegmentedPrompt.build(engine.tokenizer, prompt(*DOCS), separator=SEP)
+    cold, warm, repeat = (_steps_and_output(engine, p) for _ in range(3))
+    assert cold["first_token_step"] > 1 and warm["first_token_step"] == repeat["first_token_step"] == 1
+    assert warm["cached"]["prefix"] == len(p.segments[0]) and warm["cached"]["pic"] > 0
+    assert repeat["tokens"] == warm["tokens"] and len(warm["tokens"]) == 4
+    assert repeat["logprobs"] == pytest.approx(warm["logprobs"], abs=1e-5)
+
+
+def _steps_and_output(engine: LLMEngine, p: SegmentedPrompt) -> dict:
+    rid = engine.add_request(p, greedy(4, logprobs=0))
+    result = {"first_token_step": None, "tokens": [], "logprobs": [], "cached": {}}
+    steps = 0
+    while engine.has_work():
+        steps += 1
+        for out in engine.step():
+            for delta in out.deltas if out.request_id == rid else ():
+                if delta.token_ids and result["first_token_step"] is None:
+                    result["first_token_step"] = steps
+                result["tokens"] += delta.token_ids
+                result["logprobs"] += [lp.logprob for lp in delta.logprobs]
+            result["cached"] = dict(out.metrics.cached_tokens_by_kind)
+    return result
+
+
 def run_with_store_stats(config, jobs):
     async def main():
         async with AsyncEngine(config) as engine:

@@ -232,11 +232,15 @@ class Scheduler:
     def _checkpoint_positions(self, seq: Sequence) -> list[int]:
         """End of the first segment (a shared system prompt) and the last prompt token but one (an
         identical prompt repeated then computes one token, as a CUDA-graph decode step), never
-        inside a cached interior."""
+        inside a cached interior. A sequence that composes cached pieces skips the latter: its
+        repeats compose them again (a prefix hit stops at the first piece), so that checkpoint
+        would only split its one assembly step in two."""
         if seq.info.cache_mode == "none" or seq.segment_job is not None:
             return []
         prompt_len = len(seq.info.prompt_ids)
-        marks = {seq.info.segment_ends[0] if len(seq.info.segment_ends) > 1 else 0, prompt_len - 1}
+        marks = {seq.info.segment_ends[0] if len(seq.info.segment_ends) > 1 else 0}
+        if not seq.cached:
+            marks.add(prompt_len - 1)
         inside = [(p.start, p.end) for p in seq.cached]
         return sorted(m for m in marks if 0 < m < prompt_len and not any(a < m <= b for a, b in inside))
 
