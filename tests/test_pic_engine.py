@@ -82,7 +82,8 @@ def test_reordered_segments_hit_and_other_salts_never_do(tiny_model_dir):
 
 
 def test_warm_up_and_side_effect_caching_give_identical_results(tiny_model_dir):
-    target = prompt(DOCS[0], DOCS[1], query="the lazy dog")
+    # documents in another order than the warm-up's: its end checkpoint must not serve them instead
+    target = prompt(DOCS[1], DOCS[0], query="the lazy dog")
     warmup = SEP.join([SYSTEM, DOCS[0], DOCS[1], ""])  # empty query: only fills the cache
     by_warmup = run(pic_config(tiny_model_dir), [(warmup, greedy(3), {}), (target, greedy(5, logprobs=0), {})])
     side = prompt(DOCS[1], DOCS[0], query="something else")
@@ -105,6 +106,25 @@ def test_warm_request_prefills_in_one_step(slow_decay_model_dir):
     assert warm["cached"]["prefix"] == len(p.segments[0]) and warm["cached"]["pic"] > 0
     assert repeat["tokens"] == warm["tokens"] and len(warm["tokens"]) == 4
     assert repeat["logprobs"] == pytest.approx(warm["logprobs"], abs=1e-5)
+
+
+def test_next_turn_resumes_after_its_documents(slow_decay_model_dir):
+    """Turn 2 = turn 1's prompt + its answer + a new message: it resumes from turn 1's end-of-request
+    checkpoint, past the cached documents (their pins released, their tokens counted as a prefix
+    hit), and answers as an engine that composes the documents afresh."""
+    engine = LLMEngine(pic_config(slow_decay_model_dir))
+    first = SegmentedPrompt.build(engine.tokenizer, prompt(DOCS[0], DOCS[1]), separator=SEP)
+    answer = _steps_and_output(engine, first)["tokens"]
+    follow_up = engine.tokenizer.encode(" and the lazy dog?")
+    segments = first.segments
+    second = SegmentedPrompt((*segments[:-1], (*segments[-1], *answer, *follow_up)))
+    resumed = _steps_and_output(engine, second)
+    fresh = _steps_and_output(LLMEngine(pic_config(slow_decay_model_dir)), second)
+    assert resumed["cached"]["prefix"] >= len(first.token_ids) and resumed["cached"].get("pic", 0) == 0
+    assert fresh["cached"].get("prefix", 0) < len(first.token_ids)  # cold documents, composed
+    assert resumed["tokens"] == fresh["tokens"]
+    assert resumed["logprobs"] == pytest.approx(fresh["logprobs"], abs=1e-4)
+    assert engine.store.stats().pinned == 0
 
 
 def _steps_and_output(engine: LLMEngine, p: SegmentedPrompt) -> dict:

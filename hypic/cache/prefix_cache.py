@@ -137,13 +137,16 @@ class PrefixCache:
         self._on_path.update(chain)
         return True
 
-    def lookup(self, tokens: Sequence[int], salt: str | None, accept: frozenset[Provenance]) -> PrefixHit | None:
+    def lookup(self, tokens: Sequence[int], salt: str | None, accept: frozenset[Provenance], *,
+               not_inside: Sequence[tuple[int, int]] = ()) -> PrefixHit | None:
         """Longest checkpoint of this salt, of an accepted provenance, whose tokens are a proper prefix
-        of `tokens` (one token at least is left to compute). Ties prefer an exact one."""
+        of `tokens` (one token at least is left to compute) and whose length is not strictly inside
+        one of the `not_inside` spans. Ties prefer an exact one."""
         if not accept:
             return None  # the request reads no cache: not a lookup
         tokens = tuple(tokens)
-        matches = [cp for p in accept for cp in self._matches(tokens, salt, p)]
+        matches = [cp for p in accept for cp in self._matches(tokens, salt, p)
+                   if not any(start < len(cp.tokens) < end for start, end in not_inside)]
         if not matches:
             self._misses += 1
             return None

@@ -111,7 +111,7 @@ class AssemblyGraphs:
 
     def _padding(self, num_tokens: int, num_pieces: int, num_blocks: int, *, samples: bool) -> ScheduledChunk:
         """Tokens 0.. in the scratch slot and page, then `num_pieces` zero tuples composed."""
-        zero = Cached(num_tokens, num_tokens, self.store.zero_entry)
+        zero = Cached(num_tokens, num_tokens, self.store.zero_entry, from_pool=False)
         chunk = Chunk(0, num_tokens, (0,) * num_tokens, tuple(range(num_tokens)), ((num_tokens, zero),) * num_pieces)
         pages = max(num_blocks, -(-num_tokens // self.caches.block_size))
         seq = _PaddingSequence((0,) * (num_tokens + (0 if samples else 1)), (self.scratch_block,) * pages,

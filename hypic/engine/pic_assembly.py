@@ -50,9 +50,7 @@ class PicAssembler:
                 continue
             entry = self.store.get(segment.job.key)
             if entry is not None:
-                self._add_piece(seq, segment, entry)
-                seq.info.cached_tokens_by_kind["pic"] = seq.info.cached_tokens_by_kind.get("pic", 0) + \
-                    segment.span[1] - segment.span[0]
+                self._add_piece(seq, segment, entry, from_pool=True)
                 continue
             seq.awaiting.add(segment.job.key)
             self.waiters[segment.job.key].append((seq, segment))
@@ -63,8 +61,10 @@ class PicAssembler:
         return new_jobs
 
     def scatter(self, batch: ScheduledBatch) -> None:
-        """Interior K (rotated to its global positions) and V into the pages of admitted sequences."""
+        """Interior K (rotated to its global positions) and V into the pages of admitted sequences;
+        the pieces their prefix hits covered are unpinned."""
         for seq in batch.admitted:
+            self._unpin_covered(seq)
             if seq.cached:
                 self._scatter_pieces(seq)
 
@@ -103,6 +103,7 @@ class PicAssembler:
 
     def release(self, seq: Sequence) -> None:
         """A finished or aborted sequence gives back its pins and stops waiting."""
+        self._unpin_covered(seq)
         for piece in seq.cached:
             self.store.unpin(piece.entry)
         seq.cached = []
@@ -115,12 +116,17 @@ class PicAssembler:
             seq.awaiting.discard(key)
             entry = self.store.get(key) if stored else None
             if entry is not None:  # else the segment is computed in full: exact, only slower
-                self._add_piece(seq, segment, entry)
+                self._add_piece(seq, segment, entry, from_pool=False)
+
+    def _unpin_covered(self, seq: Sequence) -> None:
+        for piece in seq.covered:
+            self.store.unpin(piece.entry)
+        seq.covered = []
 
     @staticmethod
-    def _add_piece(seq: Sequence, segment: PlannedSegment, entry) -> None:
+    def _add_piece(seq: Sequence, segment: PlannedSegment, entry, *, from_pool: bool) -> None:
         start, end = segment.span
-        seq.cached = sorted([*seq.cached, Cached(start, end, entry)], key=lambda p: p.start)
+        seq.cached = sorted([*seq.cached, Cached(start, end, entry, from_pool)], key=lambda p: p.start)
 
     def _job_sequence(self, job: SegmentJob) -> Sequence:
         job_info = RequestInfo(f"segment-{job.key.digest.hex()[:16]}", _PREFILL_ONLY, job.token_ids,

@@ -17,6 +17,7 @@ class Cached:
     start: int
     end: int
     entry: Any  # the pinned hypic.cache.segment_store.SegmentEntry
+    from_pool: bool  # a hit of the request (counted in cached_tokens), not prefilled cold for it
 
 
 @dataclass(frozen=True)

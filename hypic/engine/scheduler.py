@@ -45,7 +45,6 @@ class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     block_size: int
-    seam_width: int = 8
 
 
 class Scheduler:
@@ -178,6 +177,9 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         seq.checkpoints = self._checkpoint_positions(seq)
         self._attach_prefix_hit(seq)
+        pool_tokens = sum(p.end - p.start for p in seq.cached if p.from_pool)  # what the prefix hit left
+        if pool_tokens and seq.info.first_scheduled_time is None:
+            seq.info.cached_tokens_by_kind["pic"] = pool_tokens
         scattered_end = max((p.end for p in seq.cached), default=0)
         while self._fitting_tokens(seq) == 0 and self.prefix.evict_one():
             pass  # checkpoints may hold every free page: make room for at least one token
@@ -204,10 +206,13 @@ class Scheduler:
         return self.slots.allocate()
 
     def _attach_prefix_hit(self, seq: Sequence) -> None:
-        accept = accepted_provenances(seq.info.cache_mode, self.limits.seam_width)
-        # A hit must not end inside a cached interior: look only up to the first one.
-        tokens = seq.token_ids[: seq.cached[0].start + 1] if seq.cached else seq.token_ids
-        hit = self.prefix.lookup(tokens, seq.info.cache_salt, accept) if accept and seq.segment_job is None else None
+        accept = accepted_provenances(seq.info.cache_mode, seq.info.seam_width)
+        if not accept or seq.segment_job is not None:
+            return
+        # A hit may end before, at or past a cached interior (a conversation's next turn resumes
+        # after its documents), never inside one.
+        hit = self.prefix.lookup(seq.token_ids, seq.info.cache_salt, accept,
+                                 not_inside=[(p.start, p.end) for p in seq.cached])
         if hit is None:
             return
         try:
@@ -218,6 +223,9 @@ class Scheduler:
         self.caches.copy_slot(hit.state_slot, seq.slot)
         self.prefix.release(hit)
         seq.num_computed = hit.num_tokens
+        covered = [p for p in seq.cached if p.end <= hit.num_tokens]
+        seq.cached = [p for p in seq.cached if p.end > hit.num_tokens]
+        seq.covered += covered  # the PIC side unpins them
         if seq.info.first_scheduled_time is None:  # counted once, not again after a preemption
             seq.info.cached_tokens_by_kind["prefix"] = hit.num_tokens
 

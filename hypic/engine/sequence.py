@@ -54,6 +54,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.checkpoints: list[int] = []  # prefix lengths whose state is kept once computed
         self.cached: list[Cached] = []  # interiors still to compose, served from the segment store (PIC)
+        self.covered: list[Cached] = []  # pinned interiors a prefix hit made unnecessary, to unpin
         self.approximate_from: int | None = None  # first position whose state comes from PIC assembly
         self.awaiting: set = set()  # keys of cold segments this sequence waits for
         self.segment_job = None  # set on the isolated prefill of a cold PIC segment (no sampling)
