@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from hypic.kernels.compose import CachedPieces, compose_and_recur, compose_and_recur_ref, compose_and_recur_triton
+from hypic.kernels.compose import (CachedPieces, StateCheckpoints, compose_and_recur, compose_and_recur_ref,
+                                   compose_and_recur_triton)
 from hypic.kernels.linear_families import LinearFamily, get_family
 from tests.test_pic_algebra_families import FAMILY_NAMES, random_tokens, rel_err, span
 
@@ -36,6 +37,7 @@ class Case:
     pool: torch.Tensor
     expected_o: torch.Tensor
     expected_states: torch.Tensor
+    before_last: list[torch.Tensor | None]  # per request ending on recompute tokens: the state before its last
 
 
 def build_case(family: LinearFamily, gen: torch.Generator, dtype: torch.dtype = torch.float64,
@@ -55,12 +57,15 @@ class _CaseBuilder:
 
     def __init__(self, family: LinearFamily) -> None:
         self.family = family
-        self.flat, self.outs, self.ends, self.inits, self.rows = [], [], [], [], []
+        self.flat, self.outs, self.ends, self.inits, self.rows, self.before_last = [], [], [], [], [], []
         self.t_parts, self.s0_parts = [], []
         self.cursor = self.t_len = self.s0_len = 0
 
     def add_request(self, pieces: tuple[tuple[str, int], ...], tokens: dict, init: torch.Tensor) -> None:
         o, end = self.family.recur(init, *_fields64(tokens, ("q", "k", "v", "g", "beta")), scale=SCALE)
+        head = span(tokens, 0, sum(n for _, n in pieces) - 1)
+        self.before_last.append(self.family.recur(init, *_fields64(head, ("q", "k", "v", "g", "beta")), scale=SCALE)[1]
+                                if pieces[-1][0] == "c" else None)
         self.rows.append([])
         offset = 0
         for kind, n in pieces:
@@ -96,7 +101,7 @@ class _CaseBuilder:
                       cu_seqlens=torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32),
                       pieces=CachedPieces.build(self.rows), t_src=torch.cat(self.t_parts).to(t_dtype),
                       s0_src=torch.cat(self.s0_parts).to(tuple_dtype or dtype))
-        return Case(inputs, pool, torch.cat(self.outs), torch.stack(self.ends))
+        return Case(inputs, pool, torch.cat(self.outs), torch.stack(self.ends), self.before_last)
 
 
 def _fields64(tokens: dict, names: tuple[str, ...]) -> list[torch.Tensor | None]:
@@ -111,6 +116,22 @@ def run(case: Case, family: LinearFamily, fn=compose_and_recur, device: str = "c
     o = fn(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, x["slots"], x["has_state"], x["cu_seqlens"],
            x["pieces"], x["t_src"], x["s0_src"], family=family, scale=SCALE)
     return o.cpu(), pool[case.inputs["slots"].to(device)].cpu()
+
+
+def run_with_checkpoints(case: Case, family: LinearFamily, fn, device: str = "cpu"
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`run` where every request ending on recompute tokens keeps the state before its last token in
+    slot 8 + b; returns (outputs, end states, saved states of those requests)."""
+    x = {name: _to(value, device) for name, value in case.inputs.items()}
+    saving = [b for b, before in enumerate(case.before_last) if before is not None]
+    ends = case.inputs["cu_seqlens"][1:].tolist()
+    at = torch.tensor([ends[b] - 1 if b in saving else -1 for b in range(len(ends))])
+    save_slots = torch.arange(len(ends)) + case.pool.shape[0]
+    pool = torch.cat([case.pool, torch.full_like(case.pool[: len(ends)], float("nan"))]).to(device)
+    o = fn(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, x["slots"], x["has_state"], x["cu_seqlens"],
+           x["pieces"], x["t_src"], x["s0_src"], family=family, scale=SCALE,
+           checkpoints=StateCheckpoints(at.to(device), save_slots.to(device)))
+    return o.cpu(), pool[case.inputs["slots"].to(device)].cpu(), pool[save_slots[saving].to(device)].cpu()
 
 
 def _to(x, device: str):
@@ -134,6 +155,17 @@ def test_reference_walk_in_float32_runs_chunked_gdn_spans() -> None:
     o, states = run(case, family)
     assert rel_err(o.double(), case.expected_o) <= 1e-5
     assert rel_err(states.double(), case.expected_states) <= 1e-5
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_reference_walk_keeps_the_state_before_the_last_token(name: str) -> None:
+    """A checkpoint one token short of the chunk's end: outputs and end states unchanged."""
+    family = get_family(name)
+    case = build_case(family, torch.Generator().manual_seed(5))
+    o, states, saved = run_with_checkpoints(case, family, compose_and_recur_ref)
+    expected = torch.stack([s for s in case.before_last if s is not None])
+    assert rel_err(saved, expected) <= 1e-10
+    assert rel_err(o, case.expected_o) <= 1e-10 and rel_err(states, case.expected_states) <= 1e-10
 
 
 def test_pieces_table_layout() -> None:
@@ -160,6 +192,10 @@ def test_triton_kernel_interpreted_matches_reference(name: str, monkeypatch: pyt
     o, states = run(case, family, compose_and_recur_triton)
     o_ref, states_ref = run(case, family, compose_and_recur_ref)
     assert rel_err(o, o_ref) <= 1e-5 and rel_err(states, states_ref) <= 1e-5
+    o, states, saved = run_with_checkpoints(case, family, compose_and_recur_triton)
+    o_ref, states_ref, saved_ref = run_with_checkpoints(case, family, compose_and_recur_ref)
+    assert rel_err(saved, saved_ref) <= 1e-5
+    assert rel_err(o, o_ref) <= 1e-5 and rel_err(states, states_ref) <= 1e-5
 
 
 @pytest.mark.gpu
@@ -175,3 +211,6 @@ def test_triton_kernel_on_gpu_matches_reference(name: str, tuple_dtype: torch.dt
     o_ref, states_ref = run(case, family, compose_and_recur_ref, device="cpu")
     assert rel_err(o.float(), o_ref.float()) <= 1e-2  # bf16 outputs
     assert rel_err(states, states_ref) <= 1e-4
+    _, _, saved = run_with_checkpoints(case, family, compose_and_recur, device="cuda")
+    _, _, saved_ref = run_with_checkpoints(case, family, compose_and_recur_ref, device="cpu")
+    assert rel_err(saved, saved_ref) <= 1e-4

@@ -38,7 +38,10 @@ def pic_config(model_dir, **overrides):
 
 def test_cold_then_warm_hypic_gives_the_same_tokens_and_counts_interiors(tiny_model_dir):
     p = prompt(*DOCS)
-    cold, warm = run(pic_config(tiny_model_dir), [(p, greedy(6, logprobs=0), {})] * 2)
+    cold, = run(pic_config(tiny_model_dir), [(p, greedy(6, logprobs=0), {})])
+    # the documents warmed by another question (the same prompt again would be a prefix-cache hit)
+    warm_up = prompt(*reversed(DOCS), query="?")
+    _, warm = run(pic_config(tiny_model_dir), [(warm_up, greedy(1), {}), (p, greedy(6, logprobs=0), {})])
     assert warm.tokens == cold.tokens
     got = [lp.logprob for lp in warm.logprobs[0]]
     assert got == pytest.approx([lp.logprob for lp in cold.logprobs[0]], abs=1e-5)
@@ -52,7 +55,7 @@ def test_cold_then_warm_hypic_gives_the_same_tokens_and_counts_interiors(tiny_mo
 def test_long_query_after_the_last_segment_matches_a_short_walk(slow_decay_model_dir):
     """A query longer than TAIL_WALK_MAX continues from the composed state through the chunked
     kernel in the same step; the first linear layer's state must still equal full recompute."""
-    from hypic.engine.pic_step import TAIL_WALK_MAX
+    from hypic.engine.pieces import TAIL_WALK_MAX
     long_query = "the quick brown fox jumps over the lazy dog. " * 9
     p = prompt(DOCS[2], query=long_query)
     assert len(_tokenizer(slow_decay_model_dir).encode(long_query)) > TAIL_WALK_MAX
@@ -95,17 +98,21 @@ def test_warm_up_and_side_effect_caching_give_identical_results(tiny_model_dir):
     assert a.metrics.cached_tokens_by_kind["pic"] == b.metrics.cached_tokens_by_kind["pic"] > 0
 
 
-def test_warm_request_prefills_in_one_step(slow_decay_model_dir):
-    """After the system prompt's prefix hit, a warm request's seams, pieces and query are one step
-    that samples (no checkpoint one token before the end splits it: a repeat could not use it, a
-    prefix hit stops at the first piece); a repeat gives the same tokens and logprobs."""
+def test_warm_request_prefills_in_one_step_and_keeps_the_last_checkpoint(slow_decay_model_dir):
+    """The assembly chunk runs through the prompt's last token and keeps the state one token
+    before it (the prefix checkpoint there) from inside the walk; an identical repeat resumes from
+    that checkpoint, past every cached piece, and must give the same tokens and logprobs."""
     engine = LLMEngine(pic_config(slow_decay_model_dir))
     p = SegmentedPrompt.build(engine.tokenizer, prompt(*DOCS), separator=SEP)
-    cold, warm, repeat = (_steps_and_output(engine, p) for _ in range(3))
-    assert cold["first_token_step"] > 1 and warm["first_token_step"] == repeat["first_token_step"] == 1
+    warm_up = prompt(*reversed(DOCS), query="?")  # another order: the prefix cache cannot serve p
+    cold = _steps_and_output(engine, SegmentedPrompt.build(engine.tokenizer, warm_up, separator=SEP))
+    warm, repeat = (_steps_and_output(engine, p) for _ in range(2))
+    assert cold["first_token_step"] > 1 and warm["first_token_step"] == 1  # after the system prompt's hit
     assert warm["cached"]["prefix"] == len(p.segments[0]) and warm["cached"]["pic"] > 0
+    assert repeat["first_token_step"] == 1 and repeat["cached"] == {"prefix": len(p.token_ids) - 1}
     assert repeat["tokens"] == warm["tokens"] and len(warm["tokens"]) == 4
     assert repeat["logprobs"] == pytest.approx(warm["logprobs"], abs=1e-5)
+    assert engine.store.stats().pinned == 0
 
 
 def test_next_turn_resumes_after_its_documents(slow_decay_model_dir):
@@ -165,7 +172,7 @@ def test_tiny_pool_evicts_and_stays_correct(tiny_model_dir):
 
 def test_naive_mode_runs_and_differs_from_hypic(tiny_model_dir):
     p = prompt(*DOCS)
-    jobs = [(p, greedy(4, logprobs=0), {})] * 2
+    jobs = [(prompt(*reversed(DOCS), query="?"), greedy(1), {}), (p, greedy(4, logprobs=0), {})]  # warm-up, p
     naive = run(pic_config(tiny_model_dir, cache_mode="naive"), jobs)[1]
     hypic = run(pic_config(tiny_model_dir), jobs)[1]
     assert naive.metrics.cached_tokens_by_kind["pic"] > hypic.metrics.cached_tokens_by_kind["pic"]

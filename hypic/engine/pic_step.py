@@ -18,14 +18,12 @@ import torch
 
 from hypic.engine.forward_batch import ForwardBatch
 from hypic.engine.pic_plan import SegmentJob
-from hypic.kernels.compose import CachedPieces, compose_and_recur
+from hypic.engine.pieces import walk_length
+from hypic.kernels.compose import CachedPieces, StateCheckpoints, compose_and_recur
 from hypic.kernels.conv1d import causal_conv1d
 from hypic.kernels.gdn import gated_delta_rule
 from hypic.kernels.host_copy import host_to_device
 from hypic.kernels.linear_families import LinearFamily
-
-
-TAIL_WALK_MAX = 256  # tokens after the last cached piece that are still walked token by token
 
 
 @dataclass
@@ -45,6 +43,9 @@ class Assembly:
     rest_cu_seqlens: torch.Tensor
     rest_lens: tuple[int, ...]
     rest_decodes: int
+    saves: StateCheckpoints  # per walking sequence: state before its last token (at -1: none), into a slot
+    save_conv_rows: torch.Tensor  # [A, W-1] spliced conv rows before that token, into the same slot
+    # (a sequence without a checkpoint rewrites its own slot with its last W-1 rows: no change)
     tail_offsets: torch.Tensor  # [P*(W-1)] int64: conv_src offset of (piece, tap) at linear layer 0
     conv_index: torch.Tensor  # rows of cat([x, tails]) forming the spliced conv input
     conv_keep: torch.Tensor  # rows of the spliced conv output that belong to real tokens
@@ -92,6 +93,7 @@ class PicStep:
         out = causal_conv1d(spliced, layer.conv1d_weight, None, conv_pool, batch.slots, batch.has_state,
                             a.conv_cu_seqlens, num_decodes=batch.num_decodes, seq_lens_cpu=a.conv_lens,
                             activation="silu")
+        conv_pool[a.saves.slots] = spliced[a.save_conv_rows].transpose(1, 2).to(conv_pool.dtype)
         return out[a.conv_keep]
 
     def _conv_tails(self, a: Assembly, linear_index: int, conv_dim: int) -> torch.Tensor:
@@ -112,7 +114,7 @@ class PicStep:
         pieces = a.pieces.shifted(linear_index * self.t_stride, linear_index * self.s0_stride)
         o[r] = compose_and_recur(q[r], k[r], v[r], g[r], beta[r], ssm_pool, batch.slots[a.walk_seq_index],
                                  batch.has_state[a.walk_seq_index], a.walk_cu_seqlens, pieces, self.t_src,
-                                 self.s0_src, family=self.family, scale=layer.scale)
+                                 self.s0_src, family=self.family, scale=layer.scale, checkpoints=a.saves)
         if a.rest_rows.numel():  # after the walk: the tails read the composed states from the slots
             r = a.rest_rows
             o[r] = gated_delta_rule(q[r], k[r], v[r], g[r], beta[r], ssm_pool, batch.slots[a.rest_seq_index],
@@ -174,6 +176,7 @@ def build_assembly(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, co
         offset += walk_len[i]
     rest_spans = [(cu[i], cu[i + 1]) for i in others] + [(cu[i] + walk_len[i], cu[i + 1]) for i in tails]
     conv_index, conv_keep, conv_lens = _splice(chunks, cu, seq_lens, conv_width)
+    saves, save_conv_rows = _saves(chunks, composing, walk_len, conv_keep, conv_lens, cu, conv_width, device)
     return Assembly(
         walk_seq_index=_long(composing, device),
         walk_rows=_long([r for i in composing for r in range(cu[i], cu[i] + walk_len[i])], device),
@@ -185,16 +188,26 @@ def build_assembly(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, co
                                       torch.bool, device),
         rest_cu_seqlens=_cumsum([end - start for start, end in rest_spans], device),
         rest_lens=tuple(end - start for start, end in rest_spans), rest_decodes=num_decodes,
+        saves=saves, save_conv_rows=save_conv_rows,
         tail_offsets=_long(tail_offsets, device), conv_index=_long(conv_index, device), conv_keep=_long(conv_keep, device),
         conv_cu_seqlens=_cumsum(conv_lens, device), conv_lens=tuple(conv_lens))
 
 
-def walk_length(chunk) -> int:
-    """Tokens of an assembling chunk walked token by token. A long tail after the last piece goes
-    to the chunked kernel instead; a short one stays in the walk, which costs less than the chunked
-    kernel's fixed per-call overhead."""
-    last_piece = chunk.cached[-1][0]
-    return last_piece if chunk.num_tokens - last_piece > TAIL_WALK_MAX else chunk.num_tokens
+def _saves(chunks: list, composing: list[int], walk_len: dict[int, int], conv_keep: list[int],
+           conv_lens: list[int], cu: list[int], width: int,
+           device: torch.device) -> tuple[StateCheckpoints, torch.Tensor]:
+    """Where each walking sequence keeps the state before its last token, if its chunk asks
+    (`ScheduledChunk.checkpoint_slot`: the scheduler asks only when the whole chunk is walked)."""
+    at, slots, conv_rows, walk_offset = [], [], [], 0
+    conv_ends = list(itertools.accumulate(conv_lens))
+    for i in composing:
+        slot = chunks[i].checkpoint_slot
+        last_row = conv_ends[i] if slot is None else conv_keep[cu[i + 1] - 1]
+        at.append(-1 if slot is None else walk_offset + walk_len[i] - 1)
+        slots.append(chunks[i].seq.slot if slot is None else slot)
+        conv_rows.append(list(range(last_row - width + 1, last_row)))
+        walk_offset += walk_len[i]
+    return StateCheckpoints(_long(at, device), _long(slots, device)), _long(conv_rows, device)
 
 
 def _splice(chunks: list, cu: list[int], seq_lens: tuple[int, ...], width: int):

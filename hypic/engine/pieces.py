@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+TAIL_WALK_MAX = 256  # tokens after the last cached piece that are still walked token by token
+
 
 @dataclass(frozen=True)
 class Cached:
@@ -57,3 +59,11 @@ def cut_chunk(token_ids: list[int], start: int, limit: int, budget: int,
         positions += range(pos, stop)
         pos = stop
     return Chunk(start, pos, tuple(tokens), tuple(positions), tuple(composed))
+
+
+def walk_length(chunk: Chunk) -> int:
+    """Tokens of an assembling chunk walked token by token. A long tail after the last piece goes
+    to the chunked kernel instead; a short one stays in the walk, which costs less than the chunked
+    kernel's fixed per-call overhead."""
+    last_piece = chunk.cached[-1][0]
+    return last_piece if chunk.num_tokens - last_piece > TAIL_WALK_MAX else chunk.num_tokens

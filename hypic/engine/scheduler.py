@@ -14,7 +14,7 @@ from hypic.cache.block_pool import BlockPool, NoFreeBlocks
 from hypic.cache.model_caches import ModelCaches
 from hypic.cache.prefix_cache import PrefixCache, accepted_provenances, share_pages
 from hypic.cache.slot_pool import SlotPool
-from hypic.engine.pieces import Chunk
+from hypic.engine.pieces import Chunk, walk_length
 from hypic.engine.sequence import Sequence, SequenceStatus
 
 
@@ -22,6 +22,7 @@ from hypic.engine.sequence import Sequence, SequenceStatus
 class ScheduledChunk:
     seq: Sequence
     chunk: Chunk
+    checkpoint_slot: int | None = None  # receives the state before the chunk's last token (a checkpoint)
 
     @property
     def samples(self) -> bool:
@@ -98,6 +99,9 @@ class Scheduler:
             seq.cached = [p for p in seq.cached if p.start >= end]
             if end in seq.checkpoints:
                 self._checkpoint(seq, end)
+            if scheduled.checkpoint_slot is not None:
+                self._checkpoint(seq, end - 1, scheduled.checkpoint_slot)
+                self.slots.release(scheduled.checkpoint_slot)
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
         """Give `child` a copy of `parent`'s cache (n > 1 completions share one prefill)."""
@@ -136,8 +140,26 @@ class Scheduler:
             return 0
         if seq.info.first_scheduled_time is None:
             seq.info.first_scheduled_time = time.monotonic()
-        batch.chunks.append(ScheduledChunk(seq, chunk))
-        return chunk.num_tokens
+        scheduled = self._through_last_checkpoint(seq, chunk, budget, batch) or ScheduledChunk(seq, chunk)
+        batch.chunks.append(scheduled)
+        return scheduled.chunk.num_tokens
+
+    def _through_last_checkpoint(self, seq: Sequence, chunk: Chunk, budget: int,
+                                 batch: ScheduledBatch) -> ScheduledChunk | None:
+        """An assembly chunk cut at the checkpoint one token before the prompt's end also runs that
+        token when its walk can keep the state there (in a slot of its own): one step, not two."""
+        end = len(seq.token_ids)
+        if chunk.end != end - 1 or not chunk.cached or end - 1 not in seq.checkpoints:
+            return None
+        longer = seq.next_chunk(budget, through_checkpoints=True)
+        if longer.end != end or walk_length(longer) != longer.num_tokens:
+            return None
+        slot = self._take_slot()
+        if slot is not None and self._reserve(seq, end, batch):
+            return ScheduledChunk(seq, longer, slot)
+        if slot is not None:
+            self.slots.release(slot)
+        return None
 
     def _fitting_tokens(self, seq: Sequence) -> int:
         capacity = (len(seq.block_ids) + self.blocks.num_free) * self.limits.block_size
@@ -240,19 +262,16 @@ class Scheduler:
     def _checkpoint_positions(self, seq: Sequence) -> list[int]:
         """End of the first segment (a shared system prompt) and the last prompt token but one (an
         identical prompt repeated then computes one token, as a CUDA-graph decode step), never
-        inside a cached interior. A sequence that composes cached pieces skips the latter: its
-        repeats compose them again (a prefix hit stops at the first piece), so that checkpoint
-        would only split its one assembly step in two."""
+        inside a cached interior."""
         if seq.info.cache_mode == "none" or seq.segment_job is not None:
             return []
         prompt_len = len(seq.info.prompt_ids)
-        marks = {seq.info.segment_ends[0] if len(seq.info.segment_ends) > 1 else 0}
-        if not seq.cached:
-            marks.add(prompt_len - 1)
+        marks = {seq.info.segment_ends[0] if len(seq.info.segment_ends) > 1 else 0, prompt_len - 1}
         inside = [(p.start, p.end) for p in seq.cached]
         return sorted(m for m in marks if 0 < m < prompt_len and not any(a < m <= b for a, b in inside))
 
-    def _checkpoint(self, seq: Sequence, length: int) -> None:
+    def _checkpoint(self, seq: Sequence, length: int, state_slot: int | None = None) -> None:
+        """Keep the state after `length` tokens: seq's own slot unless the step left it in `state_slot`."""
         if seq.info.cache_mode != "none" and seq.segment_job is None:
             self.prefix.insert(seq.token_ids[:length], seq.info.cache_salt, seq.provenance(length),
-                               seq.block_ids, seq.slot)
+                               seq.block_ids, seq.slot if state_slot is None else state_slot)

@@ -83,9 +83,11 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def next_chunk(self, budget: int) -> Chunk:
-        """The next chunk of at most `budget` tokens, cut at the next checkpoint position."""
-        limit = min([len(self.token_ids)] + [c for c in self.checkpoints if c > self.num_computed])
+    def next_chunk(self, budget: int, *, through_checkpoints: bool = False) -> Chunk:
+        """The next chunk of at most `budget` tokens, cut at the next checkpoint position (unless
+        the step keeps that state some other way)."""
+        limit = min([len(self.token_ids)] + [c for c in self.checkpoints
+                                             if c > self.num_computed and not through_checkpoints])
         return cut_chunk(self.token_ids, self.num_computed, limit, budget, self.cached)
 
     def append(self, token_id: int) -> None:

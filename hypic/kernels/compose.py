@@ -19,6 +19,9 @@ Flat input layout (a ForwardBatch plus a piece table; B requests, N tokens, P ca
   cu_seqlens[b] <= at[p] <= cu_seqlens[b+1]; at[p] == cu_seqlens[b+1] composes after the last token
   (a chunk may end on cached pieces, and a request with no tokens this step may still compose).
   Within a request at[] is non-decreasing; pieces with equal at[] compose in row order.
+- Checkpoints (optional, `StateCheckpoints`): request b saves its state just before the token at
+  flat index at[b] (int64 [B], -1 for none; a token after its last piece) into ssm_pool[slots[b]],
+  so a prefix-cache checkpoint one token short of the chunk's end costs no second step.
 - Tuples, read in place from the segment store's arena: piece p's T block [HV, *t_shape] is
   contiguous at t_src[t_off[p]] and its S0 [HV, K, V] at s0_src[s0_off[p]] (t_src, s0_src 1-D;
   t_off, s0_off int64 [P], element offsets for *this layer*; see `CachedPieces.shifted`).
@@ -81,27 +84,35 @@ class CachedPieces:
         return int(self.at.numel())
 
 
+@dataclass(frozen=True)
+class StateCheckpoints:
+    """Per request: save the state before flat token at[b] (-1: never) into pool slot slots[b]."""
+
+    at: torch.Tensor  # [B] int64
+    slots: torch.Tensor  # [B] int64
+
+
 def compose_and_recur(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                       beta: torch.Tensor | None, ssm_pool: torch.Tensor, slots: torch.Tensor,
                       has_state: torch.Tensor, cu_seqlens: torch.Tensor, pieces: CachedPieces,
                       t_src: torch.Tensor, s0_src: torch.Tensor, *, family: LinearFamily,
-                      scale: float) -> torch.Tensor:
+                      scale: float, checkpoints: StateCheckpoints | None = None) -> torch.Tensor:
     """Walk every request's pieces (module docstring); returns o [N, HV, V]."""
-    if v.device.type == "cuda":
-        return compose_and_recur_triton(q, k, v, g, beta, ssm_pool, slots, has_state, cu_seqlens,
-                                        pieces, t_src, s0_src, family=family, scale=scale)
-    return compose_and_recur_ref(q, k, v, g, beta, ssm_pool, slots, has_state, cu_seqlens,
-                                 pieces, t_src, s0_src, family=family, scale=scale)
+    walk = compose_and_recur_triton if v.device.type == "cuda" else compose_and_recur_ref
+    return walk(q, k, v, g, beta, ssm_pool, slots, has_state, cu_seqlens, pieces, t_src, s0_src,
+                family=family, scale=scale, checkpoints=checkpoints)
 
 
 def compose_and_recur_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                           beta: torch.Tensor | None, ssm_pool: torch.Tensor, slots: torch.Tensor,
                           has_state: torch.Tensor, cu_seqlens: torch.Tensor, pieces: CachedPieces,
                           t_src: torch.Tensor, s0_src: torch.Tensor, *, family: LinearFamily,
-                          scale: float) -> torch.Tensor:
+                          scale: float, checkpoints: StateCheckpoints | None = None) -> torch.Tensor:
     """Torch reference of `compose_and_recur`; math in float32, or float64 for a float64 pool."""
     walk = _Walk(family, q, k, v, g, beta, scale, t_src, s0_src)
     bounds, ptr = cu_seqlens.tolist(), pieces.ptr.tolist()
+    save_at = [-1] * len(slots) if checkpoints is None else checkpoints.at.tolist()
+    save_slots = [] if checkpoints is None else checkpoints.slots.tolist()
     at, t_off, s0_off = pieces.at.tolist(), pieces.t_off.tolist(), pieces.s0_off.tolist()
     math_dtype = torch.promote_types(ssm_pool.dtype, torch.float32)
     for b, slot in enumerate(slots.tolist()):
@@ -112,6 +123,10 @@ def compose_and_recur_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
             state = walk.tokens(state, cursor, at[p])
             state = family.compose(*walk.tuple_at(t_off[p], s0_off[p], state.dtype), state)
             cursor = at[p]
+        if save_at[b] >= 0:
+            state = walk.tokens(state, cursor, save_at[b])
+            ssm_pool[save_slots[b]] = state.to(ssm_pool.dtype)
+            cursor = save_at[b]
         ssm_pool[slot] = walk.tokens(state, cursor, bounds[b + 1]).to(ssm_pool.dtype)
     return walk.out
 
@@ -156,7 +171,7 @@ def compose_and_recur_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              beta: torch.Tensor | None, ssm_pool: torch.Tensor, slots: torch.Tensor,
                              has_state: torch.Tensor, cu_seqlens: torch.Tensor, pieces: CachedPieces,
                              t_src: torch.Tensor, s0_src: torch.Tensor, *, family: LinearFamily,
-                             scale: float) -> torch.Tensor:
+                             scale: float, checkpoints: StateCheckpoints | None = None) -> torch.Tensor:
     """Launch the Triton kernel; same contract as `compose_and_recur`."""
     num_heads, key_dim = k.shape[1:]
     value_heads, value_dim = v.shape[1:]
@@ -167,15 +182,17 @@ def compose_and_recur_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
         g if beta is None else beta.contiguous(), o, ssm_pool, slots, has_state, cu_seqlens,
         pieces.ptr, pieces.at, pieces.t_off, pieces.s0_off, t_src, s0_src, scale,
-        H=num_heads, HV=value_heads, K=key_dim, V=value_dim, BK=max(16, next_power_of_2(key_dim)),
+        slots if checkpoints is None else checkpoints.at, slots if checkpoints is None else checkpoints.slots,
+        HAS_CHECKPOINTS=checkpoints is not None, H=num_heads, HV=value_heads, K=key_dim, V=value_dim,
+        BK=max(16, next_power_of_2(key_dim)),
         BV=block_v, FAMILY=FAMILY_CODES[family.name], num_warps=8 if family.kind == "dense" else 4)
     return o
 
 
 @triton_kernel
 def _compose_recur_kernel(q, k, v, g, beta, o, pool, slots, has_state, cu_seqlens,
-                          ptr, at, t_off, s0_off, t_src, s0_src, scale,
-                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                          ptr, at, t_off, s0_off, t_src, s0_src, scale, save_at, save_slots,
+                          HAS_CHECKPOINTS: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BK: tl.constexpr, BV: tl.constexpr, FAMILY: tl.constexpr):
     i_v, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
@@ -194,6 +211,15 @@ def _compose_recur_kernel(q, k, v, g, beta, o, pool, slots, has_state, cu_seqlen
             S = _token(S, t, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mk, mv, H, HV, K, V, FAMILY)
         S = _compose(S, p, t_off, s0_off, t_src, s0_src, i_hv, ok, ov, mk, mv, K, V, FAMILY)
         cursor = stop
+    if HAS_CHECKPOINTS:
+        save = tl.load(save_at + i_b)
+        if save >= 0:  # a token after the last piece: walk up to it, keep the state, go on
+            for t in range(cursor, save):
+                S = _token(S, t, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mk, mv, H, HV, K, V, FAMILY)
+            save_ptrs = pool + (tl.load(save_slots + i_b).to(tl.int64) * HV + i_hv) * K * V \
+                + ok[:, None] * V + ov[None, :]
+            tl.store(save_ptrs, S, mask=mk[:, None] & mv[None, :])
+            cursor = save
     for t in range(cursor, tl.load(cu_seqlens + i_b + 1).to(tl.int64)):
         S = _token(S, t, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mk, mv, H, HV, K, V, FAMILY)
     tl.store(state_ptrs, S, mask=mk[:, None] & mv[None, :])
