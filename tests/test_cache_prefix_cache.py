@@ -130,6 +130,22 @@ def test_lookup_picks_the_longest_proper_prefix() -> None:
     assert eng.hit_length([0] + tokens[1:]) == 0
 
 
+def test_lookup_skips_checkpoints_strictly_inside_a_span() -> None:
+    """A request with cached interiors may resume before, at or past one, never inside one."""
+    eng, tokens = Engine(max_slots=8), list(range(100, 120))
+    for n in (3, 6, 9, 14):
+        eng.keep(tokens[:n])
+
+    def hit(spans) -> int:
+        found = eng.cache.lookup(tokens, None, PREFIX, not_inside=spans)
+        eng.cache.release(found)
+        return found.num_tokens
+    assert hit([(4, 9)]) == 14  # past the span
+    assert hit([(9, 15)]) == 9  # 14 is inside, 9 is at its start
+    assert hit([(5, 9), (10, 16)]) == 9  # at the end of one span, before the other
+    assert eng.cache.lookup(tokens, None, PREFIX, not_inside=[(2, 16)]) is None  # every one is inside
+
+
 def test_lru_eviction_order() -> None:
     eng = Engine(max_slots=2)
     a, b, c = [1] * 5, [2] * 5, [3] * 5
