@@ -19,7 +19,8 @@ from hypic.kernels.triton_lazy import bind_module, next_power_of_2
 
 POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*bf16", "o": "*bf16",
             "pool": "*fp32", "slots": "*i64", "has_state": "*i1", "cu_seqlens": "*i32", "ptr": "*i32",
-            "at": "*i32", "t_off": "*i64", "s0_off": "*i64", "t_src": "*fp32", "s0_src": "*fp32", "scale": "fp32"}
+            "at": "*i32", "t_off": "*i64", "s0_off": "*i64", "t_src": "*fp32", "s0_src": "*fp32", "scale": "fp32",
+            "save_at": "*i64", "save_slots": "*i64"}
 
 
 def compile_walk(args: argparse.Namespace) -> bytes:
@@ -32,7 +33,8 @@ def compile_walk(args: argparse.Namespace) -> bytes:
     family = compose.FAMILY_CODES[args.family]
     block_v = max(16, min(32, next_power_of_2(args.value_dim)))
     constants = {"H": args.key_heads, "HV": args.value_heads, "K": args.key_dim, "V": args.value_dim,
-                 "BK": max(16, next_power_of_2(args.key_dim)), "BV": block_v, "FAMILY": family}
+                 "BK": max(16, next_power_of_2(args.key_dim)), "BV": block_v, "FAMILY": family,
+                 "HAS_CHECKPOINTS": True}  # the engine's walks always pass their (maybe empty) checkpoints
     signature = {name: "constexpr" if name in constants else POINTERS[name] for name in kernel.arg_names}
     source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(n),): v for n, v in constants.items()})
     warps = 8 if args.family in ("gdn", "kda") else 4  # as compose_and_recur_triton launches it

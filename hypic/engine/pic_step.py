@@ -189,7 +189,8 @@ def build_assembly(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, co
         rest_cu_seqlens=_cumsum([end - start for start, end in rest_spans], device),
         rest_lens=tuple(end - start for start, end in rest_spans), rest_decodes=num_decodes,
         saves=saves, save_conv_rows=save_conv_rows,
-        tail_offsets=_long(tail_offsets, device), conv_index=_long(conv_index, device), conv_keep=_long(conv_keep, device),
+        tail_offsets=_long(tail_offsets, device), conv_index=_long(conv_index, device),
+        conv_keep=_long(conv_keep, device),
         conv_cu_seqlens=_cumsum(conv_lens, device), conv_lens=tuple(conv_lens))
 
 

@@ -192,8 +192,9 @@ def compose_and_recur_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 @triton_kernel
 def _compose_recur_kernel(q, k, v, g, beta, o, pool, slots, has_state, cu_seqlens,
                           ptr, at, t_off, s0_off, t_src, s0_src, scale, save_at, save_slots,
-                          HAS_CHECKPOINTS: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                          BK: tl.constexpr, BV: tl.constexpr, FAMILY: tl.constexpr):
+                          HAS_CHECKPOINTS: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
+                          K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          FAMILY: tl.constexpr):
     i_v, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     ok = tl.arange(0, BK)
