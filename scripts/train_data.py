@@ -37,14 +37,13 @@ class Stage:
     """Share of prompts drawn from earlier stages (the latest weighted most), so skills are kept."""
 
 
-# Lookup-only prompts (no two-hop chains, linked pairs or long notes; 2-4 notes of 1-2 facts): the
-# asked relation occurs once in ~37 % of the lookups, so copying a city or a job after its cue pays
-# off before binding to the name does, and twice in ~40 %, where only the name decides. In the old
-# stage 1 a "lives" lookup had ~3 "lives in" facts in its context (1 in 9 % of them) and the model
-# never learned to copy a city at all (diagnose_model.py; .notes/TRAINING.md). No "X is based in
-# <city>" facts here: they put cities after the same " in" cue, so "copy the city" paid off less.
-LOOKUP_SIMPLE = TaskSpec(2, 4, 32, 96, (1.0, 0.0, 0.0, 0.0), rich_names=False, questions=4, facts_per_note=(1, 2),
-                         relations=("lives", "job", "code"))
+# Lookup-only prompts with short notes and no filler (2-3 notes of 8-16 tokens, 1-2 facts each): in
+# the old stage 1 the model never learned to copy a city or a job (diagnose_model.py;
+# .notes/TRAINING.md), and a 0.3 M-parameter probe of this very spec learns it at lr 6e-4
+# (`python scripts/probe_lookup.py --layers LF --notes 2 3 --note-tokens 8 16 --lr 6e-4 --minutes 25`:
+# first-turn EM lives 0 -> 0.67, job 0 -> 0.71 between 2 M and 6 M tokens), where notes of 32-96
+# tokens or lr 2e-3 showed nothing in the probe's budget.
+LOOKUP_SIMPLE = TaskSpec(2, 3, 8, 16, (1.0, 0.0, 0.0, 0.0), rich_names=False, questions=4, facts_per_note=(1, 2))
 LOOKUP_RICH = TaskSpec(2, 4, 48, 128, (1.0, 0.0, 0.0, 0.0), rich_names=True, questions=4, facts_per_note=(1, 2))
 NEEDS = ("lookup", "two_hop")  # the issue's targets: >= 95 % lookup, >= 85 % two_hop on EVAL_SPEC
 
