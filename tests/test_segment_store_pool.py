@@ -65,8 +65,8 @@ def test_put_get_round_trip_and_kernel_offsets() -> None:
     row = KV_HEADS * HEAD_DIM
     for t in range(5):
         at = entry.kv_offset(0, t)
-        assert torch.equal(store.kv_src[at: at + row].view(KV_HEADS, HEAD_DIM), tup.K[0][t])
-        assert torch.equal(store.kv_src[at + row: at + 2 * row].view(KV_HEADS, HEAD_DIM), tup.V[0][t])
+        assert torch.equal(store.model_src[at: at + row].view(KV_HEADS, HEAD_DIM), tup.K[0][t])
+        assert torch.equal(store.model_src[at + row: at + 2 * row].view(KV_HEADS, HEAD_DIM), tup.V[0][t])
     assert store.get(key("b")) is None
     stats = store.stats()
     assert (stats.entries, stats.hits, stats.misses, stats.pinned) == (1, 1, 1, 1)
@@ -207,7 +207,7 @@ def test_scatter_reads_entry_kv_in_place() -> None:
     v_cache = torch.zeros_like(k_cache)
     dst = torch.tensor([7, 0, 3, 4, 5])
     inv_freq = rope_inv_freq(4, 10000.0)
-    scatter_kv_ref(store.kv_src, src_off, positions, k_cache, v_cache, dst, inv_freq)
+    scatter_kv_ref(store.model_src, src_off, positions, k_cache, v_cache, dst, inv_freq)
     expected = apply_rope(tup.K[0], positions[:, None], inv_freq)
     assert torch.allclose(k_cache.view(-1, KV_HEADS, HEAD_DIM)[dst], expected, atol=1e-6)
     assert torch.equal(v_cache.view(-1, KV_HEADS, HEAD_DIM)[dst], tup.V[0])

@@ -8,7 +8,7 @@ An entry is one PIC segment's tuple, stored contiguously at a 256-byte aligned o
     [KV block   : L_int x n_full x 2 x [Hkv, D]  model dtype; K (before RoPE) then V per token/layer]
 
 each block 256-byte aligned. Kernels read entries in place through flat views of the arena
-(`t_src`, `s0_src`, `kv_src`) and element offsets (`SegmentEntry.t_offset`, ...). Entries are
+(`t_src`, `s0_src`, `model_src`) and element offsets (`SegmentEntry.t_offset`, ...). Entries are
 evicted least-recently-used first; `get` pins an entry until `unpin`, and a pinned entry is never
 evicted nor overwritten. Single-threaded (the engine loop owns it).
 """
@@ -177,12 +177,12 @@ class SegmentEntry:
         return self._block(1) // self.layout.state_dtype.itemsize + linear_index * self.layout.s0_layer_stride
 
     def conv_offset(self, linear_index: int) -> int:
-        """Element offset of linear layer `linear_index`'s conv tail [conv_dim, W-1] in `SegmentStore.conv_src`."""
+        """Element offset of linear layer `linear_index`'s conv tail [conv_dim, W-1] in `SegmentStore.model_src`."""
         return self._block(2) // self.layout.model_dtype.itemsize + linear_index * self.layout.conv_layer_stride
 
     def kv_offset(self, full_index: int, token: int = 0) -> int:
         """Element offset of interior token `token`'s K block of full layer `full_index` in
-        `SegmentStore.kv_src` (its V block follows right after, as `scatter_kv` expects)."""
+        `SegmentStore.model_src` (its V block follows right after, as `scatter_kv` expects)."""
         base = self._block(3) // self.layout.model_dtype.itemsize
         return base + token * self.layout.kv_token_stride + full_index * self.layout.kv_layer_stride
 
@@ -249,11 +249,8 @@ class SegmentStore:
         return self._arena.view(self.layout.state_dtype)
 
     @property
-    def conv_src(self) -> torch.Tensor:
-        return self._arena.view(self.layout.model_dtype)
-
-    @property
-    def kv_src(self) -> torch.Tensor:
+    def model_src(self) -> torch.Tensor:
+        """Conv tails and K/V (both in the model dtype)."""
         return self._arena.view(self.layout.model_dtype)
 
     def __contains__(self, key: SegmentKey) -> bool:

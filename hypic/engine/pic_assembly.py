@@ -141,13 +141,13 @@ class PicAssembler:
         positions = torch.cat([torch.arange(p.start, p.end) for p in seq.cached])
         src = torch.cat([p.entry.kv_offset(0) + torch.arange(p.entry.interior_len) * stride for p in seq.cached])
         pages = torch.tensor(seq.block_ids, dtype=torch.long)[positions // bs]
-        device = self.store.kv_src.device
+        device = self.store.model_src.device
         dst, positions, src = (host_to_device(t, torch.long, device) for t in (pages * bs + positions % bs,
                                                                               positions, src))
         layer_stride = self.store.layout.kv_layer_stride
         for full_index, layer_id in enumerate(self.caches.shape.full_layers):
             k_cache, v_cache = self.caches.kv(layer_id)
-            scatter_kv(self.store.kv_src, src + full_index * layer_stride, positions, k_cache, v_cache, dst,
+            scatter_kv(self.store.model_src, src + full_index * layer_stride, positions, k_cache, v_cache, dst,
                        self.inv_freq)
 
 

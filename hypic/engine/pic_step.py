@@ -46,7 +46,7 @@ class Assembly:
     saves: StateCheckpoints  # per walking sequence: state before its last token (at -1: none), into a slot
     save_conv_rows: torch.Tensor  # [A, W-1] spliced conv rows before that token, into the same slot
     # (a sequence without a checkpoint rewrites its own slot with its last W-1 rows: no change)
-    tail_offsets: torch.Tensor  # [P*(W-1)] int64: conv_src offset of (piece, tap) at linear layer 0
+    tail_offsets: torch.Tensor  # [P*(W-1)] int64: model_src offset of (piece, tap) at linear layer 0
     conv_index: torch.Tensor  # rows of cat([x, tails]) forming the spliced conv input
     conv_keep: torch.Tensor  # rows of the spliced conv output that belong to real tokens
     conv_cu_seqlens: torch.Tensor
@@ -76,7 +76,8 @@ class PicStep:
     capture: Capture | None
     t_src: torch.Tensor | None = None
     s0_src: torch.Tensor | None = None
-    conv_src: torch.Tensor | None = None
+    model_src: torch.Tensor | None = None
+    conv_channels: torch.Tensor | None = None  # [conv_dim] offset of each channel in a stored conv tail
     t_stride: int = 0
     s0_stride: int = 0
     conv_stride: int = 0
@@ -89,20 +90,18 @@ class PicStep:
         a = self.assembly
         if a is None:
             return layer.conv(mixed_qkv, conv_pool, batch)
-        spliced = torch.cat([mixed_qkv, self._conv_tails(a, linear_index, mixed_qkv.shape[1])])[a.conv_index]
+        spliced = torch.cat([mixed_qkv, self._conv_tails(a, linear_index)])[a.conv_index]
         out = causal_conv1d(spliced, layer.conv1d_weight, None, conv_pool, batch.slots, batch.has_state,
                             a.conv_cu_seqlens, num_decodes=batch.num_decodes, seq_lens_cpu=a.conv_lens,
                             activation="silu")
         conv_pool[a.saves.slots] = spliced[a.save_conv_rows].transpose(1, 2).to(conv_pool.dtype)
         return out[a.conv_keep]
 
-    def _conv_tails(self, a: Assembly, linear_index: int, conv_dim: int) -> torch.Tensor:
+    def _conv_tails(self, a: Assembly, linear_index: int) -> torch.Tensor:
         """[P*(W-1), conv_dim]: every composed piece's tail rows, gathered from the store in place
         (tensor offsets, not a list of views, so a CUDA graph can replay it for other pieces)."""
-        width = self.conv_stride // conv_dim  # W - 1: a stored tail is [conv_dim, W-1]
-        channels = torch.arange(conv_dim, device=a.tail_offsets.device) * width
         rows = a.tail_offsets + linear_index * self.conv_stride
-        return self.conv_src[rows[:, None] + channels[None, :]]
+        return self.model_src[rows[:, None] + self.conv_channels[None, :]]
 
     def recur(self, layer, q, k, v, g, beta, ssm_pool: torch.Tensor, batch: ForwardBatch,
               linear_index: int) -> torch.Tensor:
@@ -147,13 +146,13 @@ class PicStep:
 def build_pic_step(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, store, family: LinearFamily,
                    device: torch.device) -> PicStep | None:
     """The PIC part of a step over the segment store `store`; None when no chunk needs one."""
-    conv_width = store.layout.conv_kernel
-    assembly = build_assembly(chunks, seq_lens, num_decodes, conv_width, device)
-    capture = build_capture(chunks, seq_lens, conv_width, device)
+    layout = store.layout
+    assembly = build_assembly(chunks, seq_lens, num_decodes, layout.conv_kernel, device)
+    capture = build_capture(chunks, seq_lens, layout.conv_kernel, device)
     if assembly is None and capture is None:
         return None
-    layout = store.layout
-    return PicStep(family, assembly, capture, store.t_src, store.s0_src, store.conv_src,
+    channels = torch.arange(layout.conv_dim, device=device) * (layout.conv_kernel - 1)  # a tail is [conv_dim, W-1]
+    return PicStep(family, assembly, capture, store.t_src, store.s0_src, store.model_src, channels,
                    layout.t_layer_stride, layout.s0_layer_stride, layout.conv_layer_stride)
 
 

@@ -154,12 +154,9 @@ class Scheduler:
         longer = seq.next_chunk(budget, through_checkpoints=True)
         if longer.end != end or walk_length(longer) != longer.num_tokens:
             return None
-        slot = self._take_slot()
-        if slot is not None and self._reserve(seq, end, batch):
-            return ScheduledChunk(seq, longer, slot)
-        if slot is not None:
-            self.slots.release(slot)
-        return None
+        if not self._reserve(seq, end, batch) or (slot := self._take_slot()) is None:
+            return None  # pages reserved for the last token stay with seq: its next step needs them
+        return ScheduledChunk(seq, longer, slot)
 
     def _fitting_tokens(self, seq: Sequence) -> int:
         capacity = (len(seq.block_ids) + self.blocks.num_free) * self.limits.block_size
