@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from engine_util import collect, cpu_config, greedy
 
 from hypic import AsyncEngine, SamplingParams
+from hypic.engine.llm_engine import LLMEngine
+from hypic.engine.segments import SegmentedPrompt
 from hypic.engine.tokenizer import Tokenizer
 
 SEP = "<|segment|>"
@@ -68,3 +71,32 @@ def test_max_tokens_zero_fills_the_cache(tiny_model_dir):
                                     [(prompt, SamplingParams(max_tokens=0), {}), (prompt, greedy(3), {})])
     assert warmup.tokens == [] and warmup.finish_reason[0] == "length"
     assert real.metrics.cached_tokens > 0
+
+
+def test_prompt_resumed_at_its_last_token_runs_with_the_decodes(tiny_model_dir):
+    """A repeat hits everything but its last token: that one-token chunk is a decode step, so it
+    joins the decode rows (the decode graphs on a GPU) beside a request already decoding, and gives
+    the cold run's tokens and logprobs."""
+    engine = LLMEngine(cpu_config(tiny_model_dir))
+    prompt = SegmentedPrompt((tuple(engine.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3)),))
+    cold = _run(engine, prompt)
+    engine.add_request(SegmentedPrompt((tuple(engine.tokenizer.encode("hello world")),)), greedy(8))
+    engine.step()  # its prefill: it decodes from the next step on
+    shapes = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda batch: shapes.append((batch.num_decodes, len(batch.chunks))) or execute(batch)
+    repeat = _run(engine, prompt)
+    assert shapes[0] == (2, 2)  # the repeat's one prefill step: both rows run as decodes
+    assert repeat["tokens"] == cold["tokens"]
+    assert repeat["logprobs"] == pytest.approx(cold["logprobs"], abs=1e-5)
+
+
+def _run(engine: LLMEngine, prompt: SegmentedPrompt) -> dict:
+    rid = engine.add_request(prompt, greedy(4, logprobs=0))
+    result: dict = {"tokens": [], "logprobs": []}
+    while rid in engine.requests:
+        for out in engine.step():
+            for delta in out.deltas if out.request_id == rid else ():
+                result["tokens"] += delta.token_ids
+                result["logprobs"] += [lp.logprob for lp in delta.logprobs]
+    return result

@@ -29,6 +29,14 @@ class ScheduledChunk:
         """The chunk reaches the end of the known tokens, so its last logits pick the next token."""
         return self.chunk.end == len(self.seq.token_ids) and self.seq.segment_job is None
 
+    @property
+    def runs_as_decode(self) -> bool:
+        """One sampled token after computed state, nothing composed: exactly a decode step, so a
+        prompt resumed from its last-token checkpoint runs with the decodes (and their graphs)."""
+        chunk = self.chunk
+        return (chunk.num_tokens == 1 and chunk.start > 0 and not chunk.cached and self.samples
+                and self.checkpoint_slot is None)
+
 
 @dataclass
 class ScheduledBatch:
@@ -67,7 +75,6 @@ class Scheduler:
             if budget > 0 and seq in self.running and self._reserve(seq, seq.num_computed + 1, batch):
                 batch.chunks.append(ScheduledChunk(seq, seq.next_chunk(1)))
                 budget -= 1
-        batch.num_decodes = len(batch.chunks)
         for seq in [s for s in self.running if not s.in_decode]:
             if seq in self.running:
                 budget -= self._schedule_prefill(seq, budget, batch)
@@ -78,6 +85,8 @@ class Scheduler:
             self.running.append(seq)
             batch.admitted.append(seq)
             budget -= self._schedule_prefill(seq, budget, batch)
+        batch.chunks.sort(key=lambda c: not c.runs_as_decode)  # stable: decodes first, in order
+        batch.num_decodes = sum(c.runs_as_decode for c in batch.chunks)
         return batch
 
     def finish(self, seq: Sequence, reason: str) -> None:
