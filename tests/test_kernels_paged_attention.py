@@ -1,11 +1,16 @@
 """Paged attention: the reference against dense causal attention on unpaged tensors; the Triton
-kernel (decode with split KV, varlen prefill over pages) against the reference; write_kv."""
+kernel (decode and short prefill with split KV, varlen prefill over pages) against the reference;
+the split rule; write_kv."""
 from __future__ import annotations
+
+import dataclasses
+import itertools
 
 import pytest
 import torch
 
-from hypic.kernels.paged_attention import paged_attention, paged_attention_ref, paged_attention_triton, write_kv
+from hypic.kernels.paged_attention import (PREFILL_SPLIT_MIN_KV, Tiling, paged_attention, paged_attention_ref,
+                                           paged_attention_triton, write_kv)
 from kernel_cases import PagedBatch, dense_causal_attention, interpreted, make_paged, rel_err
 
 
@@ -55,17 +60,46 @@ def test_write_kv_writes_each_token_at_its_slot() -> None:
     assert not k_cache.flatten(0, 1)[untouched].any() and not v_cache.flatten(0, 1)[untouched].any()
 
 
-def run_triton(pb: PagedBatch, num_decodes: int, scale: float) -> torch.Tensor:
-    """The Triton kernel as the dispatcher calls it: decodes, then the prefill sequences."""
+def with_positions(pb: PagedBatch, positions: list[int]) -> PagedBatch:
+    """The batch with its queries at `positions` (seam windows spread over the KV, say)."""
+    return dataclasses.replace(pb, positions=torch.tensor(positions, dtype=torch.long, device=pb.q.device))
+
+
+def run_triton(pb: PagedBatch, num_decodes: int, scale: float, max_kv_len: int | None = None,
+               splits: int | None = None) -> torch.Tensor:
+    """The Triton kernel as the dispatcher calls it: decodes, then the prefill sequences. Host values
+    only (no device reads), so that it can run inside a CUDA graph capture."""
     out = torch.empty_like(pb.q)
-    starts = pb.cu_seqlens.tolist()
+    starts = list(itertools.accumulate(pb.seq_lens, initial=0))
     for first_seq, seq_lens in ((0, pb.seq_lens[:num_decodes]), (num_decodes, pb.seq_lens[num_decodes:])):
         if seq_lens:
             paged_attention_triton(pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.kv_lens, pb.positions,
                                    pb.cu_seqlens, scale=scale, out=out, first_seq=first_seq,
                                    first_token=starts[first_seq], seq_lens=seq_lens,
-                                   max_kv_len=int(pb.kv_lens.max()))
+                                   max_kv_len=max_kv_len or int(pb.kv_lens.max()), splits=splits)
     return out
+
+
+# On the CPU the rule pretends 4 SMs (about 8 programs fill them). float32, 4 heads over 2 KV heads:
+# rows of 16 = 8 tokens x a group of 2.
+@pytest.mark.parametrize("seq_lens,max_kv_len,splits", [
+    ((1, 1), 600, 2),  # decodes: 4 programs
+    ((6,), PREFILL_SPLIT_MIN_KV, 4),  # a short prefill over long KV: 2 programs
+    ((6, 3), 4096, 2),  # two sequences: a tile each, 4 programs
+    ((6,), PREFILL_SPLIT_MIN_KV - 1, 1),  # short KV: a prefill's walk is short anyway
+    ((64,), 4096, 1),  # 16 programs fill the GPU
+])
+def test_split_rule(seq_lens: tuple[int, ...], max_kv_len: int, splits: int) -> None:
+    q, k_cache = torch.empty(sum(seq_lens), 4, 8), torch.empty(1, 8, 2, 8)
+    tiling = Tiling.choose(q, k_cache, seq_lens, max_kv_len)
+    assert (tiling.splits, tiling.tokens) == (splits, 8)
+
+
+def test_forced_splits() -> None:
+    q, k_cache = torch.empty(64, 4, 8), torch.empty(1, 8, 2, 8)
+    assert Tiling.choose(q, k_cache, (64,), 4096, splits=3).splits == 3
+    with pytest.raises(ValueError, match="at least one KV split"):
+        Tiling.choose(q, k_cache, (64,), 4096, splits=0)
 
 
 @interpreted
@@ -80,6 +114,34 @@ def test_triton_interpreted_matches_reference(heads: int, kv_heads: int, q_lens:
     pb = make_paged([600, 3, 40, 519], q_lens, heads, kv_heads, head_dim=24, block_size=8, gen=gen)
     expected = call(paged_attention_ref, pb, 2, scale=0.2)
     torch.testing.assert_close(run_triton(pb, 2, scale=0.2), expected, rtol=1e-5, atol=1e-5)
+
+
+@interpreted
+def test_triton_interpreted_short_prefill_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm-assembly-like step: seam windows over 1100 keys and the final tokens, 6 heads over 2
+    KV heads (groups of 3 padded to 4: tiles of 4 tokens). The rule splits the KV range in two at
+    key 560: the first tile's second split is empty, the second tile's (positions 558-561) sees keys
+    560-561 but its first two rows see none there."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pb = make_paged([1100], [12], 6, 2, head_dim=24, block_size=8, gen=torch.Generator().manual_seed(0))
+    pb = with_positions(pb, [100, 101, 102, 103, 558, 559, 560, 561, 1096, 1097, 1098, 1099])
+    assert Tiling.choose(pb.q, pb.k_cache, pb.seq_lens, 1100).splits == 2
+    expected = call(paged_attention_ref, pb, 0, scale=0.2)
+    torch.testing.assert_close(run_triton(pb, 0, scale=0.2), expected, rtol=1e-5, atol=1e-5)
+
+
+@interpreted
+def test_triton_interpreted_forced_splits_mixed_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five splits forced on decodes and two prefills over pages, 6 heads over 2 KV heads (tiles of
+    4 tokens). Sequence 2 (1300 keys, splits of 272): a tile at 542-545 whose first two rows see
+    nothing of split 2. Sequence 3 (77 keys, splits of 16): a tile at 0, 1, 2, 40 whose split 3 is
+    empty and whose split 2 is seen by one row; the last split is shorter than the others."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pb = make_paged([1100, 3, 1300, 77], [1, 1, 10, 7], 6, 2, head_dim=24, block_size=8,
+                    gen=torch.Generator().manual_seed(1))
+    pb = with_positions(pb, [1099, 2, 300, 301, 302, 303, 542, 543, 544, 545, 1298, 1299, 0, 1, 2, 40, 41, 75, 76])
+    expected = call(paged_attention_ref, pb, 2, scale=0.2)
+    torch.testing.assert_close(run_triton(pb, 2, scale=0.2, splits=5), expected, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- GPU (Qwen3.5-35B-A3B full attention)
@@ -132,3 +194,39 @@ def test_gpu_decode_replays_in_cuda_graph() -> None:
     pb.positions.copy_(pb.kv_lens.long() - 1)
     graph.replay()
     assert rel_err(out, call(paged_attention_ref, pb, 4, scale)) < 1e-2
+
+
+def assembly_positions(kv_len: int) -> list[int]:
+    """A warm PIC assembly step's queries: 8 seam tokens at the start of each of 16 cached segments
+    spread over the prompt, then the last 64 tokens (192 tokens)."""
+    prompt = kv_len - 64
+    return [k * prompt // 16 + i for k in range(16) for i in range(8)] + list(range(prompt, kv_len))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_len", [4096, 16384])
+def test_gpu_short_prefill_splits(kv_len: int) -> None:
+    """The assembly step splits its KV range (24 tiles x 2 KV heads cannot fill the GPU)."""
+    pb = with_positions(gpu_batch([kv_len], [192], torch.bfloat16, seed=4), assembly_positions(kv_len))
+    assert Tiling.choose(pb.q, pb.k_cache, pb.seq_lens, kv_len).splits > 1
+    scale = GPU_HEAD_DIM ** -0.5
+    assert rel_err(run_triton(pb, 0, scale), call(paged_attention_ref, pb, 0, scale)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_short_prefill_replays_in_cuda_graph() -> None:
+    """Captured over 2000 keys with max_kv_len an upper bound (the engine's max_model_len), replayed
+    over 9000 keys and other queries."""
+    pb = gpu_batch([9000], [192], torch.bfloat16, seed=5)
+    scale = GPU_HEAD_DIM ** -0.5
+    pb.kv_lens.fill_(2000)
+    pb.positions.copy_(torch.tensor(assembly_positions(2000)))
+    run_triton(pb, 0, scale, max_kv_len=16384)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run_triton(pb, 0, scale, max_kv_len=16384)
+    pb.q.normal_()
+    pb.kv_lens.fill_(9000)
+    pb.positions.copy_(torch.tensor(assembly_positions(9000)))
+    graph.replay()
+    assert rel_err(out, call(paged_attention_ref, pb, 0, scale)) < 1e-2

@@ -18,7 +18,8 @@ def padded_engine(config, sizes: tuple[int, ...]) -> tuple[LLMEngine, list[int]]
     graphs = AssemblyGraphs(runner.model, runner.caches, runner.store, runner.family,
                             max_blocks=engine.max_model_len // config.block_size,
                             scratch_slot=engine.caches.num_slots - 1, scratch_block=engine.caches.num_blocks - 1,
-                            max_tokens=engine.max_model_len, sizes=sizes, use_graphs=False)
+                            max_tokens=engine.max_model_len, max_kv_len=engine.max_model_len, sizes=sizes,
+                            use_graphs=False)
     graphs.capture()
     sizes_used: list[int] = []
     run = graphs.run

@@ -40,12 +40,13 @@ class _PaddingSequence:
 
 class AssemblyGraphs:
     def __init__(self, model: torch.nn.Module, caches: ModelCaches, store: SegmentStore, family: LinearFamily,
-                 *, max_blocks: int, scratch_slot: int, scratch_block: int, max_tokens: int,
+                 *, max_blocks: int, scratch_slot: int, scratch_block: int, max_tokens: int, max_kv_len: int,
                  sizes: Sequence[int] = SIZES, use_graphs: bool = True) -> None:
-        """Steps of up to `max_tokens` tokens (padding included) can be captured; `use_graphs=False`
-        runs the padded step eagerly (CPU tests of the padding)."""
+        """Steps of up to `max_tokens` tokens (padding included) over up to `max_kv_len` keys can be
+        captured; `use_graphs=False` runs the padded step eagerly (CPU tests of the padding)."""
         self.model, self.caches, self.store, self.family = model, caches, store, family
         self.max_blocks, self.scratch_slot, self.scratch_block = max_blocks, scratch_slot, scratch_block
+        self.max_kv_len = max_kv_len
         self.sizes = tuple(s for s in sizes if s <= max_tokens)
         self.use_graphs = use_graphs
         self.static: dict[int, ForwardBatch] = {}
@@ -55,7 +56,9 @@ class AssemblyGraphs:
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         for size in sorted(self.sizes, reverse=True):
-            self.static[size] = forward = self._build(self._capture_batch(size))
+            # sized for the longest KV range: attention picks its KV splits from it, not from the capture batch
+            forward = dataclasses.replace(self._build(self._capture_batch(size)), max_kv_len=self.max_kv_len)
+            self.static[size] = forward
             self.logits[size] = self._forward(forward)  # warm-up outside the graph (compiles, autotunes)
             if self.use_graphs:
                 graph = torch.cuda.CUDAGraph()

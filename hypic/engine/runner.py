@@ -42,7 +42,8 @@ class ModelRunner:
             self.assembly_graphs = AssemblyGraphs(model, caches, store, family, max_blocks=max_blocks,
                                                   scratch_slot=scratch_slot, scratch_block=scratch_block,
                                                   max_tokens=min(settings.max_model_len,
-                                                                 settings.max_num_batched_tokens))
+                                                                 settings.max_num_batched_tokens),
+                                                  max_kv_len=settings.max_model_len)
 
     def capture_graphs(self) -> None:
         with torch.inference_mode():

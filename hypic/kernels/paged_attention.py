@@ -6,11 +6,13 @@ j < kv_lens[b] with j <= positions[i].
 
 Paths: CPU -> `paged_attention_ref` (gather pages, SDPA); CUDA -> our Triton kernel. One program
 takes a tile of query tokens times the G query heads of one KV head (rows = token x head), so each
-KV page is read once per group. Decodes split the KV range over several programs and merge the
-partial softmaxes; prefill tiles walk the whole causal range.
+KV page is read once per group. When the grid is too small to fill the GPU (decodes, and short
+prefills over long KV such as a warm PIC assembly step), the KV range is split over several programs
+and the partial softmaxes are merged; larger prefills walk each tile's whole causal range.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable
@@ -87,12 +89,12 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            kv_lens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, *, scale: float,
                            out: torch.Tensor, first_seq: int, first_token: int, seq_lens: tuple[int, ...],
-                           max_kv_len: int) -> None:
-    """Sequences first_seq.. of the batch (their tokens start at first_token); when every one has a
-    single token (decodes) the KV range is split over several programs. Programs read KV lengths on
-    the device and host values only size the grid (max_kv_len picks the split count), so a captured
-    CUDA graph stays correct for any KV lengths at replay."""
-    tiling = Tiling.choose(q, k_cache, seq_lens, max_kv_len)
+                           max_kv_len: int, splits: int | None = None) -> None:
+    """Sequences first_seq.. of the batch (their tokens start at first_token). `Tiling.choose` may
+    split the KV range over several programs; `splits` forces the count (benchmarks, tests). Programs
+    read KV lengths and positions on the device and host values only size the grid (max_kv_len picks
+    the split count), so a captured CUDA graph stays correct for any KV lengths at replay."""
+    tiling = Tiling.choose(q, k_cache, seq_lens, max_kv_len, splits)
     num_tokens = sum(seq_lens)
     if tiling.splits == 1:
         def launch(t: Tiling) -> None:
@@ -104,7 +106,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         launch(tiling)
         return
     grid = (num_tiles(num_tokens, len(seq_lens), tiling.tokens), k_cache.shape[2], tiling.splits)
-    # per-split results of this group's tokens only: row 0 is token first_token
+    # per-split results of this group's tokens only: row 0 is token first_token (allocated per call:
+    # inside a CUDA graph capture this comes from the graph's memory pool)
     partial = torch.empty((tiling.splits, num_tokens, *q.shape[1:]), dtype=torch.float32, device=q.device)
     lse = torch.empty(partial.shape[:3], dtype=torch.float32, device=q.device)
     _launch(q, k_cache, v_cache, block_tables, kv_lens, positions, cu_seqlens, scale, partial, lse, first_token,
@@ -175,24 +178,47 @@ class Tiling:
         return self.rows // self.group
 
     @staticmethod
-    def choose(q: torch.Tensor, k_cache: torch.Tensor, seq_lens: tuple[int, ...], max_kv_len: int) -> Tiling:
-        """Sizes that compile without register spills on sm90 (checked with ptxas, D = 128 and 256)."""
-        group = next_power_of_2(q.shape[1] // k_cache.shape[2])
+    def choose(q: torch.Tensor, k_cache: torch.Tensor, seq_lens: tuple[int, ...], max_kv_len: int,
+               splits: int | None = None) -> Tiling:
+        """Sizes that compile without register spills on sm90 (checked with ptxas, D = 128 and 256);
+        KV splits as `_kv_splits` picks them unless `splits` forces a count."""
         decode = max(seq_lens) == 1
-        splits = _decode_splits(len(seq_lens) * k_cache.shape[2], max_kv_len, q.device) if decode else 1
-        if q.dtype == torch.float32:  # twice the bytes per element: small tiles
-            return Tiling(max(16, group), group, 16, splits, 4)
-        if decode:
-            return Tiling(max(16, group), group, 32, splits, 4)
-        if q.shape[2] <= 128 or group > 64 or q.device.type != "cuda":
-            return Tiling(max(64, group), group, 64 if q.shape[2] <= 128 else 32, 1, 8)
-        wide = tuple(Tiling(rows, group, kv_block, 1, warps, stages)
-                     for rows, kv_block, warps, stages in WIDE_PREFILL_TILINGS)
-        return Tiling(64, group, 32, 1, 8, 2, wide)
+        tiling = _tile_shape(q, k_cache, decode)
+        if splits is None:
+            # programs with work (the grid's numbering leaves some empty): one per decode and KV head
+            programs = sum(-(-n // tiling.tokens) for n in seq_lens) * k_cache.shape[2]
+            splits = _kv_splits(programs, max_kv_len, q.device, decode)
+        if splits < 1:
+            raise ValueError(f"paged attention needs at least one KV split, got {splits}")
+        # the timed candidates are for prefills that fill the GPU unsplit; a split grid keeps the default
+        return tiling if splits == 1 else dataclasses.replace(tiling, splits=splits, candidates=())
 
 
-def _decode_splits(programs: int, max_kv_len: int, device: torch.device) -> int:
-    """Enough KV splits to give every SM about two programs, none shorter than 128 keys."""
+def _tile_shape(q: torch.Tensor, k_cache: torch.Tensor, decode: bool) -> Tiling:
+    """The unsplit tiling: rows, KV tile, warps (the split count changes none of them)."""
+    group = next_power_of_2(q.shape[1] // k_cache.shape[2])
+    if q.dtype == torch.float32:  # twice the bytes per element: small tiles
+        return Tiling(max(16, group), group, 16, 1, 4)
+    if decode:
+        return Tiling(max(16, group), group, 32, 1, 4)
+    if q.shape[2] <= 128 or group > 64 or q.device.type != "cuda":
+        return Tiling(max(64, group), group, 64 if q.shape[2] <= 128 else 32, 1, 8)
+    wide = tuple(Tiling(rows, group, kv_block, 1, warps, stages)
+                 for rows, kv_block, warps, stages in WIDE_PREFILL_TILINGS)
+    return Tiling(64, group, 32, 1, 8, 2, wide)
+
+
+# A prefill over fewer keys walks short tiles anyway: splitting it would not repay the merge.
+PREFILL_SPLIT_MIN_KV = 1024
+
+
+def _kv_splits(programs: int, max_kv_len: int, device: torch.device, decode: bool) -> int:
+    """Enough KV splits to give every SM about two programs, none shorter than 128 keys: 1 once the
+    unsplit grid fills the GPU. Decodes always qualify; prefills when the KV range is long, where a
+    small grid (a warm PIC assembly step: a few hundred seam and query tokens over 4k-20k keys)
+    would otherwise leave SMs idle while its last tiles walk every key."""
+    if not decode and max_kv_len < PREFILL_SPLIT_MIN_KV:
+        return 1
     # the interpreter (CPU) has no SMs: pretend a few so that tests exercise the split path
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     return max(1, min(-(-2 * sms // programs), max_kv_len // 128, 64))
@@ -238,11 +264,13 @@ def _paged_attention_kernel(q, k_cache, v_cache, out, lse, out_row0, block_table
     b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
     pos = tl.load(positions + o_tok, mask=m_row, other=-1).to(tl.int32)
     kv_len = tl.load(kv_lens + seq)
-    # split i_split covers [start, start + split_len); causality caps it at the tile's last position
+    # split i_split covers [start, start + split_len); causality caps it at the tile's largest position
     split_len = tl.cdiv(tl.cdiv(kv_len, SPLITS), BN) * BN
     start = i_split * split_len
     stop = tl.minimum(tl.minimum(kv_len, tl.max(pos, axis=0) + 1), start + split_len)
-    m_i = tl.full((BM,), -1.0e30, dtype=tl.float32)  # finite: fully masked rows stay NaN-free
+    # finite, not -inf: a row that sees no key here (an empty split; an earlier token of a tile whose
+    # later tokens reach into the split) keeps alpha = 1 and p = 0, so l = 0 and lse = -inf, no NaN
+    m_i = tl.full((BM,), -1.0e30, dtype=tl.float32)
     l_i = tl.zeros((BM,), dtype=tl.float32)
     acc = tl.zeros((BM, BD), dtype=tl.float32)
     for j0 in range(start, stop, BN):

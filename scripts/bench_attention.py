@@ -1,0 +1,174 @@
+"""Times paged attention on short prefills over long KV, at the Qwen3.5-35B-A3B full-attention shape.
+
+A warm PIC assembly step computes a few hundred tokens (a seam window at the start of each cached
+segment, then the query) against the whole prompt's KV. For each case this times
+`paged_attention_triton` with the KV splits `Tiling.choose` picks and with one split (the unsplit
+prefill path, which first times its wide-head tilings), each as CUDA-graph replays the way the
+engine runs assembly steps, and checks both against the torch reference. Prints a table and writes
+JSON.
+
+    python scripts/bench_attention.py --out bench/results/attention_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from hypic.config import EngineConfig
+from hypic.kernels.paged_attention import Tiling, paged_attention_ref, paged_attention_triton
+
+HEADS, KV_HEADS, HEAD_DIM = 16, 2, 256  # Qwen3.5-35B-A3B full attention
+BLOCK_SIZE = EngineConfig.block_size  # the engine's KV page
+DTYPE = torch.bfloat16
+SEGMENTS, SEAM_TOKENS, QUERY_TOKENS = 16, 8, 64
+CALLS_PER_GRAPH, REPLAYS = 20, 10  # graph replays time the GPU, not the host's launch cost
+TOLERANCE = 2e-2  # max abs error allowed, relative to the reference's largest magnitude (bf16)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kv_len: int
+    positions: tuple[int, ...]  # one sequence's query positions
+
+
+@dataclass(frozen=True)
+class Step:
+    q: torch.Tensor  # [tokens, HEADS, HEAD_DIM]
+    k_cache: torch.Tensor  # [pages, BLOCK_SIZE, KV_HEADS, HEAD_DIM]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [1, pages] int32
+    kv_lens: torch.Tensor  # [1] int32
+    positions: torch.Tensor  # [tokens] int64
+    cu_seqlens: torch.Tensor  # [2] int32
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return (self.q.shape[0],)
+
+
+@dataclass(frozen=True)
+class Result:
+    case: str
+    kv_len: int
+    tokens: int
+    splits: int  # as Tiling.choose picks them
+    ms_split: float
+    ms_unsplit: float
+    speedup: float
+    max_abs_err_split: float
+    max_abs_err_unsplit: float
+    reference_max_abs: float
+
+
+def assembly_positions(kv_len: int) -> tuple[int, ...]:
+    """Seam windows at the start of each cached segment spread over the prompt, then the query."""
+    prompt = kv_len - QUERY_TOKENS
+    seams = [k * prompt // SEGMENTS + i for k in range(SEGMENTS) for i in range(SEAM_TOKENS)]
+    return (*seams, *range(prompt, kv_len))
+
+
+def cases() -> tuple[Case, ...]:
+    assembly = tuple(Case("warm assembly", kv_len, assembly_positions(kv_len)) for kv_len in (4096, 16384))
+    # a plain chunk near the rule's edge (about two programs per SM unsplit): does splitting still pay?
+    return (*assembly, Case("chunk", 4096, tuple(range(4096 - 1000, 4096))))
+
+
+def make_step(case: Case, gen: torch.Generator) -> Step:
+    """Random KV in shuffled pages, the query tokens at the case's positions (drawn on the CPU, so
+    that a seed gives the same data on any device)."""
+    pages = -(-case.kv_len // BLOCK_SIZE)
+    k_cache, v_cache = (torch.randn(pages, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
+    tokens = len(case.positions)
+    return Step(q=torch.randn(tokens, HEADS, HEAD_DIM, generator=gen).to("cuda", DTYPE),
+                k_cache=k_cache.to("cuda", DTYPE), v_cache=v_cache.to("cuda", DTYPE),
+                block_tables=torch.randperm(pages, generator=gen).to("cuda", torch.int32)[None],
+                kv_lens=torch.tensor([case.kv_len], dtype=torch.int32, device="cuda"),
+                positions=torch.tensor(case.positions, dtype=torch.long, device="cuda"),
+                cu_seqlens=torch.tensor([0, tokens], dtype=torch.int32, device="cuda"))
+
+
+def attend(step: Step, out: torch.Tensor, max_kv_len: int, splits: int | None) -> None:
+    paged_attention_triton(step.q, step.k_cache, step.v_cache, step.block_tables, step.kv_lens, step.positions,
+                           step.cu_seqlens, scale=HEAD_DIM ** -0.5, out=out, first_seq=0, first_token=0,
+                           seq_lens=step.seq_lens, max_kv_len=max_kv_len, splits=splits)
+
+
+def time_ms(step: Step, max_kv_len: int, splits: int | None) -> tuple[float, torch.Tensor]:
+    """Milliseconds a call, from replays of a graph of CALLS_PER_GRAPH calls; and the output."""
+    out = torch.empty_like(step.q)
+    attend(step, out, max_kv_len, splits)  # compiles; unsplit, also times the wide tilings once
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS_PER_GRAPH):
+            attend(step, out, max_kv_len, splits)
+    graph.replay()  # warm
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / (REPLAYS * CALLS_PER_GRAPH), out
+
+
+def measure(case: Case, gen: torch.Generator) -> Result:
+    step = make_step(case, gen)
+    reference = paged_attention_ref(step.q, step.k_cache, step.v_cache, step.block_tables, step.kv_lens,
+                                    step.positions, step.cu_seqlens, scale=HEAD_DIM ** -0.5, num_decodes=0,
+                                    seq_lens_cpu=step.seq_lens, max_kv_len=case.kv_len).float()
+    splits = Tiling.choose(step.q, step.k_cache, step.seq_lens, case.kv_len).splits
+    ms_split, out_split = time_ms(step, case.kv_len, None)
+    ms_unsplit, out_unsplit = time_ms(step, case.kv_len, 1)
+    err_split, err_unsplit = ((out.float() - reference).abs().max().item() for out in (out_split, out_unsplit))
+    return Result(case.name, case.kv_len, len(case.positions), splits, ms_split, ms_unsplit, ms_unsplit / ms_split,
+                  err_split, err_unsplit, reference.abs().max().item())
+
+
+def within_tolerance(result: Result) -> bool:
+    """Both paths finite and close to the reference (NaN compares False)."""
+    limit = TOLERANCE * result.reference_max_abs
+    return result.max_abs_err_split <= limit and result.max_abs_err_unsplit <= limit
+
+
+def write_report(out: Path, results: list[Result]) -> None:
+    report = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                  device=torch.cuda.get_device_name(), torch=torch.__version__, dtype=str(DTYPE),
+                  heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE,
+                  results=[asdict(r) for r in results])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/attention.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention.py times the Triton kernel: it needs a CUDA device")
+    gen = torch.Generator().manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}: {HEADS} heads / {KV_HEADS} KV heads x {HEAD_DIM}, {DTYPE}, "
+          f"pages of {BLOCK_SIZE}")
+    print(f"{'case':14} {'kv':>6} {'tokens':>6} {'splits':>6} {'ms split':>9} {'ms 1':>9} {'speedup':>7} "
+          f"{'err split':>10} {'err 1':>10}")
+    results = []
+    for case in cases():
+        result = measure(case, gen)
+        results.append(result)
+        print(f"{result.case:14} {result.kv_len:6} {result.tokens:6} {result.splits:6} {result.ms_split:9.4f} "
+              f"{result.ms_unsplit:9.4f} {result.speedup:7.2f} {result.max_abs_err_split:10.2e} "
+              f"{result.max_abs_err_unsplit:10.2e}", flush=True)
+        write_report(args.out, results)  # after every case: a killed run keeps what it measured
+    print(f"wrote {args.out}")
+    failed = [r.case + f" kv={r.kv_len}" for r in results if not within_tolerance(r)]
+    if failed:
+        raise SystemExit(f"outputs differ from the reference by more than {TOLERANCE} of its magnitude: {failed}")
+
+
+if __name__ == "__main__":
+    main()
