@@ -6,6 +6,7 @@ prints cuobjdump's resource line (REG = registers a thread, STACK = bytes spille
 
     python scripts/kernel_resources.py                       # Qwen3-Next / Qwen3.5 GDN heads
     python scripts/kernel_resources.py --family scalar --key-dim 64
+    python scripts/kernel_resources.py --block-v 16 --num-warps 2   # another launch shape
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import tempfile
 from pathlib import Path
 
 from hypic.kernels import compose
-from hypic.kernels.triton_lazy import bind_module, next_power_of_2
+from hypic.kernels.linear_families import get_family
+from hypic.kernels.triton_lazy import bind_module
 
 POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*bf16", "o": "*bf16",
             "pool": "*fp32", "slots": "*i64", "has_state": "*i1", "cu_seqlens": "*i32", "ptr": "*i32",
@@ -30,15 +32,25 @@ def compile_walk(args: argparse.Namespace) -> bytes:
     from triton.compiler import ASTSource
 
     kernel = bind_module(vars(compose))["_compose_recur_kernel"]
-    family = compose.FAMILY_CODES[args.family]
-    block_v = max(16, min(32, next_power_of_2(args.value_dim)))
-    constants = {"H": args.key_heads, "HV": args.value_heads, "K": args.key_dim, "V": args.value_dim,
-                 "BK": max(16, next_power_of_2(args.key_dim)), "BV": block_v, "FAMILY": family,
-                 "HAS_CHECKPOINTS": True}  # the engine's walks always pass their (maybe empty) checkpoints
+    family = get_family(args.family)
+    config = walk_config(args)
+    constants = compose.launch_constants(family, args.key_heads, args.value_heads, args.key_dim, args.value_dim,
+                                         config)
+    constants["HAS_CHECKPOINTS"] = True  # the engine's walks always pass their (maybe empty) checkpoints
     signature = {name: "constexpr" if name in constants else POINTERS[name] for name in kernel.arg_names}
-    source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(n),): v for n, v in constants.items()})
-    warps = 8 if args.family in ("gdn", "kda") else 4  # as compose_and_recur_triton launches it
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]
+    # pointers 16-byte aligned, as Triton's launcher specialises torch's allocations
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+               if POINTERS.get(name, "").startswith("*")}
+    source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(n),): v for n, v in constants.items()},
+                       attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": config.num_warps}).asm["cubin"]
+
+
+def walk_config(args: argparse.Namespace) -> compose.WalkConfig:
+    """The engine's launch shape for these heads, with --block-v / --num-warps in its place if given."""
+    default = compose.walk_config(get_family(args.family), args.value_dim)
+    return compose.WalkConfig(block_v=args.block_v or default.block_v, num_warps=args.num_warps or default.num_warps)
 
 
 def resource_usage(cubin: bytes) -> str:
@@ -59,8 +71,10 @@ def main() -> None:
     parser.add_argument("--value-heads", type=int, default=32)
     parser.add_argument("--key-dim", type=int, default=128)
     parser.add_argument("--value-dim", type=int, default=128)
+    parser.add_argument("--block-v", type=int, help="value columns a program (default: the engine's)")
+    parser.add_argument("--num-warps", type=int, help="warps a program (default: the engine's)")
     args = parser.parse_args()
-    print(f"_compose_recur_kernel sm90 {vars(args)}: {resource_usage(compile_walk(args))}")
+    print(f"_compose_recur_kernel sm90 {vars(args)} {walk_config(args)}: {resource_usage(compile_walk(args))}")
 
 
 if __name__ == "__main__":

@@ -165,27 +165,64 @@ class _Walk:
 # ----------------------------------------------------------------------------- Triton
 # One program per (V tile, value head, request) keeps a [K, BV] float32 state tile in registers and
 # walks the request. Value columns are independent in every family (T acts on the K dim), so
-# tiling V needs no communication between programs.
+# tiling V needs no communication between programs. The walk is latency-bound (one request fills
+# few SMs; its tokens are sequential), so the launch shape is chosen for the latency of one token.
+
+@dataclass(frozen=True)
+class WalkConfig:
+    """Launch shape of the walk kernel: BV value columns and num_warps warps a program."""
+
+    block_v: int
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_v", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"WalkConfig.{name} must be a power of two, got {value}")
+
+
+def walk_config(family: LinearFamily, value_dim: int) -> WalkConfig:
+    """The engine's launch shape for a family's heads (scripts/bench_compose.py times the others).
+
+    One warp a program keeps a token's reductions over K in registers and warp shuffles (more
+    warps meet at shared memory and barriers, twice a token), and 8 value columns keep the K=128
+    tile at 32 registers a thread with 16 programs a head. Narrower tiles would cut a token's work
+    again but read every dense T (K x K) once more per program at each compose.
+    """
+    return WalkConfig(block_v=min(8, next_power_of_2(value_dim)), num_warps=1)
+
+
+def launch_constants(family: LinearFamily, key_heads: int, value_heads: int, key_dim: int, value_dim: int,
+                     config: WalkConfig) -> dict[str, int]:
+    """The kernel's compile-time constants (shared with scripts/kernel_resources.py)."""
+    # KC: columns of T a compose step; 16 keeps a one-warp program's operands in registers at K=128
+    return dict(H=key_heads, HV=value_heads, K=key_dim, V=value_dim, BK=max(16, next_power_of_2(key_dim)),
+                BV=config.block_v, KC=16, FAMILY=FAMILY_CODES[family.name])
+
 
 def compose_and_recur_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                              beta: torch.Tensor | None, ssm_pool: torch.Tensor, slots: torch.Tensor,
                              has_state: torch.Tensor, cu_seqlens: torch.Tensor, pieces: CachedPieces,
                              t_src: torch.Tensor, s0_src: torch.Tensor, *, family: LinearFamily,
-                             scale: float, checkpoints: StateCheckpoints | None = None) -> torch.Tensor:
-    """Launch the Triton kernel; same contract as `compose_and_recur`."""
+                             scale: float, checkpoints: StateCheckpoints | None = None,
+                             config: WalkConfig | None = None) -> torch.Tensor:
+    """Launch the Triton kernel; same contract as `compose_and_recur` (config: the launch shape,
+    `walk_config`'s by default)."""
+    if ssm_pool.dtype != torch.float32:  # a dense compose parks the state in its slot (see _dense_apply)
+        raise TypeError(f"compose_and_recur_triton needs a float32 state pool, got {ssm_pool.dtype}")
     num_heads, key_dim = k.shape[1:]
     value_heads, value_dim = v.shape[1:]
+    config = config or walk_config(family, value_dim)
+    constants = launch_constants(family, num_heads, value_heads, key_dim, value_dim, config)
     o = torch.empty_like(v)
-    block_v = max(16, min(32, next_power_of_2(value_dim)))
-    grid = (-(-value_dim // block_v), value_heads, slots.numel())
+    grid = (-(-value_dim // constants["BV"]), value_heads, slots.numel())
     _compose_recur_kernel[grid](
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
         g if beta is None else beta.contiguous(), o, ssm_pool, slots, has_state, cu_seqlens,
         pieces.ptr, pieces.at, pieces.t_off, pieces.s0_off, t_src, s0_src, scale,
         slots if checkpoints is None else checkpoints.at, slots if checkpoints is None else checkpoints.slots,
-        HAS_CHECKPOINTS=checkpoints is not None, H=num_heads, HV=value_heads, K=key_dim, V=value_dim,
-        BK=max(16, next_power_of_2(key_dim)),
-        BV=block_v, FAMILY=FAMILY_CODES[family.name], num_warps=8 if family.kind == "dense" else 4)
+        HAS_CHECKPOINTS=checkpoints is not None, **constants, num_warps=config.num_warps)
     return o
 
 
@@ -194,61 +231,99 @@ def _compose_recur_kernel(q, k, v, g, beta, o, pool, slots, has_state, cu_seqlen
                           ptr, at, t_off, s0_off, t_src, s0_src, scale, save_at, save_slots,
                           HAS_CHECKPOINTS: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                          FAMILY: tl.constexpr):
+                          KC: tl.constexpr, FAMILY: tl.constexpr):
     i_v, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     ok = tl.arange(0, BK)
     ov = i_v * BV + tl.arange(0, BV)
     mk, mv = ok < K, ov < V
-    state_ptrs = pool + (tl.load(slots + i_b).to(tl.int64) * HV + i_hv) * K * V + ok[:, None] * V + ov[None, :]
-    S = tl.load(state_ptrs, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
+    # the request's slot at this head: the state's home, its tile read now and written at the end
+    home = pool + (tl.load(slots + i_b).to(tl.int64) * HV + i_hv) * K * V
+    tile = home + ok[:, None] * V + ov[None, :]
+    S = tl.load(tile, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
     # where(), not a masked load alone: a recycled slot may hold inf/nan
     S = tl.where(tl.load(has_state + i_b) != 0, S, 0.0)
     # token indices in int64 (N * HV * V may pass 2^31), one loop-carried type whatever the index dtypes
     cursor = tl.load(cu_seqlens + i_b).to(tl.int64)
     for p in range(tl.load(ptr + i_b), tl.load(ptr + i_b + 1)):
         stop = tl.load(at + p).to(tl.int64)
-        for t in range(cursor, stop):
-            S = _token(S, t, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mk, mv, H, HV, K, V, FAMILY)
-        S = _compose(S, p, t_off, s0_off, t_src, s0_src, i_hv, ok, ov, mk, mv, K, V, FAMILY)
+        S = _tokens(S, cursor, stop, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mv, H, HV, K, V, FAMILY)
+        S = _compose(S, p, t_off, s0_off, t_src, s0_src, home, i_hv, ok, ov, mk, mv, K, V, KC, FAMILY)
         cursor = stop
     if HAS_CHECKPOINTS:
         save = tl.load(save_at + i_b)
         if save >= 0:  # a token after the last piece: walk up to it, keep the state, go on
-            for t in range(cursor, save):
-                S = _token(S, t, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mk, mv, H, HV, K, V, FAMILY)
+            S = _tokens(S, cursor, save, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mv, H, HV, K, V, FAMILY)
             save_ptrs = pool + (tl.load(save_slots + i_b).to(tl.int64) * HV + i_hv) * K * V \
                 + ok[:, None] * V + ov[None, :]
             tl.store(save_ptrs, S, mask=mk[:, None] & mv[None, :])
             cursor = save
-    for t in range(cursor, tl.load(cu_seqlens + i_b + 1).to(tl.int64)):
-        S = _token(S, t, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mk, mv, H, HV, K, V, FAMILY)
-    tl.store(state_ptrs, S, mask=mk[:, None] & mv[None, :])
+    end = tl.load(cu_seqlens + i_b + 1).to(tl.int64)
+    S = _tokens(S, cursor, end, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mv, H, HV, K, V, FAMILY)
+    tl.store(tile, S, mask=mk[:, None] & mv[None, :])
 
 
 @triton_kernel
-def _token(S, t, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mk, mv,
-           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, FAMILY: tl.constexpr):
-    """One token: decay, write (delta rule for dense families), emit o_t = S_t^T (scale q_t)."""
-    k_t = tl.load(k + (t * H + i_h) * K + ok, mask=mk, other=0.0).to(tl.float32)
-    v_t = tl.load(v + (t * HV + i_hv) * V + ov, mask=mv, other=0.0).to(tl.float32)
-    if FAMILY == 0 or FAMILY == 2:
-        S = S * tl.exp(tl.load(g + t * HV + i_hv).to(tl.float32))
-    else:
-        g_t = tl.load(g + (t * HV + i_hv) * K + ok, mask=mk, other=0.0).to(tl.float32)
-        S = S * tl.exp(g_t)[:, None]
-    if FAMILY >= 2:
-        recalled = tl.sum(S * k_t[:, None], axis=0)
-        v_t = (v_t - recalled) * tl.load(beta + t * HV + i_hv).to(tl.float32)
-    S = S + k_t[:, None] * v_t[None, :]
-    q_t = tl.load(q + (t * H + i_h) * K + ok, mask=mk, other=0.0).to(tl.float32) * scale
-    tl.store(o + (t * HV + i_hv) * V + ov, tl.sum(S * q_t[:, None], axis=0).to(o.dtype.element_ty), mask=mv)
+def _tokens(S, start, stop, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, mv,
+            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, FAMILY: tl.constexpr):
+    """Recur tokens [start, stop). Token t+1's operands load while token t computes: a load from
+    L2 takes about as long as a token's arithmetic, and one program has no other work to hide it."""
+    k_t, v_t, q_t, g_t, b_t = _load_token(start, stop, q, k, v, g, beta, i_h, i_hv, ok, ov,
+                                          H, HV, K, V, FAMILY)
+    for t in range(start, stop):
+        k_n, v_n, q_n, g_n, b_n = _load_token(t + 1, stop, q, k, v, g, beta, i_h, i_hv, ok, ov,
+                                              H, HV, K, V, FAMILY)
+        S = _token(S, t, k_t, v_t, q_t, g_t, b_t, o, scale, i_hv, ov, mv, HV, V, FAMILY)
+        k_t, v_t, q_t, g_t, b_t = k_n, v_n, q_n, g_n, b_n
     return S
 
 
 @triton_kernel
-def _compose(S, p, t_off, s0_off, t_src, s0_src, i_hv, ok, ov, mk, mv,
-             K: tl.constexpr, V: tl.constexpr, FAMILY: tl.constexpr):
+def _load_token(t, stop, q, k, v, g, beta, i_h, i_hv, ok, ov,
+                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, FAMILY: tl.constexpr):
+    """Token t's (k, v, q, g, beta) in float32; zeros past the span (t == stop)."""
+    live = t < stop
+    # limits, not `mask & live`: the interpreter turns a vector-and-scalar `&` into int32
+    k_lim, v_lim = tl.where(live, K, 0), tl.where(live, V, 0)
+    k_t = tl.load(k + (t * H + i_h) * K + ok, mask=ok < k_lim, other=0.0).to(tl.float32)
+    v_t = tl.load(v + (t * HV + i_hv) * V + ov, mask=ov < v_lim, other=0.0).to(tl.float32)
+    q_t = tl.load(q + (t * H + i_h) * K + ok, mask=ok < k_lim, other=0.0).to(tl.float32)
+    if FAMILY == 0 or FAMILY == 2:
+        g_t = tl.load(g + t * HV + i_hv, mask=live, other=0.0).to(tl.float32)
+    else:
+        g_t = tl.load(g + (t * HV + i_hv) * K + ok, mask=ok < k_lim, other=0.0).to(tl.float32)
+    b_t = 0.0
+    if FAMILY >= 2:
+        b_t = tl.load(beta + t * HV + i_hv, mask=live, other=0.0).to(tl.float32)
+    return k_t, v_t, q_t, g_t, b_t
+
+
+@triton_kernel
+def _token(S, t, k_t, v_t, q_t, g_t, b_t, o, scale, i_hv, ov, mv, HV: tl.constexpr, V: tl.constexpr,
+           FAMILY: tl.constexpr):
+    """One token: decay D, write (delta rule for dense families), emit o_t = S_t^T (scale q_t).
+
+    The output reads the decayed state before the write, o_t = (D S)^T q + (k . q) v' (scaled), so
+    the recall and output reductions over K run side by side; a scalar gate also factors out of
+    both, leaving one reduction and a few FMAs on the chain from one state to the next.
+    """
+    if FAMILY == 1 or FAMILY == 3:  # per-key gates decay the state first
+        S = S * tl.exp(g_t)[:, None]
+        decay = 1.0
+    else:
+        decay = tl.exp(g_t)
+    out = tl.sum(S * q_t[:, None], axis=0) * (decay * scale)
+    if FAMILY >= 2:
+        v_t = (v_t - tl.sum(S * k_t[:, None], axis=0) * decay) * b_t
+    S = S * decay + k_t[:, None] * v_t[None, :]
+    out = out + v_t * (tl.sum(k_t * q_t) * scale)
+    tl.store(o + (t * HV + i_hv) * V + ov, out.to(o.dtype.element_ty), mask=mv)
+    return S
+
+
+@triton_kernel
+def _compose(S, p, t_off, s0_off, t_src, s0_src, home, i_hv, ok, ov, mk, mv,
+             K: tl.constexpr, V: tl.constexpr, KC: tl.constexpr, FAMILY: tl.constexpr):
     """S <- T . S + S0 for cached piece p."""
     t_base = t_src + tl.load(t_off + p)
     s0_base = s0_src + tl.load(s0_off + p) + i_hv * K * V
@@ -259,9 +334,43 @@ def _compose(S, p, t_off, s0_off, t_src, s0_src, i_hv, ok, ov, mk, mv,
         T = tl.load(t_base + i_hv * K + ok, mask=mk, other=0.0).to(tl.float32)
         S = S * tl.exp(T)[:, None]
     else:
-        rows = t_base + i_hv * K * K + ok[:, None] * K + ok[None, :]
-        T = tl.load(rows, mask=mk[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        # tf32x3: fp32-accurate on tensor cores (tf32 alone costs ~1e-3 relative); the "ieee" FMA
-        # dot kept T's K x K operands in registers and spilled ~7 KB a thread (sm90 ptxas)
-        S = tl.dot(T, S, input_precision="tf32x3")
+        S = _dense_apply(S, t_base + i_hv * K * K, home, ok, ov, mk, mv, K, V, KC)
     return S + S0.to(tl.float32)
+
+
+@triton_kernel
+def _dense_apply(S, T, home, ok, ov, mk, mv, K: tl.constexpr, V: tl.constexpr, KC: tl.constexpr):
+    """T . S for a dense K x K T, KC columns of T at a time: a whole T in registers spills once a
+    program has few warps. S waits in this program's tile of the state's home (no other program
+    touches it, and the walk's end overwrites it), read back KC rows at a time."""
+    tile = home + ok[:, None] * V + ov[None, :]
+    tl.debug_barrier()  # the tile's last readers are done
+    tl.store(tile, S, mask=mk[:, None] & mv[None, :])
+    tl.debug_barrier()  # rows are read by other threads than wrote them
+    kc = tl.arange(0, KC)
+    acc = tl.zeros_like(S)
+    for c in range(0, K, KC):
+        mc = c + kc < K
+        T_cols = tl.load(T + ok[:, None] * K + (c + kc)[None, :], mask=mk[:, None] & mc[None, :], other=0.0)
+        S_rows = tl.load(home + (c + kc)[:, None] * V + ov[None, :], mask=mc[:, None] & mv[None, :], other=0.0)
+        acc = _dot_tf32x3(T_cols.to(tl.float32), S_rows, acc)
+    return acc
+
+
+@triton_kernel
+def _dot_tf32x3(a, b, acc):
+    """acc + a . b to float32 accuracy on tensor cores (tf32 alone costs ~1e-3 relative; the
+    "ieee" FMA dot holds its operands in registers and spilled ~7 KB a thread on sm90). A tf32 MMA
+    keeps 10 mantissa bits of an operand: the high parts exactly, a low part to 2^-11 of itself.
+    Triton's own "tf32x3" rounds both splits with NaN guards, ~6 instructions an element of T and
+    most of a compose; masking the bits off takes 2."""
+    a_hi, b_hi = _tf32_high(a), _tf32_high(b)
+    acc = tl.dot(a_hi, b - b_hi, acc, input_precision="tf32")
+    acc = tl.dot(a - a_hi, b_hi, acc, input_precision="tf32")
+    return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+
+
+@triton_kernel
+def _tf32_high(x):
+    """x with the 13 mantissa bits below tf32's 10 cleared: exact in tf32, and x - high is exact."""
+    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
