@@ -28,8 +28,8 @@ from tokenizers import Tokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_data import STAGES, encode  # noqa: E402
-from train_net import Qwen35ForTraining  # noqa: E402
+from train_data import STAGES, VALUE_CLASSES, class_token_ids, encode  # noqa: E402
+from train_net import Qwen35ForTraining, deviation_norm, respread_rows  # noqa: E402
 
 from hypic.data.tasks import EVAL_SPEC, eval_prompts, make_prompts  # noqa: E402
 
@@ -94,7 +94,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=60)
     ap.add_argument("--first-only", action="store_true")
     ap.add_argument("--wrong", type=int, default=6, help="wrong predictions to print per kind")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--respread", default="", help="first apply train_model.py --respread (same seed) to these classes")
     ap.add_argument("--json", type=Path, help="write every scored answer here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -109,6 +110,16 @@ def main() -> None:
         prompts, name = make_prompts(spec, "validation", args.prompts), f"stage {args.stage} extra"
     else:
         prompts, name = make_prompts(STAGES[args.stage].spec, "validation", args.prompts), f"stage {args.stage}"
+    weight = net.model.embed_tokens.weight.detach()
+    generator = torch.Generator().manual_seed(1)  # as train_model.py --respread with --seed 0
+    for cls in filter(None, args.respread.split(",")):
+        respread_rows(weight, class_token_ids(tokenizer, cls), deviation_norm(weight, class_token_ids(tokenizer, "companies")),
+                      generator)
+    spread = {}
+    for cls in VALUE_CLASSES:  # collapsed classes (~0.2-0.3; ~1 at init) cannot be told apart, so not copied
+        ids = class_token_ids(tokenizer, cls)
+        spread[cls] = round(deviation_norm(weight, ids) / weight[ids].norm(dim=-1).mean().item(), 3)
+    print(f"embedding spread (deviation from the class mean / row norm): {spread}")
     t0 = time.time()
     rows = score(net, tokenizer, prompts, args.first_only or args.eval_spec)
     print(f"{name}: {len(prompts)} prompts, {len(rows)} answers, {time.time() - t0:.0f}s")

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_data import Batch, collate, encode  # noqa: E402
+from train_data import Batch, class_token_ids, collate, encode  # noqa: E402
 from train_model import DEFAULT_MODEL  # noqa: E402
-from train_net import Qwen35ForTraining  # noqa: E402
+from train_net import Qwen35ForTraining, collapse_rows, deviation_norm, respread_rows  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from hypic.data.notes import RELATIONS as FACT_RELATIONS
@@ -50,6 +50,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--restate", action="store_true", help="replies restate the fact (see restated())")
     p.add_argument("--value-weight", type=float, default=1.0,
                    help="loss weight of answer-value tokens relative to the reply's other tokens (1: as trained)")
+    p.add_argument("--collapse", type=float, default=0.0,
+                   help="start with the city and job embeddings collapsed: add one shared direction per class of "
+                        "this many times their norm (3: pairwise cosine ~0.9, as in the GPU checkpoint)")
+    p.add_argument("--respread-at", type=int, default=0,
+                   help="at this step give the city and job rows fresh deviations of 1.55 times their class "
+                        "mean's norm (train_model.py --respread on the GPU checkpoint: companies' 1.95 vs 1.26)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-prompts", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
@@ -142,6 +148,11 @@ def main() -> None:
     shape = restated if args.restate else (lambda prompt: prompt)
     val = [shape(make_prompt(spec, "validation", i)) for i in range(args.eval_prompts)]
     net = build(args)
+    if args.collapse:
+        weight, g = net.model.embed_tokens.weight, torch.Generator().manual_seed(args.seed)
+        for name in ("cities", "jobs"):
+            collapse_rows(weight, class_token_ids(tokenizer, name), args.collapse, g)
+    classes = {n: class_token_ids(tokenizer, n) for n in ("cities", "jobs", "companies")}
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
     rng, started, step, seen, answers = random.Random(args.seed), time.monotonic(), 0, 0, 0
     print(json.dumps({"args": vars(args), "params": sum(p.numel() for p in net.parameters())}), flush=True)
@@ -161,10 +172,20 @@ def main() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             step, seen, answers = step + 1, seen + batch.tokens, answers + len(batch.kinds)
+            if step == args.respread_at:
+                weight, g = net.model.embed_tokens.weight, torch.Generator().manual_seed(args.seed + 1)
+                for name in ("cities", "jobs"):
+                    rows = classes[name]
+                    respread_rows(weight, rows, 1.55 * weight[rows].mean(0).norm().item(), g)
+                print(json.dumps({"step": step, "respread": ["cities", "jobs"], "em": evaluate(net, tokenizer, val)}),
+                      flush=True)
             if step % args.eval_every == 0:
+                spread = {n: round(deviation_norm(net.model.embed_tokens.weight, r) /
+                                   net.model.embed_tokens.weight[r].norm(dim=-1).mean().item(), 3)
+                          for n, r in classes.items()}
                 print(json.dumps({"step": step, "s": round(time.monotonic() - started), "tokens": seen,
                                   "answers": answers, "loss": round(loss.item(), 3),
-                                  "em": evaluate(net, tokenizer, val)}), flush=True)
+                                  "em": evaluate(net, tokenizer, val), "spread": spread}), flush=True)
     print(json.dumps({"final": True, "step": step, "tokens": seen, "answers": answers,
                       "em": evaluate(net, tokenizer, val)}), flush=True)
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from tokenizers import Tokenizer
 
+from hypic.data import lexicon
 from hypic.data.tasks import KINDS, Prompt, TaskSpec, make_prompt
 
 PAD_ID = 0  # <|endoftext|>
@@ -61,6 +62,19 @@ STAGES: tuple[Stage, ...] = (
 )
 
 
+VALUE_CLASSES: dict[str, tuple[str, ...]] = {"cities": lexicon.CITIES, "jobs": lexicon.JOBS,
+                                             "companies": lexicon.COMPANIES, "names": lexicon.FIRST_NAMES}
+"""Single-token entity classes (simple names): the words as they occur after a space."""
+
+
+def class_token_ids(tokenizer: Tokenizer, name: str) -> list[int]:
+    """Token ids of " word" for each word of a VALUE_CLASSES class (all single tokens)."""
+    ids = [tokenizer.encode(" " + w, add_special_tokens=False).ids for w in VALUE_CLASSES[name]]
+    if any(len(i) != 1 for i in ids):
+        raise ValueError(f"{name}: not all words are one token")
+    return [i[0] for i in ids]
+
+
 @dataclass
 class Batch:
     ids: np.ndarray        # [B, T] int32, right padded
@@ -71,6 +85,18 @@ class Batch:
     current: np.ndarray    # [A] bool: answer from the current stage (not replay)
     first: np.ndarray      # [A] bool: the prompt's first answer (query segment; what the benchmark scores)
     tokens: int            # real (unpadded) tokens
+    extra: np.ndarray | None = None  # [A] bool: answer of a stage's `extra` (practice) prompt
+    rel: np.ndarray | None = None    # [A] int64 RELATIONS index (lookups: lives / job / code; "other" otherwise)
+
+
+RELATIONS: tuple[str, ...] = ("lives", "job", "code", "other")
+
+
+def relation_index(kind: str, question: str) -> int:
+    """RELATIONS index of an answer: which fact a lookup asks for (the probe's and the diagnosis' split)."""
+    if kind != "lookup":
+        return 3
+    return 0 if question.startswith("Where does") else 1 if question.endswith("job?") else 2
 
 
 def encode(tokenizer: Tokenizer, prompt: Prompt, all_questions: bool) -> tuple[list[int], list[tuple[int, int]]]:
@@ -87,22 +113,28 @@ def encode(tokenizer: Tokenizer, prompt: Prompt, all_questions: bool) -> tuple[l
     return ids, spans
 
 
-def collate(rows: list[tuple[list[int], list[tuple[int, int]], list[int], bool]], multiple: int) -> Batch:
-    """rows: (ids, answer spans, answer kinds, is current stage). Pads to a multiple of `multiple`."""
+def collate(rows: list[tuple], multiple: int) -> Batch:
+    """rows: (ids, answer spans, answer kinds, is current stage[, answer RELATIONS indices, is extra]).
+    Pads to a multiple of `multiple`."""
     width = -(-max(len(r[0]) for r in rows) // multiple) * multiple
     ids = np.full((len(rows), width), PAD_ID, dtype=np.int32)
-    positions, targets, answer, kinds, current, first = [], [], [], [], [], []
-    for b, (row, spans, row_kinds, is_current) in enumerate(rows):
+    positions, targets, answer, kinds, current, first, extra, rel = [], [], [], [], [], [], [], []
+    for b, r in enumerate(rows):
+        row, spans, row_kinds, is_current = r[:4]
+        row_rels, is_extra = (r[4], r[5]) if len(r) > 4 else ([3] * len(spans), False)
         ids[b, : len(row)] = row
-        for turn, ((start, end), kind) in enumerate(zip(spans, row_kinds)):
+        for turn, ((start, end), kind, relation) in enumerate(zip(spans, row_kinds, row_rels)):
             positions += range(b * width + start - 1, b * width + end - 1)
             targets += row[start:end]
             answer += [len(kinds)] * (end - start)
             kinds.append(kind)
             current.append(is_current)
             first.append(turn == 0)
+            extra.append(is_extra)
+            rel.append(relation)
     return Batch(ids, np.array(positions), np.array(targets), np.array(answer), np.array(kinds),
-                 np.array(current), np.array(first), sum(len(r[0]) for r in rows))
+                 np.array(current), np.array(first), sum(len(r[0]) for r in rows),
+                 np.array(extra, dtype=bool), np.array(rel, dtype=np.int64))
 
 
 _TOKENIZER: Tokenizer | None = None
@@ -114,18 +146,35 @@ def init_worker(tokenizer_path: str) -> None:
     _TOKENIZER = Tokenizer.from_file(tokenizer_path)
 
 
-def stage_spec(rng: random.Random, stage: int, stages: tuple[Stage, ...] = STAGES) -> tuple[bool, TaskSpec]:
-    """(counts for the stage's meter and gate, spec) of one training prompt: replay of an earlier stage
-    (stage s - 1 - j with weight 2^-j), one of the stage's `extra` specs (both not counted), or its spec."""
+def stage_spec(rng: random.Random, stage: int, stages: tuple[Stage, ...] = STAGES) -> tuple[str, TaskSpec]:
+    """(source, spec) of one training prompt: "replay" of an earlier stage (stage s - 1 - j with weight
+    2^-j), "extra" (one of the stage's `extra` specs; both not counted for the stage's meter and gate),
+    or "current" (the stage's spec)."""
     current = stages[stage]
     if stage and rng.random() < current.replay:
-        return False, stages[rng.choices(range(stage), weights=[2.0 ** s for s in range(stage)])[0]].spec
+        return "replay", stages[rng.choices(range(stage), weights=[2.0 ** s for s in range(stage)])[0]].spec
     u = rng.random()
     for spec, share in current.extra:
         if u < share:
-            return False, spec
+            return "extra", spec
         u -= share
-    return True, current.spec
+    return "current", current.spec
+
+
+def with_mix(stages: tuple[Stage, ...], stage: int, practice: float | None = None,
+             replay: float | None = None) -> tuple[Stage, ...]:
+    """`stages` with stage `stage`'s first `extra` share and/or its replay share replaced (train_model.py
+    --practice-share / --replay)."""
+    s = stages[stage]
+    if practice is not None:
+        if not s.extra:
+            raise ValueError(f"stage {stage} has no extra (practice) spec")
+        s = replace(s, extra=((s.extra[0][0], practice),) + s.extra[1:])
+    if replay is not None:
+        s = replace(s, replay=replay)
+    if not 0.0 <= s.replay <= 1.0 or not 0.0 <= sum(share for _, share in s.extra) <= 1.0:
+        raise ValueError(f"shares must lie in [0, 1]: replay {s.replay}, extra {[x for _, x in s.extra]}")
+    return stages[:stage] + (s,) + stages[stage + 1:]
 
 
 def make_group(stage: int, seed: int, group: int, token_budget: int, multiple: int,
@@ -134,10 +183,11 @@ def make_group(stage: int, seed: int, group: int, token_budget: int, multiple: i
     rng = random.Random(f"train-group:{seed}:{stage}:{group}")
     rows, total = [], 0
     while total < 4 * token_budget:
-        counted, spec = stage_spec(rng, stage, stages)
+        source, spec = stage_spec(rng, stage, stages)
         prompt = make_prompt(spec, "train", rng.getrandbits(40), seed)
         ids, spans = encode(_TOKENIZER, prompt, all_questions=True)
-        rows.append((ids, spans, [KINDS.index(qa.kind) for qa in prompt.qas], counted))
+        rows.append((ids, spans, [KINDS.index(qa.kind) for qa in prompt.qas], source == "current",
+                     [relation_index(qa.kind, qa.question) for qa in prompt.qas], source == "extra"))
         total += len(ids)
     rows.sort(key=lambda r: len(r[0]))
     batches, start = [], 0

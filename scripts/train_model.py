@@ -45,8 +45,19 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_data import STAGES, Batch, collate, encode, init_worker, make_group  # noqa: E402
-from train_net import Qwen35ForTraining  # noqa: E402
+from train_data import (  # noqa: E402
+    RELATIONS,
+    STAGES,
+    Batch,
+    class_token_ids,
+    collate,
+    encode,
+    init_worker,
+    make_group,
+    relation_index,
+    with_mix,
+)
+from train_net import Qwen35ForTraining, deviation_norm, respread_rows  # noqa: E402
 
 from hypic.data.tasks import EVAL_SPEC, KINDS, eval_prompts, make_prompts  # noqa: E402
 
@@ -71,6 +82,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=None,
                    help="data processes per rank (default: all ranks together use all cores but 4)")
     p.add_argument("--stage", type=int, choices=range(len(STAGES)), help="resume in this curriculum stage")
+    p.add_argument("--practice-share", type=float, default=None,
+                   help="share of the stage's own (non-replay) prompts drawn from its practice spec "
+                        "(its first `extra`; stage 1: lookup-only LOOKUP_SIMPLE, default 0.35)")
+    p.add_argument("--replay", type=float, default=None, help="share of prompts replayed from earlier stages")
+    p.add_argument("--respread", default="",
+                   help="comma list of VALUE_CLASSES (cities,jobs): once per checkpoint, give these collapsed "
+                        "embedding rows fresh random deviations (train_net.respread_rows)")
     p.add_argument("--eval-per-kind", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=25, help="steps between loss-curve points")
@@ -190,7 +208,7 @@ class Feed:
         self.pool = multiprocessing.get_context("fork").Pool(args.workers, init_worker, (tokenizer,))
         self.pending: collections.deque = collections.deque()
         self.ready: collections.deque = collections.deque()
-        self.stage, self.group = 0, 0
+        self.stage, self.group, self.stages = 0, 0, STAGES
 
     def start(self, stage: int, group: int) -> None:
         """From `group` on (the maximum over ranks of `self.group` when saved), rank r builds groups
@@ -199,14 +217,17 @@ class Feed:
         self.switch(stage)
 
     def switch(self, stage: int) -> None:
+        """--practice-share / --replay apply to whichever stage runs (a stage without practice keeps none)."""
         self.stage = stage
+        practice = self.args.practice_share if STAGES[stage].extra else None
+        self.stages = with_mix(STAGES, stage, practice, self.args.replay)
         self.pending.clear()
         self.ready.clear()
 
     def _submit(self) -> None:
         a = self.args
         self.pending.append(self.pool.apply_async(
-            make_group, (self.stage, a.seed, self.group, self.budget, self.multiple)))
+            make_group, (self.stage, a.seed, self.group, self.budget, self.multiple, self.stages)))
         self.group += self.world
 
     def next(self) -> Batch:
@@ -217,6 +238,32 @@ class Feed:
         return self.ready.popleft()
 
 
+def respread(args: argparse.Namespace, net: Qwen35ForTraining, tokenizer: Tokenizer, state: dict,
+             ranks: Ranks) -> None:
+    """--respread: once per checkpoint (state["respread"] lists the classes done), the same on every rank
+    (seeded). The new deviations get the size of the company rows' (the class the model does copy)."""
+    todo = [c for c in filter(None, args.respread.split(",")) if c not in state.get("respread", [])]
+    if not todo:
+        return
+    weight = net.model.embed_tokens.weight
+    norm = deviation_norm(weight, class_token_ids(tokenizer, "companies"))
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    for name in todo:
+        rows = class_token_ids(tokenizer, name)
+        before = spread(weight, rows)
+        respread_rows(weight, rows, norm, generator)
+        if ranks.main:
+            print(f"respread {name}: deviation/norm {before:.3f} -> {spread(weight, rows):.3f} "
+                  f"(deviation {norm:.3f})", flush=True)
+    state["respread"] = state.get("respread", []) + todo
+
+
+def spread(weight: torch.Tensor, rows: list[int]) -> float:
+    """Distinctness of a class's embedding rows: mean deviation from their mean over mean row norm
+    (~1 at init; the GPU checkpoint of step 19953: cities 0.32, jobs 0.20, companies 0.93)."""
+    return deviation_norm(weight, rows) / weight[rows].float().norm(dim=-1).mean().item()
+
+
 def lr_at(args: argparse.Namespace, train_s: float, run_step: int, resumed: bool) -> float:
     warm = min(1.0, (run_step + 1) / (30 if resumed else args.warmup))
     decay_start = args.budget_s * (1 - args.decay_frac)
@@ -225,7 +272,7 @@ def lr_at(args: argparse.Namespace, train_s: float, run_step: int, resumed: bool
 
 
 def to_device(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]:
-    fields = ("ids", "positions", "targets", "answer", "kinds", "current", "first")
+    fields = ("ids", "positions", "targets", "answer", "kinds", "current", "first", "extra", "rel")
     return {f: torch.from_numpy(getattr(batch, f)).to(device, non_blocking=True).long() for f in fields}
 
 
@@ -253,6 +300,8 @@ class Meter:
         self.count = torch.zeros(len(KINDS), device=self.device)
         self.hits_first = torch.zeros(len(KINDS), device=self.device)
         self.count_first = torch.zeros(len(KINDS), device=self.device)
+        self.hits_practice = torch.zeros(len(RELATIONS), device=self.device)
+        self.count_practice = torch.zeros(len(RELATIONS), device=self.device)
         self.loss, self.steps, self.tokens = torch.zeros((), device=self.device), 0, 0
 
     def add(self, loss: torch.Tensor, correct: torch.Tensor, b: dict[str, torch.Tensor], tokens: int) -> None:
@@ -262,28 +311,39 @@ class Meter:
         first = current * b["first"].float()
         self.hits_first.index_add_(0, b["kinds"], correct.float() * first)
         self.count_first.index_add_(0, b["kinds"], first)
+        practice = b["extra"].float() * b["first"].float()  # first turns of practice prompts, per relation
+        self.hits_practice.index_add_(0, b["rel"], correct.float() * practice)
+        self.count_practice.index_add_(0, b["rel"], practice)
         self.loss += loss.detach()
         self.steps, self.tokens = self.steps + 1, self.tokens + tokens
 
     def read(self, ranks: Ranks) -> dict:
         """Over all ranks (a collective: every rank reads at the same step); tokens summed."""
         n = len(KINDS)
+        r = len(RELATIONS)
         total = ranks.sum(torch.cat([self.hits, self.count, self.hits_first, self.count_first,
-                                     self.loss[None] / ranks.world,
+                                     self.hits_practice, self.count_practice, self.loss[None] / ranks.world,
                                      torch.tensor([float(self.tokens)], device=self.device)])).tolist()
         hits, count = total[:n], total[n: 2 * n]
         em = {k: round(h / c, 4) for k, h, c in zip(KINDS, hits, count) if c}
         em_first = {k: round(h / c, 4) for k, h, c in zip(KINDS, total[2 * n: 3 * n], total[3 * n: 4 * n]) if c}
-        return {"loss": round(total[4 * n] / max(1, self.steps), 4), "em": em, "em_first": em_first,
-                "em_mean": round(sum(hits) / max(1.0, sum(count)), 4), "tokens": total[4 * n + 1]}
+        practice = total[4 * n: 4 * n + 2 * r]
+        out = {"loss": round(total[4 * n + 2 * r] / max(1, self.steps), 4), "em": em, "em_first": em_first,
+               "em_mean": round(sum(hits) / max(1.0, sum(count)), 4), "tokens": total[4 * n + 2 * r + 1]}
+        if sum(practice[r:]):  # first-turn EM of the practice prompts per relation (not in the gate)
+            out["em_practice"] = {k: round(h / c, 4) for k, h, c in zip(RELATIONS, practice[:r], practice[r:]) if c}
+        return out
 
 
 @torch.no_grad()
-def evaluate(net, prompts, tokenizer, device: torch.device, token_budget: int) -> dict[str, float]:
-    """Teacher-forced exact match of the first answer, per question kind."""
+def evaluate(net, prompts, tokenizer, device: torch.device, token_budget: int,
+             by_relation: bool = False) -> dict[str, float]:
+    """Teacher-forced exact match of the first answer, per question kind (or per lookup relation)."""
     net.eval()
-    rows = sorted((encode(tokenizer, p, all_questions=False) + ([KINDS.index(p.kind)], True) for p in prompts),
-                  key=lambda r: len(r[0]))
+    labels = RELATIONS if by_relation else KINDS
+    rows = sorted((encode(tokenizer, p, all_questions=False) + (
+        [relation_index(p.kind, p.qas[0].question) if by_relation else KINDS.index(p.kind)], True) for p in prompts),
+        key=lambda r: len(r[0]))
     hits, count = collections.Counter(), collections.Counter()
     start = 0
     while start < len(rows):
@@ -293,18 +353,22 @@ def evaluate(net, prompts, tokenizer, device: torch.device, token_budget: int) -
         b = to_device(collate(rows[start:end], 64), device)
         _, correct = answer_loss(net, b, device)
         for kind, ok in zip(b["kinds"].tolist(), correct.tolist()):
-            hits[KINDS[kind]] += ok
-            count[KINDS[kind]] += 1
+            hits[labels[kind]] += ok
+            count[labels[kind]] += 1
         start = end
     net.train()
-    return {k: round(hits[k] / count[k], 4) for k in KINDS if count[k]}
+    return {k: round(hits[k] / count[k], 4) for k in labels if count[k]}
 
 
 def run_evals(net, args, tokenizer, device, stage: int) -> dict:
     n = args.eval_per_kind
-    spec = STAGES[stage].spec
-    return {"eval_spec": evaluate(net, eval_prompts(n, "validation", EVAL_SPEC), tokenizer, device, args.tokens_per_step),
-            f"stage{stage}": evaluate(net, make_prompts(spec, "validation", 4 * n), tokenizer, device, args.tokens_per_step)}
+    spec, budget = STAGES[stage].spec, max(args.tokens_per_step, 8192)
+    out = {"eval_spec": evaluate(net, eval_prompts(n, "validation", EVAL_SPEC), tokenizer, device, budget),
+           f"stage{stage}": evaluate(net, make_prompts(spec, "validation", 4 * n), tokenizer, device, budget)}
+    if STAGES[stage].extra:  # the practice spec, per relation (what diagnose_model.py --extra splits)
+        out["practice"] = evaluate(net, make_prompts(STAGES[stage].extra[0][0], "validation", 4 * n), tokenizer,
+                                   device, budget, by_relation=True)
+    return out
 
 
 def main() -> None:
@@ -328,13 +392,15 @@ def main() -> None:
     if args.stage is not None:
         state["stage"], state["stage_step"] = args.stage, 0
     tokenizer = Tokenizer.from_file(str(args.model_dir / "tokenizer.json"))
+    respread(args, net, tokenizer, state, ranks)
     feed.start(state["stage"], state["group"])
     params = sum(p.numel() for p in net.parameters())
     if ranks.main:
         print(f"device {device} x{ranks.world} workers {args.workers} params {params / 1e6:.2f}M "
               f"resumed={resumed} state={state}", flush=True)
     model = net if ranks.world == 1 else DistributedDataParallel(net, device_ids=[device.index] if cuda else None)
-    train(args, model, opt, feed, device, state, curve, resumed, started, ckpt, ranks)
+    classes = {name: class_token_ids(tokenizer, name) for name in ("cities", "jobs", "companies")}
+    train(args, model, opt, feed, device, state, curve, resumed, started, ckpt, ranks, classes)
     if ranks.world > 1:
         diff = ranks.replica_diff(net)
         if ranks.main:
@@ -351,7 +417,7 @@ def main() -> None:
 
 
 def train(args, model: torch.nn.Module, opt, feed: Feed, device, state: dict, curve: dict, resumed: bool,
-          started: float, ckpt: Checkpoint, ranks: Ranks) -> None:
+          started: float, ckpt: Checkpoint, ranks: Ranks, classes: dict[str, list[int]]) -> None:
     """`model` is the DDP wrapper under torchrun: its backward averages the gradients over ranks."""
     net = model.module if isinstance(model, DistributedDataParallel) else model
     reserve = 8.0 if args.smoke else 45.0  # evaluation + save at the end
@@ -382,7 +448,7 @@ def train(args, model: torch.nn.Module, opt, feed: Feed, device, state: dict, cu
         gate_meter.add(loss, correct, b, batch.tokens)
         state["step"], state["stage_step"], run_step = state["step"] + 1, state["stage_step"] + 1, run_step + 1
         if state["step"] % args.log_every == 0:
-            log_point(meter, state, curve, opt, last_log, ranks)
+            log_point(meter, state, curve, opt, last_log, ranks, classes, net.model.embed_tokens.weight)
             meter.reset()
             last_log = time.monotonic()
             maybe_advance(args, gate_meter, state, feed, ranks)
@@ -392,10 +458,12 @@ def train(args, model: torch.nn.Module, opt, feed: Feed, device, state: dict, cu
     state["group"] = ranks.maximum(feed.group)
 
 
-def log_point(meter: Meter, state: dict, curve: dict, opt, since: float, ranks: Ranks) -> None:
+def log_point(meter: Meter, state: dict, curve: dict, opt, since: float, ranks: Ranks,
+              classes: dict[str, list[int]], weight: torch.Tensor) -> None:
     """Every rank's counts, summed; rank 0 prints them (the others' curves are never saved)."""
     point = {"step": state["step"], "stage": state["stage"], "train_s": round(state["train_s"], 1),
-             "lr": opt.param_groups[0]["lr"], **meter.read(ranks)}
+             "lr": opt.param_groups[0]["lr"], **meter.read(ranks),
+             "spread": {name: round(spread(weight.detach(), rows), 3) for name, rows in classes.items()}}
     point["tok_per_s"] = round(point.pop("tokens") / max(1e-9, time.monotonic() - since))
     curve["points"].append(point)
     if ranks.main:

@@ -187,6 +187,34 @@ class TextModel(nn.Module):
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
 
+@torch.no_grad()
+def respread_rows(weight: torch.Tensor, rows: list[int], norm: float, generator: torch.Generator) -> None:
+    """Gives embedding rows that have collapsed onto one direction fresh random deviations of size `norm`
+    around their (kept) mean. With tied embeddings a value class the model never copies (single-token cities
+    and jobs in the GPU checkpoint of .notes/TRAINING.md: pairwise cosine 0.90 / 0.96) ends up as one shared
+    "type" vector: the output gradient of a context-independent prediction pushes every row of the class along
+    the same hidden state, so neither the input nor the output can tell the members apart any more and copying
+    has nothing to copy. The mean keeps the type information the trained layers read."""
+    x = weight[rows].float()
+    noise = torch.randn(x.shape, generator=generator).to(x.device)
+    noise = noise * (norm / noise.norm(dim=-1, keepdim=True))
+    weight[rows] = (x.mean(0) + noise - noise.mean(0)).to(weight.dtype)
+
+
+@torch.no_grad()
+def collapse_rows(weight: torch.Tensor, rows: list[int], ratio: float, generator: torch.Generator) -> None:
+    """The reverse (for probes): adds one shared random direction of `ratio` times the rows' mean norm."""
+    x = weight[rows].float()
+    u = torch.randn(x.shape[-1], generator=generator).to(x.device)
+    weight[rows] = (x + u * (ratio * x.norm(dim=-1).mean() / u.norm())).to(weight.dtype)
+
+
+def deviation_norm(weight: torch.Tensor, rows: list[int]) -> float:
+    """Mean distance of the rows from their mean (how distinct a class's members are)."""
+    x = weight[rows].float()
+    return (x - x.mean(0)).norm(dim=-1).mean().item()
+
+
 class Qwen35ForTraining(nn.Module):
     """`model.*` parameters as in Qwen3_5ForCausalLM; the LM head is the (tied) embedding."""
 

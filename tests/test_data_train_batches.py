@@ -9,6 +9,7 @@ from pathlib import Path
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
+import numpy as np
 from tokenizers import Tokenizer  # noqa: E402
 from train_data import STAGES, collate, encode  # noqa: E402
 
@@ -42,3 +43,83 @@ def test_supervised_tokens_are_the_replies_and_copy_the_notes() -> None:
         # supervised tokens are the replies and nothing else: as many as the replies have
         assert mine.sum() == sum(len(tokenizer.encode(f"Answer: {qa.answer}<|im_end|>", add_special_tokens=False).ids)
                                  for qa in p.qas)
+
+
+def test_mix_override_and_practice_tags() -> None:
+    """--practice-share / --replay (train_data.with_mix): the shares change, the prompts of a source do not;
+    each answer carries whether it came from practice and its lookup relation (the log's em_practice)."""
+    import random
+
+    import pytest
+    from train_data import (
+        LOOKUP_SIMPLE,
+        RELATIONS,
+        init_worker,
+        make_group,
+        relation_index,
+        stage_spec,
+        with_mix,
+    )
+
+    only_practice = with_mix(STAGES, 1, practice=1.0, replay=0.0)
+    assert only_practice[1].spec == STAGES[1].spec and only_practice[0] == STAGES[0] and only_practice[2] == STAGES[2]
+    assert only_practice[1].extra[0] == (LOOKUP_SIMPLE, 1.0) and only_practice[1].replay == 0.0
+    rng = random.Random(0)
+    assert {stage_spec(rng, 1, only_practice) for _ in range(200)} == {("extra", LOOKUP_SIMPLE)}
+    mixed = with_mix(STAGES, 1, practice=0.7, replay=0.1)
+    rng = random.Random(1)
+    sources = [stage_spec(rng, 1, mixed)[0] for _ in range(4000)]
+    assert abs(sources.count("replay") / 4000 - 0.1) < 0.03
+    assert abs(sources.count("extra") / 4000 - 0.63) < 0.03
+    assert with_mix(STAGES, 1) == STAGES  # nothing given: unchanged
+    with pytest.raises(ValueError):
+        with_mix(STAGES, 1, practice=1.2)
+    with pytest.raises(ValueError):
+        with_mix(STAGES, 0, practice=0.5)  # stage 0 has no practice spec
+
+    init_worker(str(MODEL_DIR / "tokenizer.json"))
+    batches = make_group(1, seed=0, group=3, token_budget=4096, multiple=64, stages=mixed)
+    extra = np.concatenate([b.extra for b in batches])
+    rel = np.concatenate([b.rel for b in batches])
+    kinds = np.concatenate([b.kinds for b in batches])
+    current = np.concatenate([b.current for b in batches])
+    assert extra.any() and current.any() and not (extra & current).any()
+    assert (kinds[extra] == KINDS.index("lookup")).all() and (rel[extra] < 3).all()  # practice: lookups only
+    assert ((rel == 3) == (kinds != KINDS.index("lookup"))).all()
+    assert relation_index("lookup", "Where does Mona live?") == RELATIONS.index("lives")
+    assert relation_index("lookup", "What is Mona's job?") == RELATIONS.index("job")
+    assert relation_index("lookup", "What is Mona's locker code?") == RELATIONS.index("code")
+    assert relation_index("long", "What is Mona's locker code?") == RELATIONS.index("other")
+    old_style = collate([r[:4] for r in [encode_row(p) for p in [make_prompt(LOOKUP_SIMPLE, "train", 0)]]], 64)
+    assert not old_style.extra.any() and (old_style.rel == 3).all()  # 4-tuple rows (probe, eval) still collate
+
+
+def encode_row(prompt) -> tuple:
+    tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    return encode(tokenizer, prompt, all_questions=True) + ([KINDS.index(qa.kind) for qa in prompt.qas], True)
+
+
+def test_value_classes_and_embedding_respread() -> None:
+    """Single-token value classes, and respread_rows / collapse_rows (train_model.py --respread)."""
+    import torch
+    from train_data import VALUE_CLASSES, class_token_ids
+    from train_net import collapse_rows, deviation_norm, respread_rows
+
+    tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    ids = {name: class_token_ids(tokenizer, name) for name in VALUE_CLASSES}
+    assert all(len(set(v)) == len(VALUE_CLASSES[n]) for n, v in ids.items())
+    assert tokenizer.decode([ids["cities"][0]]) == " " + VALUE_CLASSES["cities"][0]
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(3072, 256, generator=g) * 0.02
+    rows, others = ids["cities"], ids["companies"]
+    untouched = weight[others].clone()
+    collapse_rows(weight, rows, 3.0, g)
+    x = torch.nn.functional.normalize(weight[rows], dim=-1)
+    assert (x @ x.T).mean() > 0.85  # collapsed: one shared direction
+    mean = weight[rows].mean(0).clone()
+    respread_rows(weight, rows, 1.5, g)
+    torch.testing.assert_close(weight[rows].mean(0), mean)  # the class mean (the type the layers read) stays
+    assert abs(deviation_norm(weight, rows) - 1.5) < 0.3
+    x = torch.nn.functional.normalize(weight[rows], dim=-1)
+    assert (x @ x.T).fill_diagonal_(0).mean() < 0.5
+    assert torch.equal(weight[others], untouched)
