@@ -85,7 +85,7 @@ def run_triton(pb: PagedBatch, num_decodes: int, scale: float, max_kv_len: int |
 @pytest.mark.parametrize("seq_lens,max_kv_len,splits", [
     ((1, 1), 600, 2),  # decodes: 4 programs
     ((6,), PREFILL_SPLIT_MIN_KV, 4),  # a short prefill over long KV: 2 programs
-    ((6, 3), 4096, 2),  # two sequences: a tile each, 4 programs
+    ((6, 3), 4096, 1),  # a tile each, 4 programs: a prefill with a program per SM stays whole
     ((6,), PREFILL_SPLIT_MIN_KV - 1, 1),  # short KV: a prefill's walk is short anyway
     ((64,), 4096, 1),  # 16 programs fill the GPU
 ])
@@ -119,15 +119,15 @@ def test_triton_interpreted_matches_reference(heads: int, kv_heads: int, q_lens:
 @interpreted
 def test_triton_interpreted_short_prefill_splits(monkeypatch: pytest.MonkeyPatch) -> None:
     """A warm-assembly-like step: seam windows over 1100 keys and the final tokens, 6 heads over 2
-    KV heads (groups of 3 padded to 4: tiles of 4 tokens). The rule splits the KV range in two at
-    key 560: the first tile's second split is empty, the second tile's (positions 558-561) sees keys
-    560-561 but its first two rows see none there."""
+    KV heads (groups of 3 padded to 4: tiles of 4 tokens). Two KV splits (forced: with 6 programs
+    the rule keeps the interpreter's 4 pretend SMs busy unsplit) meet at key 560: the first tile's
+    second split is empty, the second tile's (positions 558-561) sees keys 560-561 but its first
+    two rows see none there."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     pb = make_paged([1100], [12], 6, 2, head_dim=24, block_size=8, gen=torch.Generator().manual_seed(0))
     pb = with_positions(pb, [100, 101, 102, 103, 558, 559, 560, 561, 1096, 1097, 1098, 1099])
-    assert Tiling.choose(pb.q, pb.k_cache, pb.seq_lens, 1100).splits == 2
     expected = call(paged_attention_ref, pb, 0, scale=0.2)
-    torch.testing.assert_close(run_triton(pb, 0, scale=0.2), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(run_triton(pb, 0, scale=0.2, splits=2), expected, rtol=1e-5, atol=1e-5)
 
 
 @interpreted
