@@ -55,11 +55,13 @@ class ModelCaches:
         return self._state[layer_id]
 
     def copy_slot(self, src: int, dst: int) -> None:
-        for ssm, conv in self._state.values():
-            ssm[dst].copy_(ssm[src])
-            conv[dst].copy_(conv[src])
+        _copy_rows([pool for pools in self._state.values() for pool in pools], src, dst)
 
     def copy_block(self, src: int, dst: int) -> None:
-        for k, v in self._kv.values():
-            k[dst].copy_(k[src])
-            v[dst].copy_(v[src])
+        _copy_rows([cache for caches in self._kv.values() for cache in caches], src, dst)
+
+
+def _copy_rows(tensors: list[torch.Tensor], src: int, dst: int) -> None:
+    """tensor[dst] = tensor[src] for each, as one foreach copy: a copy per layer and pool cost ~1.3 ms
+    of host time per slot (H200 profile of a 40-layer model), on every checkpoint."""
+    torch._foreach_copy_([t[dst] for t in tensors], [t[src] for t in tensors])
