@@ -140,10 +140,9 @@ class PicAssembler:
         bs, stride = self.caches.block_size, self.store.layout.kv_token_stride
         positions = torch.cat([torch.arange(p.start, p.end) for p in seq.cached])
         src = torch.cat([p.entry.kv_offset(0) + torch.arange(p.entry.interior_len) * stride for p in seq.cached])
-        pages = torch.tensor(seq.block_ids, dtype=torch.long)[positions // bs]
         device = self.store.model_src.device
-        dst, positions, src = (host_to_device(t, torch.long, device) for t in (pages * bs + positions % bs,
-                                                                              positions, src))
+        positions, src, table = (host_to_device(t, torch.long, device) for t in (positions, src, seq.block_ids))
+        dst = table[positions // bs] * bs + positions % bs  # on the device: the host gather took ~1.7 ms at 16k
         layer_stride = self.store.layout.kv_layer_stride
         for full_index, layer_id in enumerate(self.caches.shape.full_layers):
             k_cache, v_cache = self.caches.kv(layer_id)
