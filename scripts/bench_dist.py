@@ -208,7 +208,7 @@ def with_random_weights(config: EngineConfig, shape: dict, seed: int) -> EngineC
 
 def setup(args: argparse.Namespace) -> tuple[EngineConfig, Any, str]:
     common = dict(max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_num_seqs=32, seam_width=8, enforce_eager=True)  # TTFT only: no decode graphs to capture
+                  max_num_seqs=32, seam_width=8)  # graphs on: a warm or combine step replays its assembly graph
     if args.model:
         return EngineConfig(model=args.model, device=args.device, **common), None, args.model
     shape = shape_config(args.shape, args.max_model_len)
