@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_data import STAGES, VALUE_CLASSES, class_token_ids, encode  # noqa: E402
-from train_net import Qwen35ForTraining, deviation_norm, respread_rows  # noqa: E402
+from train_net import Qwen35ForTraining, cap_mlp_neurons, deviation_norm, mlp_neuron_peaks, respread_rows  # noqa: E402
 
 from hypic.data.tasks import EVAL_SPEC, eval_prompts, make_prompts  # noqa: E402
 
@@ -49,9 +49,11 @@ def relation(kind: str, question: str) -> str:
 
 
 def score(net, tokenizer, prompts, first_only: bool) -> list[dict]:
-    rows = []
+    rows, resid = [], []
+    hook = net.model.norm.register_forward_hook(lambda m, i, o: resid.append(i[0][0].norm(dim=-1)))
     for p in prompts:
         ids, spans = encode(tokenizer, p, all_questions=not first_only)
+        resid.clear()
         with torch.no_grad():
             logits = net(torch.tensor([ids]))[0]
         pred = logits.argmax(-1)
@@ -66,12 +68,14 @@ def score(net, tokenizer, prompts, first_only: bool) -> list[dict]:
                 "same_rel": len(re.findall(RELATION_PATTERNS[rel], context)),
                 "ans_count": context.count(qa.answer),
                 "ok": gold == guess,
+                "resid": round(resid[0][start + 1].item()),  # final residual norm at ":" of "Answer:" (predicts the value)
                 "first_wrong": next((i for i, (g, h) in enumerate(zip(gold, guess)) if g != h), None),
                 "gold": tokenizer.decode(gold, skip_special_tokens=False),
                 "guess": tokenizer.decode(guess, skip_special_tokens=False),
                 "question": qa.question, "context_tokens": len(ids),
                 "answer": qa.answer, "context": context,
             })
+    hook.remove()
     return rows
 
 
@@ -97,6 +101,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--respread", default="", help="first apply train_model.py --respread (same seed) to these classes")
     ap.add_argument("--json", type=Path, help="write every scored answer here")
+    ap.add_argument("--cap-mlp", type=float, default=0.0, help="first apply train_model.py --cap-mlp (layers --cap-layers)")
+    ap.add_argument("--cap-layers", default="7")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = json.loads((args.model_dir / "config.json").read_text())
@@ -115,6 +121,17 @@ def main() -> None:
     for cls in filter(None, args.respread.split(",")):
         respread_rows(weight, class_token_ids(tokenizer, cls), deviation_norm(weight, class_token_ids(tokenizer, "companies")),
                       generator)
+    if args.cap_mlp:
+        sequences = []
+        specs = [(s.extra[0][0], 48) for s in STAGES[args.stage: args.stage + 1] if s.extra]
+        specs += [(STAGES[args.stage].spec, 48)] + [(STAGES[s].spec, 24) for s in range(args.stage)]
+        for spec, n in specs:  # as train_model.MlpCap
+            for p in make_prompts(spec, "validation", n):
+                ids, spans = encode(tokenizer, p, all_questions=True)
+                sequences.append((ids, [i for start, end in spans for i in range(start - 1, end - 1)]))
+        layers = {int(x) for x in args.cap_layers.split(",")}
+        peaks = [p if i in layers else p * 0 for i, p in enumerate(mlp_neuron_peaks(net, sequences))]
+        print(f"cap-mlp {args.cap_mlp:g}: {len(cap_mlp_neurons(net, peaks, args.cap_mlp))} neurons scaled down")
     spread = {}
     for cls in VALUE_CLASSES:  # collapsed classes (~0.2-0.3; ~1 at init) cannot be told apart, so not copied
         ids = class_token_ids(tokenizer, cls)
@@ -141,6 +158,12 @@ def main() -> None:
         for r in wrong[: args.wrong]:
             facts = [s for s in re.split(r"(?<=\.) ", r["context"]) if re.search(RELATION_PATTERNS[r["rel"]], s)]
             print(f"    Q {r['question']!r} gold {r['gold']!r} argmax {r['guess']!r} | same-relation facts {facts[:6]}")
+    norms = collections.defaultdict(list)
+    for r in rows:
+        norms[r["rel"]].append(r["resid"])
+    print("  final residual norm (before the last RMSNorm) at the position predicting the value: "
+          + str({k: round(sum(v) / len(v)) for k, v in sorted(norms.items())})
+          + "  (run 8: lives 57700 vs job ~900; --cap-mlp)")
     if args.json:
         args.json.write_text(json.dumps([{k: v for k, v in r.items() if k != "context"} for r in rows], indent=0))
 

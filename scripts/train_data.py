@@ -44,7 +44,11 @@ class Stage:
 # (`python scripts/probe_lookup.py --layers LF --notes 2 3 --note-tokens 8 16 --lr 6e-4 --minutes 25`:
 # first-turn EM lives 0 -> 0.67, job 0 -> 0.71 between 2 M and 6 M tokens), where notes of 32-96
 # tokens or lr 2e-3 showed nothing in the probe's budget.
-LOOKUP_SIMPLE = TaskSpec(2, 3, 8, 16, (1.0, 0.0, 0.0, 0.0), rich_names=False, questions=4, facts_per_note=(1, 2))
+# No "X is based in <city>" facts (relations): commit c81c022 dropped them by accident, so run 8's practice
+# had a based-city distractor in 62 % of prompts (as many based as lives facts; not the main block, see
+# .notes/TRAINING.md "run-8 diagnosis").
+LOOKUP_SIMPLE = TaskSpec(2, 3, 8, 16, (1.0, 0.0, 0.0, 0.0), rich_names=False, questions=4, facts_per_note=(1, 2),
+                         relations=("lives", "job", "code"))
 LOOKUP_RICH = TaskSpec(2, 4, 48, 128, (1.0, 0.0, 0.0, 0.0), rich_names=True, questions=4, facts_per_note=(1, 2))
 NEEDS = ("lookup", "two_hop")  # the issue's targets: >= 95 % lookup, >= 85 % two_hop on EVAL_SPEC
 
@@ -162,13 +166,18 @@ def stage_spec(rng: random.Random, stage: int, stages: tuple[Stage, ...] = STAGE
 
 
 def with_mix(stages: tuple[Stage, ...], stage: int, practice: float | None = None,
-             replay: float | None = None) -> tuple[Stage, ...]:
+             replay: float | None = None, practice_relations: tuple[str, ...] | None = None) -> tuple[Stage, ...]:
     """`stages` with stage `stage`'s first `extra` share and/or its replay share replaced (train_model.py
-    --practice-share / --replay)."""
+    --practice-share / --replay); `practice_relations` replaces the practice spec's fact relations
+    (--practice-relations; a repeated relation is drawn more often, e.g. lives,lives,job,code: half the
+    facts, and so about half the questions, are cities)."""
     s = stages[stage]
+    if (practice is not None or practice_relations) and not s.extra:
+        raise ValueError(f"stage {stage} has no extra (practice) spec")
+    if practice_relations:
+        s = replace(s, extra=((replace(s.extra[0][0], relations=tuple(practice_relations)), s.extra[0][1]),)
+                    + s.extra[1:])
     if practice is not None:
-        if not s.extra:
-            raise ValueError(f"stage {stage} has no extra (practice) spec")
         s = replace(s, extra=((s.extra[0][0], practice),) + s.extra[1:])
     if replay is not None:
         s = replace(s, replay=replay)

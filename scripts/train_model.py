@@ -57,7 +57,7 @@ from train_data import (  # noqa: E402
     relation_index,
     with_mix,
 )
-from train_net import Qwen35ForTraining, deviation_norm, respread_rows  # noqa: E402
+from train_net import Qwen35ForTraining, cap_mlp_neurons, deviation_norm, mlp_neuron_peaks, respread_rows  # noqa: E402
 
 from hypic.data.tasks import EVAL_SPEC, KINDS, eval_prompts, make_prompts  # noqa: E402
 
@@ -86,9 +86,18 @@ def parse_args() -> argparse.Namespace:
                    help="share of the stage's own (non-replay) prompts drawn from its practice spec "
                         "(its first `extra`; stage 1: lookup-only LOOKUP_SIMPLE, default 0.35)")
     p.add_argument("--replay", type=float, default=None, help="share of prompts replayed from earlier stages")
+    p.add_argument("--practice-relations", default="",
+                   help="comma list: fact relations of the practice spec, repeats weight them "
+                        "(e.g. lives,lives,job,code; default the spec's own: lives,job,code)")
     p.add_argument("--respread", default="",
                    help="comma list of VALUE_CLASSES (cities,jobs): once per checkpoint, give these collapsed "
                         "embedding rows fresh random deviations (train_net.respread_rows)")
+    p.add_argument("--cap-mlp", type=float, default=0.0,
+                   help="at the start (and every --cap-every steps) scale down the down_proj column of every MLP "
+                        "neuron of --cap-layers whose output norm at an answer position exceeds this (0: off; "
+                        "run 8's checkpoint: 400; see MlpCap)")
+    p.add_argument("--cap-layers", default="7", help="comma list of layers --cap-mlp applies to")
+    p.add_argument("--cap-every", type=int, default=0, help="re-apply --cap-mlp every this many steps (0: at the start only)")
     p.add_argument("--eval-per-kind", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=25, help="steps between loss-curve points")
@@ -217,10 +226,12 @@ class Feed:
         self.switch(stage)
 
     def switch(self, stage: int) -> None:
-        """--practice-share / --replay apply to whichever stage runs (a stage without practice keeps none)."""
+        """--practice-share / --replay / --practice-relations apply to whichever stage runs (a stage without
+        practice keeps none)."""
         self.stage = stage
         practice = self.args.practice_share if STAGES[stage].extra else None
-        self.stages = with_mix(STAGES, stage, practice, self.args.replay)
+        relations = tuple(filter(None, self.args.practice_relations.split(","))) if STAGES[stage].extra else None
+        self.stages = with_mix(STAGES, stage, practice, self.args.replay, relations or None)
         self.pending.clear()
         self.ready.clear()
 
@@ -256,6 +267,49 @@ def respread(args: argparse.Namespace, net: Qwen35ForTraining, tokenizer: Tokeni
             print(f"respread {name}: deviation/norm {before:.3f} -> {spread(weight, rows):.3f} "
                   f"(deviation {norm:.3f})", flush=True)
     state["respread"] = state.get("respread", []) + todo
+
+
+class MlpCap:
+    """--cap-mlp: in run 8's checkpoint two last-layer MLP neurons wrote norms of ~2e4 (and ~40 more 400-1e4) at
+    the position that predicts a city, a context-free "some city" prior: the final residual there was 5.8e4
+    (jobs, linked, two_hop: ~900), so the final RMSNorm divided the attention heads' share of the prediction, and
+    the gradient that reaches them, by ~60; the lives loss reached q/k/v/o of the attention layers 100-1000x
+    weaker than the job loss and cities were never copied. Capping these neurons (train_net.cap_mlp_neurons)
+    restored that gradient to 1/6-1/2 of the jobs' and left every other answer's exact match unchanged (CPU,
+    .notes/TRAINING.md, 2026-11-29 run-8 diagnosis). Peaks are measured on the answer positions of fixed
+    validation prompts (the stage's practice and own spec, earlier stages' specs), the maximum over ranks."""
+
+    def __init__(self, args: argparse.Namespace, tokenizer: Tokenizer, ranks: Ranks) -> None:
+        self.cap, self.every, self.ranks = args.cap_mlp, args.cap_every, ranks
+        self.layers = {int(x) for x in args.cap_layers.split(",") if x}
+        self.tokenizer, self.stage, self.sequences = tokenizer, -1, []
+
+    def __call__(self, net: Qwen35ForTraining, stage: int, state: dict) -> None:
+        if not self.cap:
+            return
+        if stage != self.stage:
+            specs = [(s.extra[0][0], 48) for s in STAGES[stage: stage + 1] if s.extra]
+            specs += [(STAGES[stage].spec, 48)] + [(STAGES[s].spec, 24) for s in range(stage)]
+            self.sequences, self.stage = [], stage
+            for spec, n in specs:
+                for p in make_prompts(spec, "validation", n):
+                    ids, spans = encode(self.tokenizer, p, all_questions=True)
+                    self.sequences.append((ids, [i for start, end in spans for i in range(start - 1, end - 1)]))
+        training = net.training
+        net.eval()
+        peaks = mlp_neuron_peaks(net, self.sequences)
+        net.train(training)
+        for i, peak in enumerate(peaks):
+            if self.ranks.world > 1:  # the same columns on every rank
+                dist.all_reduce(peak, dist.ReduceOp.MAX, group=self.ranks.control)
+            if i not in self.layers:
+                peak.zero_()
+        capped = cap_mlp_neurons(net, peaks, self.cap)
+        state["mlp_capped"] = state.get("mlp_capped", 0) + len(capped)
+        if self.ranks.main and capped:
+            top = sorted(capped, key=lambda c: -c[2])[:4]
+            print(f"cap-mlp {self.cap:g} at step {state['step']}: {len(capped)} neurons, largest "
+                  + ", ".join(f"L{layer}/{n} {peak:.0f}" for layer, n, peak in top), flush=True)
 
 
 def spread(weight: torch.Tensor, rows: list[int]) -> float:
@@ -393,6 +447,8 @@ def main() -> None:
         state["stage"], state["stage_step"] = args.stage, 0
     tokenizer = Tokenizer.from_file(str(args.model_dir / "tokenizer.json"))
     respread(args, net, tokenizer, state, ranks)
+    cap = MlpCap(args, tokenizer, ranks)
+    cap(net, state["stage"], state)
     feed.start(state["stage"], state["group"])
     params = sum(p.numel() for p in net.parameters())
     if ranks.main:
@@ -400,7 +456,7 @@ def main() -> None:
               f"resumed={resumed} state={state}", flush=True)
     model = net if ranks.world == 1 else DistributedDataParallel(net, device_ids=[device.index] if cuda else None)
     classes = {name: class_token_ids(tokenizer, name) for name in ("cities", "jobs", "companies")}
-    train(args, model, opt, feed, device, state, curve, resumed, started, ckpt, ranks, classes)
+    train(args, model, opt, feed, device, state, curve, resumed, started, ckpt, ranks, classes, cap)
     if ranks.world > 1:
         diff = ranks.replica_diff(net)
         if ranks.main:
@@ -417,7 +473,8 @@ def main() -> None:
 
 
 def train(args, model: torch.nn.Module, opt, feed: Feed, device, state: dict, curve: dict, resumed: bool,
-          started: float, ckpt: Checkpoint, ranks: Ranks, classes: dict[str, list[int]]) -> None:
+          started: float, ckpt: Checkpoint, ranks: Ranks, classes: dict[str, list[int]],
+          cap: MlpCap | None = None) -> None:
     """`model` is the DDP wrapper under torchrun: its backward averages the gradients over ranks."""
     net = model.module if isinstance(model, DistributedDataParallel) else model
     reserve = 8.0 if args.smoke else 45.0  # evaluation + save at the end
@@ -447,6 +504,8 @@ def train(args, model: torch.nn.Module, opt, feed: Feed, device, state: dict, cu
         meter.add(loss, correct, b, batch.tokens)
         gate_meter.add(loss, correct, b, batch.tokens)
         state["step"], state["stage_step"], run_step = state["step"] + 1, state["stage_step"] + 1, run_step + 1
+        if cap is not None and cap.every and run_step % cap.every == 0:
+            cap(net, state["stage"], state)
         if state["step"] % args.log_every == 0:
             log_point(meter, state, curve, opt, last_log, ranks, classes, net.model.embed_tokens.weight)
             meter.reset()

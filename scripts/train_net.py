@@ -209,6 +209,44 @@ def collapse_rows(weight: torch.Tensor, rows: list[int], ratio: float, generator
     weight[rows] = (x + u * (ratio * x.norm(dim=-1).mean() / u.norm())).to(weight.dtype)
 
 
+@torch.no_grad()
+def mlp_neuron_peaks(net: Qwen35ForTraining, sequences: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
+    """Per layer, each MLP neuron's largest output norm |activation| * |down_proj column| over the given
+    (token ids, positions) pairs (run 8's checkpoint: 1-3 neurons of the last layer write ~2e4 at the position
+    that predicts a city, where every other answer's final residual is ~1e3)."""
+    layers = net.model.layers
+    peaks = [torch.zeros(layer.mlp.down_proj.in_features) for layer in layers]
+    acts: list[torch.Tensor] = []
+    hooks = [layer.mlp.down_proj.register_forward_hook(lambda m, i, o: acts.append(i[0])) for layer in layers]
+    try:
+        device = next(net.parameters()).device
+        for ids, positions in sequences:
+            acts.clear()
+            net.hidden_states(torch.tensor([ids], device=device))
+            for peak, act, layer in zip(peaks, acts, layers):
+                col = layer.mlp.down_proj.weight.float().norm(dim=0)
+                out = (act[0, positions].float().abs() * col).amax(0).cpu()
+                torch.maximum(peak, out, out=peak)
+    finally:
+        for h in hooks:
+            h.remove()
+    return peaks
+
+
+@torch.no_grad()
+def cap_mlp_neurons(net: Qwen35ForTraining, peaks: list[torch.Tensor], cap: float) -> list[tuple[int, int, float]]:
+    """Scales the down_proj column of every MLP neuron whose peak output norm exceeds `cap` down to `cap`.
+    The final RMSNorm divides the residual by its norm, so one neuron writing ~2e4 (a context-free "the answer
+    is some city" prior) leaves every attention head (outputs ~1e2-1e3) with ~1 % of the prediction and of its
+    gradient: copying a city from the context can then never be learned. Returns (layer, neuron, peak)."""
+    capped = []
+    for index, (layer, peak) in enumerate(zip(net.model.layers, peaks)):
+        for neuron in torch.nonzero(peak > cap).flatten().tolist():
+            layer.mlp.down_proj.weight[:, neuron] *= cap / peak[neuron].item()
+            capped.append((index, neuron, peak[neuron].item()))
+    return capped
+
+
 def deviation_norm(weight: torch.Tensor, rows: list[int]) -> float:
     """Mean distance of the rows from their mean (how distinct a class's members are)."""
     x = weight[rows].float()

@@ -123,3 +123,68 @@ def test_value_classes_and_embedding_respread() -> None:
     x = torch.nn.functional.normalize(weight[rows], dim=-1)
     assert (x @ x.T).fill_diagonal_(0).mean() < 0.5
     assert torch.equal(weight[others], untouched)
+
+
+def test_practice_has_no_based_facts_and_relation_weights() -> None:
+    """Stage-1 practice (LOOKUP_SIMPLE) states no "X is based in <city>" facts, so every city in a practice
+    context answers a lookup; --practice-relations (with_mix) reweights the practice facts by repetition."""
+    import collections
+    import re
+
+    import pytest
+    from train_data import LOOKUP_SIMPLE, with_mix
+
+    from hypic.data.tasks import make_prompts
+
+    assert STAGES[1].extra[0][0] is LOOKUP_SIMPLE and "based" not in LOOKUP_SIMPLE.relations
+    prompts = make_prompts(LOOKUP_SIMPLE, "train", 300)
+    assert not any(" is based in " in note for p in prompts for note in p.notes)
+
+    def question_relations(spec) -> collections.Counter:
+        return collections.Counter(qa.question.split()[0] + ("job" if qa.question.endswith("job?") else "")
+                                   for p in make_prompts(spec, "train", 300) for qa in p.qas)
+
+    weighted = with_mix(STAGES, 1, practice=0.7, practice_relations=("lives", "lives", "job", "code"))
+    spec = weighted[1].extra[0][0]
+    assert weighted[1].extra[0][1] == 0.7 and spec.relations == ("lives", "lives", "job", "code")
+    assert (spec.min_notes, spec.max_note_tokens, spec.questions) == (2, 16, 4)  # only the relations change
+    assert weighted[1].spec == STAGES[1].spec and weighted[1].replay == STAGES[1].replay
+    base, more = question_relations(LOOKUP_SIMPLE), question_relations(spec)
+
+    def share(c: collections.Counter) -> float:  # "Where does X live?"
+        return c["Where"] / sum(c.values())
+
+    assert 0.25 < share(base) < 0.42 and 0.42 < share(more) < 0.6
+    assert all(re.search(r" lives in | works as | locker code is ", "".join(p.notes))
+               for p in make_prompts(spec, "validation", 50))
+    with pytest.raises(ValueError):
+        with_mix(STAGES, 0, practice_relations=("lives",))  # stage 0 has no practice spec
+
+
+def test_mlp_neuron_cap() -> None:
+    """train_model.py --cap-mlp: mlp_neuron_peaks finds a neuron that dominates the residual at answer positions,
+    cap_mlp_neurons scales only its down_proj column so that its peak equals the cap."""
+    import json
+
+    import torch
+    from train_net import Qwen35ForTraining, cap_mlp_neurons, mlp_neuron_peaks
+
+    torch.manual_seed(0)
+    cfg = json.loads((MODEL_DIR / "config.json").read_text())
+    cfg.update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], vocab_size=64)
+    net = Qwen35ForTraining(cfg).eval()
+    down = net.model.layers[1].mlp.down_proj.weight
+    with torch.no_grad():
+        down[:, 7] *= 1000.0
+    sequences = [(list(range(3, 40)), [10, 20, 30]), (list(range(5, 30)), [4, 24])]
+    peaks = mlp_neuron_peaks(net, sequences)
+    assert [p.shape[0] for p in peaks] == [cfg["intermediate_size"]] * 2
+    assert peaks[1].argmax().item() == 7
+    cap = 2 * peaks[1].topk(2).values[1].item()  # above every other neuron
+    before = down.detach().clone()
+    capped = cap_mlp_neurons(net, [torch.zeros_like(peaks[0]), peaks[1]], cap)
+    assert [(layer, neuron) for layer, neuron, _ in capped] == [(1, 7)]
+    changed = (down.detach() != before).any(0)
+    assert changed.nonzero().flatten().tolist() == [7]
+    after = mlp_neuron_peaks(net, sequences)
+    assert abs(after[1][7].item() - cap) < 1e-3 * cap and torch.equal(after[0], peaks[0])
