@@ -234,6 +234,8 @@ class SegmentStore:
         self._arena = torch.zeros(self.capacity_bytes + zero_bytes, dtype=torch.uint8, device=device)
         self.zero_entry = SegmentEntry(SegmentKey(bytes(16), None), (0, 0), self.capacity_bytes, zero_bytes,
                                        layout, self._arena)
+        # offset of each channel within a stored conv tail [conv_dim, W-1], for gathering tails in place
+        self.conv_channels = torch.arange(layout.conv_dim, device=device) * (layout.conv_kernel - 1)
         self._free = _FreeList(self.capacity_bytes)
         self._index: OrderedDict[SegmentKey, SegmentEntry] = OrderedDict()  # LRU first
         self._flushed: list[SegmentEntry] = []  # removed from the index, still pinned

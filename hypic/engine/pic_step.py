@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hypic.cache.segment_store import SegmentStore
 from hypic.engine.forward_batch import ForwardBatch
 from hypic.engine.pic_plan import SegmentJob
 from hypic.engine.pieces import walk_length
@@ -74,13 +75,7 @@ class PicStep:
     family: LinearFamily
     assembly: Assembly | None
     capture: Capture | None
-    t_src: torch.Tensor | None = None
-    s0_src: torch.Tensor | None = None
-    model_src: torch.Tensor | None = None
-    conv_channels: torch.Tensor | None = None  # [conv_dim] offset of each channel in a stored conv tail
-    t_stride: int = 0
-    s0_stride: int = 0
-    conv_stride: int = 0
+    store: SegmentStore  # where the composed pieces' tuples and conv tails are read in place
 
     # -- linear layers -------------------------------------------------------------------------
 
@@ -100,8 +95,8 @@ class PicStep:
     def _conv_tails(self, a: Assembly, linear_index: int) -> torch.Tensor:
         """[P*(W-1), conv_dim]: every composed piece's tail rows, gathered from the store in place
         (tensor offsets, not a list of views, so a CUDA graph can replay it for other pieces)."""
-        rows = a.tail_offsets + linear_index * self.conv_stride
-        return self.model_src[rows[:, None] + self.conv_channels[None, :]]
+        rows = a.tail_offsets + linear_index * self.store.layout.conv_layer_stride
+        return self.store.model_src[rows[:, None] + self.store.conv_channels[None, :]]
 
     def recur(self, layer, q, k, v, g, beta, ssm_pool: torch.Tensor, batch: ForwardBatch,
               linear_index: int) -> torch.Tensor:
@@ -110,10 +105,11 @@ class PicStep:
             return layer.recur(q, k, v, g, beta, ssm_pool, batch)
         o = torch.empty_like(v)
         r = a.walk_rows
-        pieces = a.pieces.shifted(linear_index * self.t_stride, linear_index * self.s0_stride)
+        layout = self.store.layout
+        pieces = a.pieces.shifted(linear_index * layout.t_layer_stride, linear_index * layout.s0_layer_stride)
         o[r] = compose_and_recur(q[r], k[r], v[r], g[r], beta[r], ssm_pool, batch.slots[a.walk_seq_index],
-                                 batch.has_state[a.walk_seq_index], a.walk_cu_seqlens, pieces, self.t_src,
-                                 self.s0_src, family=self.family, scale=layer.scale, checkpoints=a.saves)
+                                 batch.has_state[a.walk_seq_index], a.walk_cu_seqlens, pieces, self.store.t_src,
+                                 self.store.s0_src, family=self.family, scale=layer.scale, checkpoints=a.saves)
         if a.rest_rows.numel():  # after the walk: the tails read the composed states from the slots
             r = a.rest_rows
             o[r] = gated_delta_rule(q[r], k[r], v[r], g[r], beta[r], ssm_pool, batch.slots[a.rest_seq_index],
@@ -143,17 +139,15 @@ class PicStep:
 
 # -- building a step's PIC part on the host --------------------------------------------------------
 
-def build_pic_step(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, store, family: LinearFamily,
-                   device: torch.device) -> PicStep | None:
+def build_pic_step(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, store: SegmentStore,
+                   family: LinearFamily, device: torch.device) -> PicStep | None:
     """The PIC part of a step over the segment store `store`; None when no chunk needs one."""
-    layout = store.layout
-    assembly = build_assembly(chunks, seq_lens, num_decodes, layout.conv_kernel, device)
-    capture = build_capture(chunks, seq_lens, layout.conv_kernel, device)
+    width = store.layout.conv_kernel
+    assembly = build_assembly(chunks, seq_lens, num_decodes, width, device)
+    capture = build_capture(chunks, seq_lens, width, device)
     if assembly is None and capture is None:
         return None
-    channels = torch.arange(layout.conv_dim, device=device) * (layout.conv_kernel - 1)  # a tail is [conv_dim, W-1]
-    return PicStep(family, assembly, capture, store.t_src, store.s0_src, store.model_src, channels,
-                   layout.t_layer_stride, layout.s0_layer_stride, layout.conv_layer_stride)
+    return PicStep(family, assembly, capture, store)
 
 
 def build_assembly(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, conv_width: int,
