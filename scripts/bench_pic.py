@@ -101,14 +101,16 @@ def main() -> None:
     parser.add_argument("--counts", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seam-width", type=int, default=8)
-    parser.add_argument("--profile", action="store_true", help="print torch.profiler tables of a cold and a warm request")
+    parser.add_argument("--profile", type=lambda s: [tuple(map(int, x.split("x"))) for x in s.split(",")], default=[],
+                        metavar="NxLEN,...", help="print profiles of a warm request of each prompt shape (and a "
+                        "cold one of the first), e.g. 4x1024,16x1024")
     parser.add_argument("--out", type=Path, default=Path("bench/results/pic_h200.json"))
     args = parser.parse_args()
     engine = LLMEngine(engine_config(args))
     rng = random.Random(0)
     measure(engine, 2, 512, rng, 1)  # warm-up: compile and autotune every kernel
-    if args.profile:
-        profile(engine, rng)
+    for i, (num_docs, doc_len) in enumerate(args.profile):
+        profile(engine, rng, num_docs, doc_len, cold=i == 0)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "shape": args.model or args.shape, "seam_width": args.seam_width,
               "by_length": {}, "by_count": {}}
@@ -126,22 +128,25 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=2))
 
 
-def profile(engine: LLMEngine, rng: random.Random) -> None:
-    """Where a cold and a warm 4 x 1024 request spend their time: host ops, GPU kernels, and the
-    Python lines that make the host wait for the GPU."""
+def profile(engine: LLMEngine, rng: random.Random, num_docs: int, doc_len: int, *, cold: bool) -> None:
+    """Where a (cold and a) warm num_docs x doc_len request spend their time: host ops, GPU kernels,
+    and the Python lines that make the host wait for the GPU. Without `cold`, the documents are
+    cached by an unmeasured request first."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
-    system, docs = random_tokens(SYSTEM_TOKENS, rng), [random_tokens(1024, rng) for _ in range(4)]
-    for label in ("cold", "warm"):
-        prompt = rag_prompt(rng.sample(docs, 4), system, random_tokens(QUERY_TOKENS, rng))
+    system, docs = random_tokens(SYSTEM_TOKENS, rng), [random_tokens(doc_len, rng) for _ in range(num_docs)]
+    if not cold:
+        ttft(engine, rag_prompt(docs, system, random_tokens(QUERY_TOKENS, rng)), "hypic")
+    for label in ("cold", "warm")[0 if cold else 1:]:
+        prompt = rag_prompt(rng.sample(docs, num_docs), system, random_tokens(QUERY_TOKENS, rng))
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             elapsed = ttft(engine, prompt, "hypic")
-        print(f"--- {label} hypic request: {elapsed * 1e3:.1f} ms")
+        print(f"--- {label} hypic request, {num_docs}x{doc_len}: {elapsed * 1e3:.1f} ms")
         table = prof.key_averages()
         print(table.table(sort_by="cpu_time_total", row_limit=20, max_name_column_width=60))
         print(table.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
         for check in (print_sync_sites, functools.partial(print_host_time, label)):
-            prompt = rag_prompt(rng.sample(docs, 4), system, random_tokens(QUERY_TOKENS, rng))
+            prompt = rag_prompt(rng.sample(docs, num_docs), system, random_tokens(QUERY_TOKENS, rng))
             if label == "cold":
                 engine.flush_segments()
             check(functools.partial(ttft, engine, prompt, "hypic"))

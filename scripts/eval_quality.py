@@ -42,7 +42,7 @@ from plot_quality import write_report
 from tqdm import tqdm
 
 from hypic import CACHE_MODES, AsyncEngine, EngineConfig, RequestMetrics, SamplingParams
-from hypic.data import KINDS, Prompt, eval_prompts, is_correct
+from hypic.data import EVAL_SPEC, EVAL_SPEC_SINGLE_NAMES, KINDS, Prompt, eval_prompts, is_correct
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "bench" / "results"
 ERRORS_KEPT = 2  # wrong replies kept per kind in the JSON, to see how a setting fails
@@ -205,7 +205,8 @@ def release_device_memory() -> None:
 async def evaluate(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
     """Every setting, engine by engine; `save` gets the result so far after each engine but the last
     (a run cut short by a time limit still leaves its finished settings)."""
-    prompts = eval_prompts(args.per_kind, split=args.split)
+    spec = EVAL_SPEC if args.names == "rich" else EVAL_SPEC_SINGLE_NAMES
+    prompts = eval_prompts(args.per_kind, split=args.split, spec=spec)
     settings = settings_of(args.modes, args.seam_widths)
     samples = min(args.ttft_samples, len(prompts))
     results: dict[Setting, dict] = {}
@@ -223,8 +224,8 @@ async def evaluate(args: argparse.Namespace, save: Callable[[dict], None]) -> di
 
 def assemble(args: argparse.Namespace, header: dict, num_prompts: int, samples: int,
              done: list[tuple[Setting, dict]]) -> dict:
-    run = {"split": args.split, "per_kind": args.per_kind, "num_prompts": num_prompts, "kinds": list(KINDS),
-           "max_tokens": args.max_tokens, "concurrency": args.concurrency, "ttft_samples": samples,
+    run = {"split": args.split, "names": args.names, "per_kind": args.per_kind, "num_prompts": num_prompts,
+           "kinds": list(KINDS), "max_tokens": args.max_tokens, "concurrency": args.concurrency, "ttft_samples": samples,
            "state_drift": "scripts/bench_fidelity.py"}
     entries = [{"label": s.label, "mode": s.mode, "seam_width": s.seam_width, **found} for s, found in done]
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), **header, **run, "settings": entries}
@@ -265,6 +266,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--modes", type=_modes, default=list(CACHE_MODES), help="comma list of cache modes")
     parser.add_argument("--seam-widths", type=_widths, default=[0, 4, 8, 16, 32], help="hypic seam widths w")
     parser.add_argument("--split", default="test", choices=("validation", "test"))
+    parser.add_argument("--names", default="rich", choices=("rich", "single"),
+                        help="entity names of the held-out prompts: invented multi-token names (the benchmark), "
+                             "or single-token common names (the same spec otherwise)")
     parser.add_argument("--max-tokens", type=_positive, default=24, help="tokens generated per answer")
     parser.add_argument("--concurrency", type=_positive, default=32, help="accuracy requests in flight")
     parser.add_argument("--ttft-samples", type=_positive, default=20,

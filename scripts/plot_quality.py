@@ -34,11 +34,14 @@ def markdown(result: dict) -> str:
                       _summary(result), "", "Exact match (%) per question kind:", "", *table, "", _legend(result), ""])
 
 
+NAMES = {"rich": "invented multi-token names", "single": "single-token names"}
+
+
 def _summary(result: dict) -> str:
     partial = "" if result.get("complete", True) else " **Partial: the run stopped before its last settings.**"
     return (f"{result['date']} · {result['device']} · model `{result['model']}` ({result['dtype']}, weights "
             f"xxh64 {result['weights_xxh64']}) · {result['num_prompts']} held-out prompts ({result['per_kind']} "
-            f"per kind, split {result['split']}) · greedy, at most {result['max_tokens']} tokens, "
+            f"per kind, split {result['split']}, {NAMES[result.get('names', 'rich')]}) · greedy, at most {result['max_tokens']} tokens, "
             f"{result['concurrency']} in flight · TTFT over {result['ttft_samples']} prompts per setting, "
             f"one at a time.{partial}")
 

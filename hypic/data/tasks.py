@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hypic.config import PIC_SEPARATOR
 from hypic.data.notes import RELATIONS, Candidate, Note, World, dependent_note, fact_note, long_note
@@ -67,6 +67,8 @@ class TaskSpec:
 
 EVAL_SPEC = TaskSpec(min_notes=4, max_notes=8, min_note_tokens=64, max_note_tokens=256)
 """The held-out benchmark the bundled model is measured on (PIC accuracy per cache mode)."""
+EVAL_SPEC_SINGLE_NAMES = replace(EVAL_SPEC, rich_names=False)
+"""The benchmark with single-token common names, the names of training stage 1."""
 
 
 @dataclass(frozen=True)
@@ -262,6 +264,8 @@ class NotePool:
 
 
 def eval_prompts(per_kind: int, split: str = "test", spec: TaskSpec = EVAL_SPEC, seed: int = 0,
-                 pool_notes: int = 48) -> list[Prompt]:
-    """The benchmark: requests over one shared note pool, `per_kind` of each question kind."""
-    return NotePool(spec, split, pool_notes, seed).requests(per_kind)
+                 pool_notes: int | None = None) -> list[Prompt]:
+    """The benchmark: requests over one shared note pool, `per_kind` of each question kind. The pool
+    holds 48 notes, 32 with single-token names (their 118 first names run out in a larger one)."""
+    pool = pool_notes or (48 if spec.rich_names else 32)
+    return NotePool(spec, split, pool, seed).requests(per_kind)
