@@ -49,7 +49,7 @@ def test_padded_assembly_step_gives_the_eager_tokens_and_logprobs(slow_decay_mod
     cold_then_warm = [prompt(*DOCS), prompt(DOCS[2], DOCS[0], DOCS[1]), prompt(DOCS[1], DOCS[2])]
     eager = LLMEngine(config)
     expected = [generate(eager, p, 5) for p in cold_then_warm]
-    padded, sizes_used = padded_engine(config, sizes=(32, 40, 48, 56, 64, 96, 128))
+    padded, sizes_used = padded_engine(config, sizes=(32, 40, 48, 56, 64, 88, 96, 128))
     got = [generate(padded, p, 5) for p in cold_then_warm]
     assert len(sizes_used) >= 2 and len(set(sizes_used)) >= 2  # the warm requests ran padded, at two sizes
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected):

@@ -10,6 +10,7 @@ from engine_util import collect, cpu_config, greedy
 
 from hypic import AsyncEngine
 from hypic.engine.llm_engine import LLMEngine
+from hypic.engine.pieces import TAIL_WALK_MAX
 from hypic.engine.segments import SegmentedPrompt
 
 SEP = "<|segment|>"
@@ -107,12 +108,25 @@ def test_warm_request_prefills_in_one_step_and_keeps_the_last_checkpoint(slow_de
     warm_up = prompt(*reversed(DOCS), query="?")  # another order: the prefix cache cannot serve p
     cold = _steps_and_output(engine, SegmentedPrompt.build(engine.tokenizer, warm_up, separator=SEP))
     warm, repeat = (_steps_and_output(engine, p) for _ in range(2))
-    assert cold["first_token_step"] > 1 and warm["first_token_step"] == 1  # after the system prompt's hit
-    assert warm["cached"]["prefix"] == len(p.segments[0]) and warm["cached"]["pic"] > 0
+    assert cold["first_token_step"] > 1 and warm["first_token_step"] == 1
+    # the short system prompt is walked in the assembly step, not cut off as a step (and checkpoint) of its own
+    assert warm["cached"].keys() == {"pic"} and warm["cached"]["pic"] > 0
     assert repeat["first_token_step"] == 1 and repeat["cached"] == {"prefix": len(p.token_ids) - 1}
     assert repeat["tokens"] == warm["tokens"] and len(warm["tokens"]) == 4
     assert repeat["logprobs"] == pytest.approx(warm["logprobs"], abs=1e-5)
     assert engine.store.stats().pinned == 0
+
+
+def test_a_long_system_prompt_is_checkpointed_and_hit_by_the_next_prompt(slow_decay_model_dir):
+    """A first segment longer than the walk takes runs as a step of its own and keeps its state:
+    the next prompt with the same system prompt (another document) starts from it."""
+    engine = LLMEngine(pic_config(slow_decay_model_dir))
+    system = SYSTEM * 7
+    first = SegmentedPrompt.build(engine.tokenizer, SEP.join([system, DOCS[0], QUERY]), separator=SEP)
+    assert len(first.segments[0]) > TAIL_WALK_MAX
+    _steps_and_output(engine, first)
+    second = SegmentedPrompt.build(engine.tokenizer, SEP.join([system, DOCS[1], "?"]), separator=SEP)
+    assert _steps_and_output(engine, second)["cached"]["prefix"] == len(first.segments[0])
 
 
 def test_next_turn_resumes_after_its_documents(slow_decay_model_dir):

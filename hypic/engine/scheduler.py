@@ -14,7 +14,7 @@ from hypic.cache.block_pool import BlockPool, NoFreeBlocks
 from hypic.cache.model_caches import ModelCaches
 from hypic.cache.prefix_cache import PrefixCache, accepted_provenances, share_pages
 from hypic.cache.slot_pool import SlotPool
-from hypic.engine.pieces import Chunk, walk_length
+from hypic.engine.pieces import TAIL_WALK_MAX, Chunk, walk_length
 from hypic.engine.sequence import Sequence, SequenceStatus
 
 
@@ -268,11 +268,15 @@ class Scheduler:
     def _checkpoint_positions(self, seq: Sequence) -> list[int]:
         """End of the first segment (a shared system prompt) and the last prompt token but one (an
         identical prompt repeated then computes one token, as a CUDA-graph decode step), never
-        inside a cached interior."""
+        inside a cached interior. A short first segment of an assembling prompt is not kept: cut
+        there, it would run as an eager step of its own before the assembly step, which costs
+        more than walking its tokens again in the next prompt's assembly."""
         if seq.info.cache_mode == "none" or seq.segment_job is not None:
             return []
         prompt_len = len(seq.info.prompt_ids)
-        marks = {seq.info.segment_ends[0] if len(seq.info.segment_ends) > 1 else 0, prompt_len - 1}
+        first_end = seq.info.segment_ends[0] if len(seq.info.segment_ends) > 1 else 0
+        walked_with_assembly = seq.cached and first_end <= TAIL_WALK_MAX
+        marks = {0 if walked_with_assembly else first_end, prompt_len - 1}
         inside = [(p.start, p.end) for p in seq.cached]
         return sorted(m for m in marks if 0 < m < prompt_len and not any(a < m <= b for a, b in inside))
 
