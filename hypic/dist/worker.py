@@ -183,13 +183,12 @@ class EngineNode:
             await self._send_quietly(Failed(message.request_id, error_info(error)))
 
     def _plan(self, message: Plan) -> PlanReply:
-        try:
-            jobs = self.engine.segment_jobs(message.prompt, cache_salt=message.cache_salt,
-                                            cache_mode=message.cache_mode)
+        try:  # tokenized once: a long prompt's tokenization is a good part of the plan's time
             prompt = SegmentedPrompt.build(self.engine.tokenizer, message.prompt,
                                            separator=self.engine.config.segment_separator,
                                            add_special_tokens=message.add_special_tokens)
             _check_length(prompt.num_tokens, message.max_tokens, self.engine.max_model_len)
+            jobs = self.engine.segment_jobs(prompt, cache_salt=message.cache_salt, cache_mode=message.cache_mode)
         except HypicError as error:
             return PlanReply(message.call_id, error=error_info(error))
         hashes = prefix_hashes(prompt.token_ids, message.cache_salt, self.spec.affinity_granularity)

@@ -140,11 +140,13 @@ class AsyncEngine:
 
     # -- segments (PIC), for peers and operators -------------------------------------------------
 
-    def segment_jobs(self, prompt: str | list[str] | list[int], *, cache_salt: str | None = None,
+    def segment_jobs(self, prompt: str | list[str] | list[int] | SegmentedPrompt, *, cache_salt: str | None = None,
                      cache_mode: str | None = None) -> list[SegmentJob]:
-        """The PIC segments of a prompt in order, each marked with whether this engine stores it."""
-        segmented = SegmentedPrompt.build(self.tokenizer, prompt, separator=self.config.segment_separator)
-        return self._require_core().segment_jobs(segmented, cache_salt, cache_mode)
+        """The PIC segments of a prompt in order, each marked with whether this engine stores it (a
+        prompt already tokenized into segments is taken as it is)."""
+        if not isinstance(prompt, SegmentedPrompt):
+            prompt = SegmentedPrompt.build(self.tokenizer, prompt, separator=self.config.segment_separator)
+        return self._require_core().segment_jobs(prompt, cache_salt, cache_mode)
 
     async def build_segments(self, jobs: list[SegmentJob]) -> list[SegmentTuple | None]:
         """Prefills the segments here (batched with everything else), stores and returns their tuples
