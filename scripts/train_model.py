@@ -72,6 +72,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ckpt", type=Path, required=True, help="checkpoint directory (created or resumed)")
     p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL, help="config.json + tokenizer.json")
     p.add_argument("--time-limit", type=float, default=540.0, help="wall seconds of this run, all included")
+    p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps of this run (0: no limit)")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="training seconds of all runs together (LR decay and stage deadlines follow it)")
     p.add_argument("--decay-frac", type=float, default=0.25)
@@ -482,8 +483,9 @@ def train(args, model: torch.nn.Module, opt, feed: Feed, device, state: dict, cu
     run_step, last_log, last_save = 0, time.monotonic(), time.monotonic()
     while True:
         now = time.monotonic()
+        out_of_time = now - started >= args.time_limit - reserve
         stop, save, state["train_s"] = ranks.decide(
-            now - started >= args.time_limit - reserve, now - last_save > 150, state["train_s"])
+            out_of_time or run_step == args.max_steps, now - last_save > 150, state["train_s"])
         if save:
             state["group"] = ranks.maximum(feed.group)
             if ranks.main:
