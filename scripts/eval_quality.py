@@ -225,8 +225,8 @@ async def evaluate(args: argparse.Namespace, save: Callable[[dict], None]) -> di
 def assemble(args: argparse.Namespace, header: dict, num_prompts: int, samples: int,
              done: list[tuple[Setting, dict]]) -> dict:
     run = {"split": args.split, "names": args.names, "per_kind": args.per_kind, "num_prompts": num_prompts,
-           "kinds": list(KINDS), "max_tokens": args.max_tokens, "concurrency": args.concurrency, "ttft_samples": samples,
-           "state_drift": "scripts/bench_fidelity.py"}
+           "kinds": list(KINDS), "max_tokens": args.max_tokens, "concurrency": args.concurrency,
+           "ttft_samples": samples, "state_drift": "scripts/bench_fidelity.py"}
     entries = [{"label": s.label, "mode": s.mode, "seam_width": s.seam_width, **found} for s, found in done]
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), **header, **run, "settings": entries}
 

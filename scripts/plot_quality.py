@@ -41,7 +41,8 @@ def _summary(result: dict) -> str:
     partial = "" if result.get("complete", True) else " **Partial: the run stopped before its last settings.**"
     return (f"{result['date']} · {result['device']} · model `{result['model']}` ({result['dtype']}, weights "
             f"xxh64 {result['weights_xxh64']}) · {result['num_prompts']} held-out prompts ({result['per_kind']} "
-            f"per kind, split {result['split']}, {NAMES[result.get('names', 'rich')]}) · greedy, at most {result['max_tokens']} tokens, "
+            f"per kind, split {result['split']}, {NAMES[result.get('names', 'rich')]}) · greedy, at most "
+            f"{result['max_tokens']} tokens, "
             f"{result['concurrency']} in flight · TTFT over {result['ttft_samples']} prompts per setting, "
             f"one at a time.{partial}")
 

@@ -17,5 +17,5 @@ from hypic.data.tasks import (
     make_prompts,
 )
 
-__all__ = ["EVAL_SPEC", "EVAL_SPEC_SINGLE_NAMES", "KINDS", "SPLITS", "NotePool", "Prompt", "QA", "TaskSpec", "eval_prompts",
-           "extract_answer", "is_correct", "make_prompt", "make_prompts"]
+__all__ = ["EVAL_SPEC", "EVAL_SPEC_SINGLE_NAMES", "KINDS", "SPLITS", "NotePool", "Prompt", "QA", "TaskSpec",
+           "eval_prompts", "extract_answer", "is_correct", "make_prompt", "make_prompts"]

@@ -76,7 +76,7 @@ class PicAssembler:
         if capture is None:
             return []
         done = []
-        starts = itertools.accumulate(capture.seq_lens, initial=0)  # host lengths: no read of cu_seqlens
+        starts = itertools.accumulate(capture.seq_lens, initial=0)
         for j, (job, start) in enumerate(zip(capture.jobs, starts)):
             stored = self.store.put(job.key, _tuple_of(capture, j, job, start))
             self._wake(job.key, stored)

@@ -60,7 +60,6 @@ class Capture:
 
     jobs: list[SegmentJob]
     rows: torch.Tensor  # [R] interior token rows, job after job
-    cu_seqlens: torch.Tensor  # [J+1] int32 offsets into rows
     seq_lens: tuple[int, ...]  # [J] interior lengths, on the host
     tail_rows: torch.Tensor  # [J, W-1] rows of the pre-conv inputs just before each interior's end
     T: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, HV, *t_shape]
@@ -281,8 +280,8 @@ def build_capture(chunks: list, seq_lens: tuple[int, ...], conv_width: int,
     rows = [r for i, job in jobs for r in range(cu[i] + job.interior[0], cu[i] + job.interior[1])]
     tails = [[cu[i] + job.interior[1] - conv_width + 1 + t for t in range(conv_width - 1)] for i, job in jobs]
     lens = tuple(job.interior[1] - job.interior[0] for _, job in jobs)
-    return Capture(jobs=[job for _, job in jobs], rows=_long(rows, device), cu_seqlens=_cumsum(lens, device),
-                   seq_lens=lens, tail_rows=_long(tails, device))
+    return Capture(jobs=[job for _, job in jobs], rows=_long(rows, device), seq_lens=lens,
+                   tail_rows=_long(tails, device))
 
 
 def _long(values: list, device: torch.device) -> torch.Tensor:
