@@ -98,17 +98,23 @@ def test_n_completions_are_indexed(client) -> None:
     assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: the same text
 
 
+# the bundled model's trained format: it replies with text ("Answer: ..."), not only special tokens
+NOTE_QUESTION = ("<|im_start|>user\nNote: Mark lives in Oslo. Anna works as a cook.\n"
+                 "Question: Where does Mark live?<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_stop_string_cuts_where_the_text_has_it(client) -> None:
-    free = client.completions.create(model=NAME, prompt="Count: 1 2 3", max_tokens=24, **GREEDY).choices[0].text
+    free = client.completions.create(model=NAME, prompt=NOTE_QUESTION, max_tokens=24, **GREEDY).choices[0].text
     stop = next(free[i:i + 2] for i in range(2, len(free) - 1) if free[i:i + 2].strip())
-    cut = client.completions.create(model=NAME, prompt="Count: 1 2 3", max_tokens=24, stop=[stop], **GREEDY)
+    cut = client.completions.create(model=NAME, prompt=NOTE_QUESTION, max_tokens=24, stop=[stop], **GREEDY)
     assert cut.choices[0].text == free[: free.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
 
 
 def test_logprobs_in_both_formats(client) -> None:
-    legacy = client.completions.create(model=NAME, prompt="Hi", max_tokens=4, logprobs=2, **GREEDY).choices[0]
-    assert len(legacy.logprobs.tokens) == 4 and "".join(legacy.logprobs.tokens) == legacy.text
+    # three text tokens ("Answer", ":", " <city>"): a special token is in `tokens` (as in vLLM) but not in the text
+    legacy = client.completions.create(model=NAME, prompt=NOTE_QUESTION, max_tokens=3, logprobs=2, **GREEDY).choices[0]
+    assert len(legacy.logprobs.tokens) == 3 and "".join(legacy.logprobs.tokens) == legacy.text
     for chosen, top, logprob in zip(legacy.logprobs.tokens, legacy.logprobs.top_logprobs, legacy.logprobs.token_logprobs):
         assert chosen in top and len(top) <= 3 and logprob <= 0
         assert logprob == pytest.approx(max(top.values()))  # greedy picks the most likely token
