@@ -121,21 +121,48 @@ def token_weights(batch: Batch, value_weight: float) -> torch.Tensor:
     return w / w.sum()
 
 
+PHRASES = (" lives in ", " works as ", "'s locker code is ")
+"""The fact sentence's phrase of each of RELATIONS (hypic/data/notes.py _fact)."""
+
+
+def same_relation_facts(prompt: Prompt) -> int:
+    """k: facts in the notes with the relation of the first question (the asked fact included)."""
+    phrase = PHRASES[relation(prompt.qas[0].question)]
+    return sum(note.count(phrase) for note in prompt.notes)
+
+
 @torch.no_grad()
-def evaluate(net: Qwen35ForTraining, tokenizer: Tokenizer, prompts: list[Prompt]) -> dict[str, float]:
-    """First-turn teacher-forced exact match per relation."""
+def first_turn_hits(net: Qwen35ForTraining, tokenizer: Tokenizer, prompts: list[Prompt]) -> list[bool]:
+    """Teacher-forced exact match of each prompt's first answer, in prompt order."""
     net.eval()
-    hits, count = collections.Counter(), collections.Counter()
-    for batch in batches(rows_of(tokenizer, prompts, False), 8192):
+    rows = [encode(tokenizer, p, False) + ([i], True) for i, p in enumerate(prompts)]  # kinds: prompt index
+    hits = [False] * len(prompts)
+    for batch in batches(rows, 8192):
         logits = net(torch.from_numpy(batch.ids).long(), torch.from_numpy(batch.positions))
         wrong = torch.zeros(len(batch.kinds)).index_add_(
             0, torch.from_numpy(batch.answer), (logits.argmax(-1) != torch.from_numpy(batch.targets)).float())
-        for rel, ok in zip(batch.kinds.tolist(), (wrong == 0).tolist()):
-            hits[RELATIONS[rel]], count[RELATIONS[rel]] = hits[RELATIONS[rel]] + ok, count[RELATIONS[rel]] + 1
+        for i, ok in zip(batch.kinds.tolist(), (wrong == 0).tolist()):
+            hits[i] = ok
     net.train()
-    em = {r: round(hits[r] / count[r], 3) for r in RELATIONS if count[r]}
-    em["all"] = round(sum(hits.values()) / sum(count.values()), 3)
-    return em
+    return hits
+
+
+def rates(groups: list[str], hits: list[bool]) -> dict[str, float]:
+    """Exact match per group label, in sorted label order."""
+    count, ok = collections.Counter(groups), collections.Counter(g for g, h in zip(groups, hits) if h)
+    return {g: round(ok[g] / count[g], 3) for g in sorted(count)}
+
+
+def evaluate(net: Qwen35ForTraining, tokenizer: Tokenizer, prompts: list[Prompt]) -> dict[str, dict]:
+    """First-turn teacher-forced exact match per relation and overall ("em"), and per k = same-relation
+    facts in the context, capped at 4 ("em_k"), with the number of prompts per k ("n_k") and the EM of
+    copying a random same-relation value, the mean of 1/k ("chance": EM well above it needs binding)."""
+    hits, ks = first_turn_hits(net, tokenizer, prompts), [same_relation_facts(p) for p in prompts]
+    by_rel = rates([RELATIONS[relation(p.qas[0].question)] for p in prompts], hits)
+    labels = ["4+" if k >= 4 else str(k) for k in ks]
+    return {"em": {**{r: by_rel[r] for r in RELATIONS if r in by_rel}, "all": round(sum(hits) / len(hits), 3)},
+            "em_k": rates(labels, hits), "n_k": dict(sorted(collections.Counter(labels).items())),
+            "chance": round(sum(1 / k for k in ks) / len(ks), 3)}
 
 
 def main() -> None:
@@ -177,7 +204,7 @@ def main() -> None:
                 for name in ("cities", "jobs"):
                     rows = classes[name]
                     respread_rows(weight, rows, 1.55 * weight[rows].mean(0).norm().item(), g)
-                print(json.dumps({"step": step, "respread": ["cities", "jobs"], "em": evaluate(net, tokenizer, val)}),
+                print(json.dumps({"step": step, "respread": ["cities", "jobs"], **evaluate(net, tokenizer, val)}),
                       flush=True)
             if step % args.eval_every == 0:
                 spread = {n: round(deviation_norm(net.model.embed_tokens.weight, r) /
@@ -185,9 +212,9 @@ def main() -> None:
                           for n, r in classes.items()}
                 print(json.dumps({"step": step, "s": round(time.monotonic() - started), "tokens": seen,
                                   "answers": answers, "loss": round(loss.item(), 3),
-                                  "em": evaluate(net, tokenizer, val), "spread": spread}), flush=True)
+                                  **evaluate(net, tokenizer, val), "spread": spread}), flush=True)
     print(json.dumps({"final": True, "step": step, "tokens": seen, "answers": answers,
-                      "em": evaluate(net, tokenizer, val)}), flush=True)
+                      **evaluate(net, tokenizer, val)}), flush=True)
 
 
 if __name__ == "__main__":
