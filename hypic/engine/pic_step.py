@@ -171,8 +171,9 @@ def recur_with_tuples(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     pool = torch.cat([ssm_pool[slots], zeros, starts])
     spans_cu = cu_seqlens[-1] + host_to_device(list(itertools.accumulate(span_lens * copies)), torch.int32,
                                                  cu_seqlens.device)
+    span_keys = span_k.repeat(copies, 1, 1)  # also the spans' queries: their outputs are dropped
     o = gated_delta_rule(
-        torch.cat([q, span_k.repeat(copies, 1, 1)]), torch.cat([k, span_k.repeat(copies, 1, 1)]),
+        torch.cat([q, span_keys]), torch.cat([k, span_keys]),
         torch.cat([v, values]), torch.cat([g, span_g.repeat(copies, 1)]),
         torch.cat([beta, span_beta.repeat(copies, 1)]),
         pool, torch.arange(pool.shape[0], device=pool.device),
