@@ -48,6 +48,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--questions", type=int, default=4)
     p.add_argument("--relations", nargs="+", default=list(FACT_RELATIONS), help="relations of the random facts")
     p.add_argument("--restate", action="store_true", help="replies restate the fact (see restated())")
+    p.add_argument("--evidence", action="store_true",
+                   help="replies restate their evidence as the trainer's do (TaskSpec.restate: 'Note: Mark lives in "
+                        "Oslo. Answer: Oslo')")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast, as the trainer on a GPU")
     p.add_argument("--value-weight", type=float, default=1.0,
                    help="loss weight of answer-value tokens relative to the reply's other tokens (1: as trained)")
     p.add_argument("--collapse", type=float, default=0.0,
@@ -132,19 +137,26 @@ def same_relation_facts(prompt: Prompt) -> int:
 
 
 @torch.no_grad()
-def first_turn_hits(net: Qwen35ForTraining, tokenizer: Tokenizer, prompts: list[Prompt]) -> list[bool]:
+def first_turn_hits(net: Qwen35ForTraining, tokenizer: Tokenizer, prompts: list[Prompt], bf16: bool) -> list[bool]:
     """Teacher-forced exact match of each prompt's first answer, in prompt order."""
     net.eval()
     rows = [encode(tokenizer, p, False) + ([i], True) for i, p in enumerate(prompts)]  # kinds: prompt index
     hits = [False] * len(prompts)
     for batch in batches(rows, 8192):
-        logits = net(torch.from_numpy(batch.ids).long(), torch.from_numpy(batch.positions))
+        logits = forward(net, batch, bf16)
         wrong = torch.zeros(len(batch.kinds)).index_add_(
-            0, torch.from_numpy(batch.answer), (logits.argmax(-1) != torch.from_numpy(batch.targets)).float())
+            0, torch.from_numpy(batch.answer), (logits.argmax(-1).cpu() != torch.from_numpy(batch.targets)).float())
         for i, ok in zip(batch.kinds.tolist(), (wrong == 0).tolist()):
             hits[i] = ok
     net.train()
     return hits
+
+
+def forward(net: Qwen35ForTraining, batch: Batch, bf16: bool) -> torch.Tensor:
+    """Logits at the batch's supervised positions, on the model's device."""
+    device = net.model.embed_tokens.weight.device
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        return net(torch.from_numpy(batch.ids).long().to(device), torch.from_numpy(batch.positions).to(device)).float()
 
 
 def rates(groups: list[str], hits: list[bool]) -> dict[str, float]:
@@ -153,11 +165,11 @@ def rates(groups: list[str], hits: list[bool]) -> dict[str, float]:
     return {g: round(ok[g] / count[g], 3) for g in sorted(count)}
 
 
-def evaluate(net: Qwen35ForTraining, tokenizer: Tokenizer, prompts: list[Prompt]) -> dict[str, dict]:
+def evaluate(net: Qwen35ForTraining, tokenizer: Tokenizer, prompts: list[Prompt], bf16: bool) -> dict[str, dict]:
     """First-turn teacher-forced exact match per relation and overall ("em"), and per k = same-relation
     facts in the context, capped at 4 ("em_k"), with the number of prompts per k ("n_k") and the EM of
     copying a random same-relation value, the mean of 1/k ("chance": EM well above it needs binding)."""
-    hits, ks = first_turn_hits(net, tokenizer, prompts), [same_relation_facts(p) for p in prompts]
+    hits, ks = first_turn_hits(net, tokenizer, prompts, bf16), [same_relation_facts(p) for p in prompts]
     by_rel = rates([RELATIONS[relation(p.qas[0].question)] for p in prompts], hits)
     labels = ["4+" if k >= 4 else str(k) for k in ks]
     return {"em": {**{r: by_rel[r] for r in RELATIONS if r in by_rel}, "all": round(sum(hits) / len(hits), 3)},
@@ -171,10 +183,10 @@ def main() -> None:
     tokenizer = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
     spec = TaskSpec(args.notes[0], args.notes[1], args.note_tokens[0], args.note_tokens[1], (1.0, 0.0, 0.0, 0.0),
                     rich_names=False, questions=args.questions, facts_per_note=tuple(args.facts),
-                    relations=tuple(args.relations))
+                    relations=tuple(args.relations), restate=args.evidence)
     shape = restated if args.restate else (lambda prompt: prompt)
     val = [shape(make_prompt(spec, "validation", i)) for i in range(args.eval_prompts)]
-    net = build(args)
+    net = build(args).to(args.device)
     if args.collapse:
         weight, g = net.model.embed_tokens.weight, torch.Generator().manual_seed(args.seed)
         for name in ("cities", "jobs"):
@@ -191,9 +203,9 @@ def main() -> None:
         for batch in batches(rows_of(tokenizer, prompts, True), args.tokens_per_step):
             for group in opt.param_groups:
                 group["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
-            logits = net(torch.from_numpy(batch.ids).long(), torch.from_numpy(batch.positions))
-            ce = F.cross_entropy(logits, torch.from_numpy(batch.targets), reduction="none")
-            loss = (ce * token_weights(batch, args.value_weight)).sum()
+            logits = forward(net, batch, args.bf16)
+            ce = F.cross_entropy(logits, torch.from_numpy(batch.targets).to(logits.device), reduction="none")
+            loss = (ce * token_weights(batch, args.value_weight).to(logits.device)).sum()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
             opt.step()
@@ -204,17 +216,17 @@ def main() -> None:
                 for name in ("cities", "jobs"):
                     rows = classes[name]
                     respread_rows(weight, rows, 1.55 * weight[rows].mean(0).norm().item(), g)
-                print(json.dumps({"step": step, "respread": ["cities", "jobs"], **evaluate(net, tokenizer, val)}),
-                      flush=True)
+                print(json.dumps({"step": step, "respread": ["cities", "jobs"],
+                                  **evaluate(net, tokenizer, val, args.bf16)}), flush=True)
             if step % args.eval_every == 0:
                 spread = {n: round(deviation_norm(net.model.embed_tokens.weight, r) /
                                    net.model.embed_tokens.weight[r].norm(dim=-1).mean().item(), 3)
                           for n, r in classes.items()}
                 print(json.dumps({"step": step, "s": round(time.monotonic() - started), "tokens": seen,
                                   "answers": answers, "loss": round(loss.item(), 3),
-                                  **evaluate(net, tokenizer, val), "spread": spread}), flush=True)
+                                  **evaluate(net, tokenizer, val, args.bf16), "spread": spread}), flush=True)
     print(json.dumps({"final": True, "step": step, "tokens": seen, "answers": answers,
-                      **evaluate(net, tokenizer, val)}), flush=True)
+                      **evaluate(net, tokenizer, val, args.bf16)}), flush=True)
 
 
 if __name__ == "__main__":

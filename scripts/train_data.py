@@ -13,7 +13,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from hypic.data import lexicon
-from hypic.data.tasks import KINDS, Prompt, TaskSpec, make_prompt
+from hypic.data.tasks import EVAL_SPEC, KINDS, Prompt, TaskSpec, make_prompt
 
 PAD_ID = 0  # <|endoftext|>
 
@@ -38,32 +38,42 @@ class Stage:
     """Share of prompts drawn from earlier stages (the latest weighted most), so skills are kept."""
 
 
-# Lookup-only prompts with short notes and no filler (2-3 notes of 8-16 tokens, 1-2 facts each): in
-# the old stage 1 the model never learned to copy a city or a job (diagnose_model.py;
-# .notes/TRAINING.md), and a 0.3 M-parameter probe of this very spec learns it at lr 6e-4
-# (`python scripts/probe_lookup.py --layers LF --notes 2 3 --note-tokens 8 16 --lr 6e-4 --minutes 25`:
-# first-turn EM lives 0 -> 0.67, job 0 -> 0.71 between 2 M and 6 M tokens), where notes of 32-96
-# tokens or lr 2e-3 showed nothing in the probe's budget.
-# No "X is based in <city>" facts (relations): commit c81c022 dropped them by accident, so run 8's practice
-# had a based-city distractor in 62 % of prompts (as many based as lives facts; not the main block, see
-# .notes/TRAINING.md "run-8 diagnosis").
-LOOKUP_SIMPLE = TaskSpec(2, 3, 8, 16, (1.0, 0.0, 0.0, 0.0), rich_names=False, questions=4, facts_per_note=(1, 2),
-                         relations=("lives", "job", "code"))
-LOOKUP_RICH = TaskSpec(2, 4, 48, 128, (1.0, 0.0, 0.0, 0.0), rich_names=True, questions=4, facts_per_note=(1, 2))
+# Every reply restates its evidence ("Derek lives in Oslo. Answer: Oslo"): on CPU probes of pure binding
+# (`python scripts/probe_lookup.py --layers LF --hidden 64 --notes 2 3 --note-tokens 8 16 --facts 2 3
+# --relations lives --restate`; .notes/TRAINING.md) first-turn EM at 4-9 same-relation facts rose from chance
+# (0.165) to 0.855 / 0.995 (two seeds) in ~2.4k steps, where bare "Answer: Oslo" replies stayed at chance for
+# 4.9k steps, as every GPU model before did on cities. Binding appears only when the data needs it (on mixed
+# notes with mostly one fact per relation, restated replies still only copied), so the curriculum opens with
+# notes of several facts of one relation, then of all three.
+BIND_LIVES = TaskSpec(2, 3, 8, 16, (1.0, 0.0, 0.0, 0.0), rich_names=False, questions=4, facts_per_note=(2, 3),
+                      relations=("lives",), restate=True)
+BIND_MIXED = TaskSpec(2, 3, 8, 24, (1.0, 0.0, 0.0, 0.0), rich_names=False, questions=4, facts_per_note=(2, 4),
+                      relations=("lives", "job", "code"), restate=True)
+# Lookup-only practice with short notes and no filler and no "X is based in <city>" distractors
+# (run 8's diagnosis, .notes/TRAINING.md), several facts per note so that lookups keep needing binding.
+LOOKUP_SIMPLE = replace(BIND_MIXED, max_note_tokens=16, facts_per_note=(1, 3))
+LOOKUP_RICH = TaskSpec(2, 4, 48, 128, (1.0, 0.0, 0.0, 0.0), rich_names=True, questions=4, facts_per_note=(1, 2),
+                       restate=True)
 NEEDS = ("lookup", "two_hop")  # the issue's targets: >= 95 % lookup, >= 85 % two_hop on EVAL_SPEC
 
 STAGES: tuple[Stage, ...] = (
-    # Two or three short notes dense with facts, single-token names: the retrieval phase transition.
-    Stage(TaskSpec(2, 3, 24, 64, (3.0, 1.0, 1.0, 1.0), rich_names=False, questions=8, facts_per_note=(2, 4)),
-          gate=0.85, until=0.3),
-    Stage(TaskSpec(2, 5, 32, 128, (1.0, 2.0, 1.0, 1.0), rich_names=False, questions=8, facts_per_note=(1, 4)),
-          gate=0.85, until=0.45, min_steps=1500, needs=NEEDS, floor=0.6, extra=((LOOKUP_SIMPLE, 0.35),)),
-    Stage(TaskSpec(2, 6, 48, 160, rich_names=True, questions=6), gate=0.85, until=0.6,
+    Stage(BIND_LIVES, gate=0.9, until=0.15, needs=("lookup",), floor=0.6),
+    Stage(BIND_MIXED, gate=0.9, until=0.25, min_steps=500, needs=("lookup",), floor=0.6, replay=0.3),
+    # Two or three short notes dense with facts, every question kind, single-token names.
+    Stage(TaskSpec(2, 3, 24, 64, (3.0, 1.0, 1.0, 1.0), rich_names=False, questions=8, facts_per_note=(2, 4),
+                   restate=True), gate=0.85, until=0.4, min_steps=1000, needs=("lookup",), floor=0.6,
+          extra=((LOOKUP_SIMPLE, 0.2),)),
+    Stage(TaskSpec(2, 5, 32, 128, (1.0, 2.0, 1.0, 1.0), rich_names=False, questions=8, facts_per_note=(1, 4),
+                   restate=True),
+          gate=0.85, until=0.55, min_steps=1500, needs=NEEDS, floor=0.6, extra=((LOOKUP_SIMPLE, 0.25),)),
+    Stage(TaskSpec(2, 6, 48, 160, rich_names=True, questions=6, restate=True), gate=0.85, until=0.7,
           min_steps=1500, needs=NEEDS, floor=0.5, extra=((LOOKUP_RICH, 0.25),), replay=0.35),
-    Stage(TaskSpec(3, 8, 64, 256, rich_names=True, questions=6), gate=0.9, until=1.0,
+    Stage(TaskSpec(3, 8, 64, 256, rich_names=True, questions=6, restate=True), gate=0.9, until=1.0,
           min_steps=1000, needs=NEEDS, floor=0.7),
-    Stage(TaskSpec(4, 12, 64, 512, rich_names=True, questions=4), gate=1.01, until=1.0),
+    Stage(TaskSpec(4, 12, 64, 512, rich_names=True, questions=4, restate=True), gate=1.01, until=1.0),
 )
+EVAL_SPEC_TRAINED = replace(EVAL_SPEC, restate=True)
+"""The benchmark in the reply format STAGES train."""
 
 
 VALUE_CLASSES: dict[str, tuple[str, ...]] = {"cities": lexicon.CITIES, "jobs": lexicon.JOBS,

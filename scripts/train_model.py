@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_data import (  # noqa: E402
     RELATIONS,
+    EVAL_SPEC_TRAINED,
     STAGES,
     Batch,
     class_token_ids,
@@ -59,7 +60,7 @@ from train_data import (  # noqa: E402
 )
 from train_net import Qwen35ForTraining, cap_mlp_neurons, deviation_norm, mlp_neuron_peaks, respread_rows  # noqa: E402
 
-from hypic.data.tasks import EVAL_SPEC, KINDS, eval_prompts, make_prompts  # noqa: E402
+from hypic.data.tasks import KINDS, eval_prompts, make_prompts  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "hypic" / "assets" / "default_model"
 SMOKE_DIMS = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "head_dim": 16,
@@ -333,9 +334,11 @@ def to_device(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]:
 
 def answer_loss(net: torch.nn.Module, b: dict[str, torch.Tensor],
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean cross-entropy over supervised tokens, and per-answer correctness (all tokens argmax)."""
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        logits = net(b["ids"], b["positions"]).float()
+    """Mean cross-entropy over supervised tokens, and per-answer correctness (all tokens argmax). In full fp32:
+    on the H200 the same model and data bound names to values (EM 1.0 by step 750) in fp32 and never (chance
+    after 4.6k steps) under bf16 autocast; the trainer with fp32 weights but tf32 matmuls stayed at chance
+    too (3.9k steps). .notes/TRAINING.md, 2026-11-30 (session 6)."""
+    logits = net(b["ids"], b["positions"])
     loss = F.cross_entropy(logits, b["targets"])
     wrong = torch.zeros(len(b["kinds"]), device=device).index_add_(
         0, b["answer"], (logits.argmax(-1) != b["targets"]).float())
@@ -418,7 +421,7 @@ def evaluate(net, prompts, tokenizer, device: torch.device, token_budget: int,
 def run_evals(net, args, tokenizer, device, stage: int) -> dict:
     n = args.eval_per_kind
     spec, budget = STAGES[stage].spec, max(args.tokens_per_step, 8192)
-    out = {"eval_spec": evaluate(net, eval_prompts(n, "validation", EVAL_SPEC), tokenizer, device, budget),
+    out = {"eval_spec": evaluate(net, eval_prompts(n, "validation", EVAL_SPEC_TRAINED), tokenizer, device, budget),
            f"stage{stage}": evaluate(net, make_prompts(spec, "validation", 4 * n), tokenizer, device, budget)}
     if STAGES[stage].extra:  # the practice spec, per relation (what diagnose_model.py --extra splits)
         out["practice"] = evaluate(net, make_prompts(STAGES[stage].extra[0][0], "validation", 4 * n), tokenizer,
@@ -435,8 +438,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(1)  # the data workers take the other cores; oversubscribed OpenMP crawls
-    ranks.init(device)
-    torch.backends.cuda.matmul.allow_tf32 = True
+    ranks.init(device)  # matmuls stay fp32, not tf32: see answer_loss
     net = build_model(args, device)
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05,
                             fused=device.type == "cuda")
@@ -473,19 +475,23 @@ def main() -> None:
     ranks.finish()
 
 
+def run_over(args: argparse.Namespace, run_step: int, elapsed_s: float) -> bool:
+    """This run has spent its time (less the reserve for the final evaluation and save) or its --max-steps."""
+    reserve = 8.0 if args.smoke else 45.0
+    return elapsed_s >= args.time_limit - reserve or 0 < args.max_steps <= run_step
+
+
 def train(args, model: torch.nn.Module, opt, feed: Feed, device, state: dict, curve: dict, resumed: bool,
           started: float, ckpt: Checkpoint, ranks: Ranks, classes: dict[str, list[int]],
           cap: MlpCap | None = None) -> None:
     """`model` is the DDP wrapper under torchrun: its backward averages the gradients over ranks."""
     net = model.module if isinstance(model, DistributedDataParallel) else model
-    reserve = 8.0 if args.smoke else 45.0  # evaluation + save at the end
     meter, gate_meter = Meter(device), Meter(device)
     run_step, last_log, last_save = 0, time.monotonic(), time.monotonic()
     while True:
         now = time.monotonic()
-        out_of_time = now - started >= args.time_limit - reserve
         stop, save, state["train_s"] = ranks.decide(
-            out_of_time or run_step == args.max_steps, now - last_save > 150, state["train_s"])
+            run_over(args, run_step, now - started), now - last_save > 150, state["train_s"])
         if save:
             state["group"] = ranks.maximum(feed.group)
             if ranks.main:

@@ -1,7 +1,9 @@
 """The notes task generator: determinism, split disjointness, kinds, and answerability."""
 from __future__ import annotations
 
+import re
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import json
@@ -11,7 +13,7 @@ import pytest
 
 from hypic.config import PIC_SEPARATOR
 from hypic.data import EVAL_SPEC, KINDS, NotePool, TaskSpec, eval_prompts, is_correct, make_prompt, make_prompts
-from hypic.data.tasks import PREFIX_SEGMENT, reply_text
+from hypic.data.tasks import PREFIX_SEGMENT, QA, reply_text
 
 SMALL = TaskSpec(min_notes=2, max_notes=4, min_note_tokens=32, max_note_tokens=96, rich_names=False, questions=4)
 MODEL_DIR = Path(__file__).resolve().parents[1] / "hypic" / "assets" / "default_model"
@@ -81,9 +83,29 @@ def test_chat_template_renders_the_prompt_text() -> None:
 
 
 def test_reply_format_and_exact_match() -> None:
-    assert reply_text("Oslo") == "Answer: Oslo<|im_end|>"
+    assert reply_text(QA("Where does Derek live?", "Oslo", "lookup")) == "Answer: Oslo<|im_end|>"
+    restated = QA("Where does Derek live?", "Oslo", "lookup", "Derek lives in Oslo.")
+    assert reply_text(restated) == "Note: Derek lives in Oslo. Answer: Oslo<|im_end|>"
     assert is_correct("Answer: Oslo", "Oslo") and is_correct(" Answer: Oslo<|im_end|>", "Oslo")
+    assert is_correct(reply_text(restated), "Oslo") and not is_correct("Derek lives in Oslo.", "Oslo")
     assert not is_correct("Answer: Oslo Harbor", "Oslo")
+
+
+@pytest.mark.parametrize("spec", [SMALL, EVAL_SPEC])
+def test_restated_replies_quote_the_notes_and_keep_the_prompt(spec: TaskSpec) -> None:
+    """Restating changes only the replies: each evidence sentence is written in the notes, a linked
+    reply quotes the seam between the anchor's signature and the dependent note, and the answer still scores."""
+    plain, restated = make_prompts(spec, "validation", 40), make_prompts(replace(spec, restate=True), "validation", 40)
+    pooled = eval_prompts(3, "validation", replace(spec, restate=True))
+    assert [p.segments for p in plain] == [p.segments for p in restated]
+    assert all(not qa.evidence for p in plain for qa in p.qas)
+    for p in restated + pooled:
+        notes = "".join(p.notes)
+        for qa in p.qas:
+            assert all(s in notes for s in re.split(r"(?<=\.) ", qa.evidence)), qa
+            if qa.kind == "linked":
+                assert qa.evidence.replace(". The person", ".\nNote: The person") in notes
+            assert is_correct(reply_text(qa), qa.answer)
 
 
 def test_note_lengths_follow_the_spec_in_tokens() -> None:

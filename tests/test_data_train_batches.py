@@ -14,6 +14,7 @@ from tokenizers import Tokenizer  # noqa: E402
 from train_data import STAGES, collate, encode  # noqa: E402
 
 from hypic.data import KINDS, make_prompt  # noqa: E402
+from hypic.data.tasks import reply_text  # noqa: E402
 
 MODEL_DIR = SCRIPTS.parent / "hypic" / "assets" / "default_model"
 FACT = {"Where": r" {name} lives in (\w+)\.", "job?": r" {name} works as an? (\w+)\.",
@@ -22,7 +23,7 @@ FACT = {"Where": r" {name} lives in (\w+)\.", "job?": r" {name} works as an? (\w
 
 def test_supervised_tokens_are_the_replies_and_copy_the_notes() -> None:
     tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
-    prompts = [make_prompt(STAGES[1].extra[0][0], "train", i) for i in range(2)]
+    prompts = [make_prompt(STAGES[2].extra[0][0], "train", i) for i in range(2)]
     rows = [encode(tokenizer, p, all_questions=True) + ([KINDS.index(qa.kind) for qa in p.qas], True) for p in prompts]
     batch = collate(rows, 64)
     width = batch.ids.shape[1]
@@ -31,18 +32,19 @@ def test_supervised_tokens_are_the_replies_and_copy_the_notes() -> None:
         mine = batch.positions // width == b
         answers = batch.answer[mine]
         for a, qa in zip(sorted(set(answers.tolist())), p.qas):
-            reply = tokenizer.decode(batch.targets[mine][answers == a].tolist(), skip_special_tokens=False)
-            assert reply == f"Answer: {qa.answer}<|im_end|>"
+            reply_ids = batch.targets[mine][answers == a].tolist()
+            assert tokenizer.decode(reply_ids, skip_special_tokens=False) == reply_text(qa)
+            assert qa.evidence and qa.answer in qa.evidence  # restated: the sentence of the note comes first
             key = "Where" if qa.question.startswith("Where") else qa.question.split()[-1]
             name = qa.question.split()[2].removesuffix("'s")
             stated = re.findall(FACT[key].format(name=name), " ".join(p.notes))
             assert stated == [qa.answer]  # the fact about the asked name, stated once, holds the gold answer
-            value = batch.targets[mine][answers == a].tolist()[2:-1]  # between "Answer", ":" and <|im_end|>
+            evidence = tokenizer.encode(f" {qa.evidence}", add_special_tokens=False).ids
             context = rows[b][0][: rows[b][1][0][0]]
-            assert any(context[i: i + len(value)] == value for i in range(len(context)))  # the same tokens as the note
+            assert any(context[i: i + len(evidence)] == evidence for i in range(len(context)))  # the note's tokens
+            assert evidence == reply_ids[2: 2 + len(evidence)]  # after "Note", ":"
         # supervised tokens are the replies and nothing else: as many as the replies have
-        assert mine.sum() == sum(len(tokenizer.encode(f"Answer: {qa.answer}<|im_end|>", add_special_tokens=False).ids)
-                                 for qa in p.qas)
+        assert mine.sum() == sum(len(tokenizer.encode(reply_text(qa), add_special_tokens=False).ids) for qa in p.qas)
 
 
 def test_mix_override_and_practice_tags() -> None:
@@ -61,24 +63,24 @@ def test_mix_override_and_practice_tags() -> None:
         with_mix,
     )
 
-    only_practice = with_mix(STAGES, 1, practice=1.0, replay=0.0)
-    assert only_practice[1].spec == STAGES[1].spec and only_practice[0] == STAGES[0] and only_practice[2] == STAGES[2]
-    assert only_practice[1].extra[0] == (LOOKUP_SIMPLE, 1.0) and only_practice[1].replay == 0.0
+    only_practice = with_mix(STAGES, 2, practice=1.0, replay=0.0)
+    assert only_practice[2].spec == STAGES[2].spec and only_practice[1] == STAGES[1] and only_practice[3] == STAGES[3]
+    assert only_practice[2].extra[0] == (LOOKUP_SIMPLE, 1.0) and only_practice[2].replay == 0.0
     rng = random.Random(0)
-    assert {stage_spec(rng, 1, only_practice) for _ in range(200)} == {("extra", LOOKUP_SIMPLE)}
-    mixed = with_mix(STAGES, 1, practice=0.7, replay=0.1)
+    assert {stage_spec(rng, 2, only_practice) for _ in range(200)} == {("extra", LOOKUP_SIMPLE)}
+    mixed = with_mix(STAGES, 2, practice=0.7, replay=0.1)
     rng = random.Random(1)
-    sources = [stage_spec(rng, 1, mixed)[0] for _ in range(4000)]
+    sources = [stage_spec(rng, 2, mixed)[0] for _ in range(4000)]
     assert abs(sources.count("replay") / 4000 - 0.1) < 0.03
     assert abs(sources.count("extra") / 4000 - 0.63) < 0.03
-    assert with_mix(STAGES, 1) == STAGES  # nothing given: unchanged
+    assert with_mix(STAGES, 2) == STAGES  # nothing given: unchanged
     with pytest.raises(ValueError):
-        with_mix(STAGES, 1, practice=1.2)
+        with_mix(STAGES, 2, practice=1.2)
     with pytest.raises(ValueError):
         with_mix(STAGES, 0, practice=0.5)  # stage 0 has no practice spec
 
     init_worker(str(MODEL_DIR / "tokenizer.json"))
-    batches = make_group(1, seed=0, group=3, token_budget=4096, multiple=64, stages=mixed)
+    batches = make_group(2, seed=0, group=3, token_budget=4096, multiple=64, stages=mixed)
     extra = np.concatenate([b.extra for b in batches])
     rel = np.concatenate([b.rel for b in batches])
     kinds = np.concatenate([b.kinds for b in batches])
@@ -126,7 +128,7 @@ def test_value_classes_and_embedding_respread() -> None:
 
 
 def test_practice_has_no_based_facts_and_relation_weights() -> None:
-    """Stage-1 practice (LOOKUP_SIMPLE) states no "X is based in <city>" facts, so every city in a practice
+    """The practice spec (LOOKUP_SIMPLE) states no "X is based in <city>" facts, so every city in a practice
     context answers a lookup; --practice-relations (with_mix) reweights the practice facts by repetition."""
     import collections
     import re
@@ -136,7 +138,7 @@ def test_practice_has_no_based_facts_and_relation_weights() -> None:
 
     from hypic.data.tasks import make_prompts
 
-    assert STAGES[1].extra[0][0] is LOOKUP_SIMPLE and "based" not in LOOKUP_SIMPLE.relations
+    assert STAGES[2].extra[0][0] is LOOKUP_SIMPLE and "based" not in LOOKUP_SIMPLE.relations
     prompts = make_prompts(LOOKUP_SIMPLE, "train", 300)
     assert not any(" is based in " in note for p in prompts for note in p.notes)
 
@@ -144,11 +146,11 @@ def test_practice_has_no_based_facts_and_relation_weights() -> None:
         return collections.Counter(qa.question.split()[0] + ("job" if qa.question.endswith("job?") else "")
                                    for p in make_prompts(spec, "train", 300) for qa in p.qas)
 
-    weighted = with_mix(STAGES, 1, practice=0.7, practice_relations=("lives", "lives", "job", "code"))
-    spec = weighted[1].extra[0][0]
-    assert weighted[1].extra[0][1] == 0.7 and spec.relations == ("lives", "lives", "job", "code")
+    weighted = with_mix(STAGES, 2, practice=0.7, practice_relations=("lives", "lives", "job", "code"))
+    spec = weighted[2].extra[0][0]
+    assert weighted[2].extra[0][1] == 0.7 and spec.relations == ("lives", "lives", "job", "code")
     assert (spec.min_notes, spec.max_note_tokens, spec.questions) == (2, 16, 4)  # only the relations change
-    assert weighted[1].spec == STAGES[1].spec and weighted[1].replay == STAGES[1].replay
+    assert weighted[2].spec == STAGES[2].spec and weighted[2].replay == STAGES[2].replay
     base, more = question_relations(LOOKUP_SIMPLE), question_relations(spec)
 
     def share(c: collections.Counter) -> float:  # "Where does X live?"

@@ -13,7 +13,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 from make_default_model import model_config  # noqa: E402
 from train_data import init_worker, make_group  # noqa: E402
-from train_model import SMOKE_DIMS, Checkpoint, answer_loss, to_device  # noqa: E402
+from train_model import SMOKE_DIMS, Checkpoint, answer_loss, run_over, to_device  # noqa: E402
 from train_net import Qwen35ForTraining, chunked_delta_rule  # noqa: E402
 
 MODEL_DIR = SCRIPTS.parent / "hypic" / "assets" / "default_model"
@@ -94,3 +94,14 @@ def test_one_step_learns_and_the_checkpoint_round_trips(tmp_path: Path) -> None:
     for (name, p), q in zip(net.named_parameters(), fresh.parameters()):
         torch.testing.assert_close(q, p.detach().to(torch.bfloat16).float(), msg=name)
     fresh_opt.step()  # the restored optimizer state is usable
+
+
+def test_a_run_stops_at_its_time_or_step_limit() -> None:
+    """--max-steps 0 means no step limit (a run with it once stopped before its first step)."""
+    from argparse import Namespace
+
+    unlimited = Namespace(smoke=False, time_limit=540.0, max_steps=0)
+    three = Namespace(smoke=False, time_limit=540.0, max_steps=3)
+    assert not run_over(unlimited, 0, 10.0) and not run_over(unlimited, 10**6, 10.0)
+    assert run_over(unlimited, 0, 500.0)  # 45 s are kept for the final evaluation and save
+    assert not run_over(three, 2, 10.0) and run_over(three, 3, 10.0)

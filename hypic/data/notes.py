@@ -20,12 +20,14 @@ CHARS_PER_TOKEN = 4.7
 
 @dataclass(frozen=True)
 class Candidate:
-    """An answerable question: its kind, text, answer and the notes it needs (indices)."""
+    """An answerable question: its kind, text, answer, the notes it needs (indices) and its evidence,
+    the note sentences the answer rests on, as they are written there."""
 
     kind: str
     question: str
     answer: str
     notes: tuple[int, ...]
+    evidence: str
 
 
 @dataclass
@@ -77,28 +79,26 @@ def _article(word: str) -> str:
     return f"an {word}" if word[0] in "aeiou" else f"a {word}"
 
 
+def _lookup(note: Note, index: int, question: str, answer: str, sentence: str) -> str:
+    """Records `sentence` as the evidence of a lookup candidate on `note` and returns it."""
+    note.candidates.append(Candidate("lookup", question, answer, (index,), sentence))
+    return sentence
+
+
 def _fact(world: World, note: Note, index: int, relations: tuple[str, ...],
           chain: tuple[str, str] | None = None) -> str:
     """One fact sentence of a random relation about a fresh entity, recorded as a lookup candidate on `note`."""
     person, relation = world.person(), world.rng.choice(relations)
-    if chain is not None:  # first hop of a two-hop chain: person lives in a city stated elsewhere
-        person, city = chain
+    if chain is not None or relation == "lives":  # a chain is the first hop of a two-hop: its city is stated elsewhere
+        person, city = chain if chain is not None else (person, world.city())
         note.lives[person] = city
-        note.candidates.append(Candidate("lookup", f"Where does {person} live?", city, (index,)))
-        return f"{person} lives in {city}."
-    if relation == "lives":
-        city = world.city()
-        note.lives[person] = city
-        note.candidates.append(Candidate("lookup", f"Where does {person} live?", city, (index,)))
-        return f"{person} lives in {city}."
+        return _lookup(note, index, f"Where does {person} live?", city, f"{person} lives in {city}.")
     if relation == "job":
         job = world.job()
-        note.candidates.append(Candidate("lookup", f"What is {person}'s job?", job, (index,)))
-        return f"{person} works as {_article(job)}."
+        return _lookup(note, index, f"What is {person}'s job?", job, f"{person} works as {_article(job)}.")
     if relation == "code":
         code = world.code()
-        note.candidates.append(Candidate("lookup", f"What is {person}'s locker code?", code, (index,)))
-        return f"{person}'s locker code is {code}."
+        return _lookup(note, index, f"What is {person}'s locker code?", code, f"{person}'s locker code is {code}.")
     city, company = world.city(), world.company()
     note.based[city] = company
     return f"{company} is based in {city}."
@@ -143,15 +143,17 @@ def dependent_note(world: World, index: int, anchor: int, notes: list[Note], tar
     """A note that starts "The person above works at X": X employs the signer of notes[anchor]."""
     note, company = Note(), world.company()
     person = signer_of(notes[anchor])
-    note.candidates.append(Candidate("linked", f"Where does {person} work?", company, (anchor, index)))
-    body = _fill(world, [], target_tokens, 60)
-    return _finish(note, [f"The person above works at {company}."] + body, world.person())
+    opening = f"The person above works at {company}."
+    note.candidates.append(Candidate("linked", f"Where does {person} work?", company, (anchor, index),
+                                     f"Filed by {person}. {opening}"))
+    return _finish(note, [opening] + _fill(world, [], target_tokens, 60), world.person())
 
 
 def long_note(world: World, index: int, target_tokens: int) -> Note:
     """A long note about one person whose locker code sits at a random depth, far from the name."""
     note, person, code = Note(), world.person(), world.code()
-    note.candidates.append(Candidate("long", f"What is {person}'s locker code?", code, (index,)))
+    opening, buried = f"This note is about {person}.", f"Their locker code is {code}."
+    note.candidates.append(Candidate("long", f"What is {person}'s locker code?", code, (index,), f"{opening} {buried}"))
     body = _fill(world, [], target_tokens, 80)
-    body.insert(world.rng.randint(len(body) // 4, len(body)), f"Their locker code is {code}.")
-    return _finish(note, [f"This note is about {person}."] + body, world.person())
+    body.insert(world.rng.randint(len(body) // 4, len(body)), buried)
+    return _finish(note, [opening] + body, world.person())

@@ -3,7 +3,10 @@
 A prompt is `separator.join(segments)`: segment 0 is the chat prefix (system message and the start
 of the user turn), then one segment per note, then the query segment (the question and the start of
 the assistant turn). The text equals the ChatML rendering of `chat_messages()`, separators included,
-so the same prompt can be sent raw or through a chat template. The model replies "Answer: <answer>".
+so the same prompt can be sent raw or through a chat template. The model replies "Answer: <answer>",
+or, with `TaskSpec.restate`, first restates the note sentences the answer rests on ("Note: Derek
+lives in Oslo. Answer: Oslo"): the value then follows the same tokens as in the note, which a copying
+(induction) head can retrieve, where a bare answer has to bind the name to its value in one step.
 
 Question kinds, reported separately:
 - lookup:  a fact stated in one note ("Derek lives in Oslo.").
@@ -28,6 +31,7 @@ KINDS: tuple[str, ...] = ("lookup", "two_hop", "linked", "long")
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 SYSTEM_PROMPT = "Read the notes and answer the question. Reply in the form 'Answer: ...'."
 ANSWER_PREFIX = "Answer:"
+EVIDENCE_PREFIX = "Note:"  # so the restated sentence's first word is tokenized as in the notes (after a space)
 PREFIX_SEGMENT = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n"
 
 
@@ -49,6 +53,8 @@ class TaskSpec:
     """Fewest and most fact sentences in an ordinary note (planted two-hop facts included)."""
     relations: tuple[str, ...] = RELATIONS
     """Relations the random (not planted) facts draw from."""
+    restate: bool = False
+    """Replies restate their evidence before "Answer:" (the reply format the model is trained on)."""
 
     def __post_init__(self) -> None:
         if not 2 <= self.min_notes <= self.max_notes:
@@ -76,6 +82,8 @@ class QA:
     question: str
     answer: str
     kind: str
+    evidence: str = ""
+    """Note sentences the reply restates before "Answer:" (empty: a bare answer)."""
 
 
 @dataclass(frozen=True)
@@ -106,10 +114,10 @@ class Prompt:
 
     def training_pieces(self) -> list[tuple[str, bool]]:
         """(text, supervised) pieces after the segments: each answer, then the next question turn."""
-        pieces = [(reply_text(self.qas[0].answer), True)]
+        pieces = [(reply_text(self.qas[0]), True)]
         for qa in self.qas[1:]:
             pieces += [(f"\n<|im_start|>user\nQuestion: {qa.question}<|im_end|>\n<|im_start|>assistant\n", False),
-                       (reply_text(qa.answer), True)]
+                       (reply_text(qa), True)]
         return pieces
 
 
@@ -117,15 +125,17 @@ def query_segment(question: str) -> str:
     return f"Question: {question}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def reply_text(answer: str) -> str:
+def reply_text(qa: QA) -> str:
     """The supervised reply, ending with the end-of-turn token."""
-    return f"{ANSWER_PREFIX} {answer}<|im_end|>"
+    lead = f"{EVIDENCE_PREFIX} {qa.evidence} " if qa.evidence else ""
+    return f"{lead}{ANSWER_PREFIX} {qa.answer}<|im_end|>"
 
 
 def extract_answer(completion: str) -> str:
-    """The answer inside a model reply ("Answer: Oslo" -> "Oslo")."""
+    """The answer inside a model reply: what follows its last "Answer:" ("Note: Derek lives in Oslo.
+    Answer: Oslo" -> "Oslo"), or the whole reply when it has none."""
     text = completion.replace("<|im_end|>", "").strip()
-    return text[len(ANSWER_PREFIX):].strip() if text.startswith(ANSWER_PREFIX) else text
+    return text.rpartition(ANSWER_PREFIX)[2].strip()
 
 
 def is_correct(completion: str, answer: str) -> bool:
@@ -195,12 +205,17 @@ def _candidates(notes: list[Note], included: set[int]) -> list[Candidate]:
         for person, city in notes[i].lives.items():
             for j in sorted(included - {i}):
                 if city in notes[j].based:
-                    question = f"Which company is based in the city where {person} lives?"
-                    found.append(Candidate("two_hop", question, notes[j].based[city], (i, j)))
+                    question, company = f"Which company is based in the city where {person} lives?", notes[j].based[city]
+                    evidence = f"{person} lives in {city}. {company} is based in {city}."
+                    found.append(Candidate("two_hop", question, company, (i, j), evidence))
     return found
 
 
-def _pick(rng: random.Random, candidates: list[Candidate], kinds: list[str]) -> list[QA]:
+def _qa(candidate: Candidate, restate: bool) -> QA:
+    return QA(candidate.question, candidate.answer, candidate.kind, candidate.evidence if restate else "")
+
+
+def _pick(rng: random.Random, candidates: list[Candidate], kinds: list[str], restate: bool) -> list[QA]:
     """One distinct candidate per wanted kind (any kind when that one has run out)."""
     pool, chosen = list(candidates), []
     for kind in kinds:
@@ -209,7 +224,7 @@ def _pick(rng: random.Random, candidates: list[Candidate], kinds: list[str]) -> 
         of_kind = [c for c in pool if c.kind == kind] or pool
         choice = rng.choice(of_kind)
         pool.remove(choice)
-        chosen.append(QA(choice.question, choice.answer, choice.kind))
+        chosen.append(_qa(choice, restate))
     return chosen
 
 
@@ -227,7 +242,7 @@ def make_prompt(spec: TaskSpec, split: str, index: int, seed: int = 0) -> Prompt
         kinds = rng.choices(KINDS, weights=spec.kind_weights, k=spec.questions)
         plan = _plan(rng, spec, rng.randint(spec.min_notes, spec.max_notes), Counter(kinds))
         notes, units = _build(World(rng, spec.rich_names), spec, plan)
-        qas = _pick(rng, _candidates(notes, set(range(len(notes)))), kinds)
+        qas = _pick(rng, _candidates(notes, set(range(len(notes)))), kinds, spec.restate)
         if qas:
             return _assemble(rng, notes, units, qas)
 
@@ -256,7 +271,7 @@ class NotePool:
         for unit in rng.sample(self.units, len(self.units)):
             if unit not in chosen and sum(map(len, chosen)) + len(unit) <= n:
                 chosen.append(unit)
-        return _assemble(rng, self.notes, chosen, [QA(target.question, target.answer, target.kind)])
+        return _assemble(rng, self.notes, chosen, [_qa(target, self.spec.restate)])
 
     def requests(self, per_kind: int, kinds: tuple[str, ...] = KINDS) -> list[Prompt]:
         """`per_kind` requests of each kind, kinds interleaved."""
