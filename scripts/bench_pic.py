@@ -72,15 +72,18 @@ def measure(engine: LLMEngine, num_docs: int, doc_len: int, rng: random.Random, 
     return {mode: sorted(t)[len(t) // 2] for mode, t in times.items()}
 
 
-def tuple_overhead(engine: LLMEngine, num_docs: int, doc_len: int, rng: random.Random) -> float:
+def tuple_overhead(engine: LLMEngine, num_docs: int, doc_len: int, rng: random.Random, repeats: int) -> float:
     """Extra time of a cold segment prefill that also builds its tuple, over a plain prefill of the
-    same isolated segments (both as one batch)."""
-    docs = [random_tokens(doc_len, rng) for _ in range(num_docs)]
-    plain = _timed(lambda: [engine.add_request(SegmentedPrompt((d,)), SamplingParams(max_tokens=0),
-                                               cache_mode="none") for d in docs], engine)
-    jobs = engine.segment_jobs(SegmentedPrompt(((0,), *docs, (0,))))
-    cold = _timed(lambda: engine.start_segment_jobs(jobs), engine)
-    return cold / plain - 1.0
+    same isolated segments (both as one batch): the median over `repeats` new sets of segments, after
+    an unmeasured one (kernels compile and autotune for the shape)."""
+    ratios = []
+    for _ in range(repeats + 1):
+        docs = [random_tokens(doc_len, rng) for _ in range(num_docs)]
+        plain = _timed(lambda: [engine.add_request(SegmentedPrompt((d,)), SamplingParams(max_tokens=0),
+                                                   cache_mode="none") for d in docs], engine)
+        jobs = engine.segment_jobs(SegmentedPrompt(((0,), *docs, (0,))))
+        ratios.append(_timed(lambda: engine.start_segment_jobs(jobs), engine) / plain - 1.0)
+    return sorted(ratios[1:])[repeats // 2]
 
 
 def _timed(submit, engine: LLMEngine) -> float:
@@ -122,7 +125,7 @@ def main() -> None:
     for mode in ("none", "hypic"):
         slope = (high[mode] - low[mode]) / (args.counts[-1] - args.counts[0])
         result[f"marginal_ms_per_segment_{mode}"] = slope * 1e3
-    result["tuple_overhead_fraction"] = tuple_overhead(engine, 8, 2048, rng)
+    result["tuple_overhead_fraction"] = tuple_overhead(engine, 8, 2048, rng, args.repeats)
     report(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
