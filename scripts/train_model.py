@@ -440,8 +440,7 @@ def main() -> None:
         torch.set_num_threads(1)  # the data workers take the other cores; oversubscribed OpenMP crawls
     ranks.init(device)  # matmuls stay fp32, not tf32: see answer_loss
     net = build_model(args, device)
-    opt = torch.optim.AdamW(net.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05,
-                            fused=device.type == "cuda")
+    opt = torch.optim.AdamW(net.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)  # as the probes
     ckpt = Checkpoint(args.ckpt)
     resumed = ckpt.exists()
     state, curve = ckpt.load(net, opt) if resumed else (
