@@ -62,7 +62,7 @@ def model_config(vocab_size: int) -> dict:
 
 def generation_config() -> dict:
     return {"bos_token_id": None, "eos_token_id": [EOS_TOKEN_ID, PAD_TOKEN_ID], "pad_token_id": PAD_TOKEN_ID,
-            "do_sample": False, "max_new_tokens": 32}
+            "do_sample": False, "max_new_tokens": 48}  # a restated reply: evidence, then the answer
 
 
 def hf_model(config: dict, weights: dict[str, torch.Tensor] | None = None, seed: int = 0):
@@ -79,16 +79,18 @@ def hf_model(config: dict, weights: dict[str, torch.Tensor] | None = None, seed:
     return model
 
 
-def greedy_check(model, tokenizer_dir: Path, per_kind: int) -> dict[str, float]:
+def greedy_check(model, tokenizer_dir: Path, per_kind: int, restate: bool) -> dict[str, float]:
     """Exact match per kind on test requests, greedy decoding through transformers' generate."""
+    from dataclasses import replace
+
     from tokenizers import Tokenizer
 
-    from hypic.data import eval_prompts, is_correct
+    from hypic.data import EVAL_SPEC, eval_prompts, is_correct
 
     tokenizer, hits = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")), {}
-    for prompt in eval_prompts(per_kind, "test"):
+    for prompt in eval_prompts(per_kind, "test", replace(EVAL_SPEC, restate=restate)):
         ids = [i for s in prompt.segments for i in tokenizer.encode(s, add_special_tokens=False).ids]
-        out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=EOS_TOKEN_ID)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=EOS_TOKEN_ID)
         reply = tokenizer.decode(out[0, len(ids):].tolist())
         hits.setdefault(prompt.kind, []).append(is_correct(reply, prompt.answer))
     return {kind: sum(v) / len(v) for kind, v in hits.items()}
@@ -106,6 +108,7 @@ def main() -> None:
     parser.add_argument("--weights", type=Path, help="safetensors with `model.*` names (a training checkpoint)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", type=int, default=0, help="greedy exact match on N test requests per kind")
+    parser.add_argument("--restate", action="store_true", help="the model restates its evidence (TaskSpec.restate)")
     args = parser.parse_args()
     vocab_size = Tokenizer.from_file(str(args.out / "tokenizer.json")).get_vocab_size()
     config = model_config(vocab_size)
@@ -118,7 +121,7 @@ def main() -> None:
     count = sum(t.numel() for t in weights.values() if t.ndim)
     print(f"{count / 1e6:.2f} M parameters -> {args.out}")
     if args.check:
-        print("greedy exact match (transformers):", greedy_check(model, args.out, args.check))
+        print("greedy exact match (transformers):", greedy_check(model, args.out, args.check, args.restate))
 
 
 if __name__ == "__main__":

@@ -205,9 +205,9 @@ def _candidates(notes: list[Note], included: set[int]) -> list[Candidate]:
         for person, city in notes[i].lives.items():
             for j in sorted(included - {i}):
                 if city in notes[j].based:
-                    question, company = f"Which company is based in the city where {person} lives?", notes[j].based[city]
-                    evidence = f"{person} lives in {city}. {company} is based in {city}."
-                    found.append(Candidate("two_hop", question, company, (i, j), evidence))
+                    company = notes[j].based[city]
+                    found.append(Candidate("two_hop", f"Which company is based in the city where {person} lives?",
+                                           company, (i, j), f"{person} lives in {city}. {company} is based in {city}."))
     return found
 
 
