@@ -53,6 +53,9 @@ def parse_args() -> argparse.Namespace:
                         "Oslo. Answer: Oslo')")
     p.add_argument("--device", default="cpu")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast, as the trainer on a GPU")
+    p.add_argument("--save", default="",
+                   help="at the end, write a train_model.py checkpoint here (stage 0, fresh schedule), so a probe "
+                        "of the bundled layout (--layers LLLFLLLF --hidden 256) that bound can be trained on")
     p.add_argument("--value-weight", type=float, default=1.0,
                    help="loss weight of answer-value tokens relative to the reply's other tokens (1: as trained)")
     p.add_argument("--collapse", type=float, default=0.0,
@@ -227,6 +230,11 @@ def main() -> None:
                                   **evaluate(net, tokenizer, val, args.bf16), "spread": spread}), flush=True)
     print(json.dumps({"final": True, "step": step, "tokens": seen, "answers": answers,
                       **evaluate(net, tokenizer, val, args.bf16)}), flush=True)
+    if args.save:
+        from train_model import Checkpoint
+
+        state = {"step": step, "stage": 0, "train_s": 0.0, "group": 0, "stage_step": step, "runs": 0}
+        Checkpoint(Path(args.save)).save(net, opt, state, {"points": [], "evals": []})
 
 
 if __name__ == "__main__":
