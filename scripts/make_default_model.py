@@ -90,7 +90,8 @@ def greedy_check(model, tokenizer_dir: Path, per_kind: int, restate: bool) -> di
     tokenizer, hits = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")), {}
     for prompt in eval_prompts(per_kind, "test", replace(EVAL_SPEC, restate=restate)):
         ids = [i for s in prompt.segments for i in tokenizer.encode(s, add_special_tokens=False).ids]
-        out = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=EOS_TOKEN_ID)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=generation_config()["max_new_tokens"],
+                             do_sample=False, eos_token_id=EOS_TOKEN_ID)
         reply = tokenizer.decode(out[0, len(ids):].tolist())
         hits.setdefault(prompt.kind, []).append(is_correct(reply, prompt.answer))
     return {kind: sum(v) / len(v) for kind, v in hits.items()}

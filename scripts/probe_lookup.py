@@ -89,16 +89,9 @@ def relation(question: str) -> int:
 
 
 def restated(prompt: Prompt) -> Prompt:
-    """The prompt with each reply restating its fact ("Answer: Mark lives in Oslo"): the value then follows
-    the same tokens as in the note, so a plain induction head can copy it (a reply-format experiment)."""
-    def sentence(qa: QA) -> str:
-        name = qa.question.split()[2] if qa.question.startswith("Where") else qa.question.split()[2][:-2]
-        if qa.question.startswith("Where"):
-            return f"{name} lives in {qa.answer}"
-        if qa.question.endswith("job?"):
-            return f"{name} works as {'an' if qa.answer[0] in 'aeiou' else 'a'} {qa.answer}"
-        return f"{name}'s locker code is {qa.answer}"
-    return replace(prompt, qas=tuple(replace(qa, answer=sentence(qa)) for qa in prompt.qas))
+    """The prompt with each reply restating its fact as the answer itself ("Answer: Mark lives in Oslo"): the
+    value then follows the same tokens as in the note (a reply-format experiment; `prompt` made with restate)."""
+    return replace(prompt, qas=tuple(QA(qa.question, qa.evidence.removesuffix("."), qa.kind) for qa in prompt.qas))
 
 
 def rows_of(tokenizer: Tokenizer, prompts: list[Prompt], all_questions: bool) -> list[tuple]:
@@ -186,7 +179,7 @@ def main() -> None:
     tokenizer = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
     spec = TaskSpec(args.notes[0], args.notes[1], args.note_tokens[0], args.note_tokens[1], (1.0, 0.0, 0.0, 0.0),
                     rich_names=False, questions=args.questions, facts_per_note=tuple(args.facts),
-                    relations=tuple(args.relations), restate=args.evidence)
+                    relations=tuple(args.relations), restate=args.evidence or args.restate)
     shape = restated if args.restate else (lambda prompt: prompt)
     val = [shape(make_prompt(spec, "validation", i)) for i in range(args.eval_prompts)]
     net = build(args).to(args.device)
@@ -231,10 +224,9 @@ def main() -> None:
     print(json.dumps({"final": True, "step": step, "tokens": seen, "answers": answers,
                       **evaluate(net, tokenizer, val, args.bf16)}), flush=True)
     if args.save:
-        from train_model import Checkpoint
+        from train_model import Checkpoint, fresh_state
 
-        state = {"step": step, "stage": 0, "train_s": 0.0, "group": 0, "stage_step": step, "runs": 0}
-        Checkpoint(Path(args.save)).save(net, opt, state, {"points": [], "evals": []})
+        Checkpoint(Path(args.save)).save(net, opt, fresh_state(step), {"points": [], "evals": []})
 
 
 if __name__ == "__main__":

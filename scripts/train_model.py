@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_data import (  # noqa: E402
-    RELATIONS,
     EVAL_SPEC_TRAINED,
+    RELATIONS,
     STAGES,
     Batch,
     class_token_ids,
@@ -202,8 +202,7 @@ class Checkpoint:
         moments, state = load_file(str(self.path / "optimizer.safetensors")), json.loads((self.path / "state.json").read_text())
         for name, p in net.named_parameters():
             if name in moments:
-                step_device = device if opt.param_groups[0]["fused"] else "cpu"
-                opt.state[p] = {"step": torch.tensor(float(state["step"]), device=step_device),
+                opt.state[p] = {"step": torch.tensor(float(state["step"])),  # on the CPU: AdamW is not fused
                                 "exp_avg": torch.zeros_like(p),
                                 "exp_avg_sq": moments[name].to(device, torch.float32)}
         return state, json.loads((self.path / "curve.json").read_text())
@@ -443,8 +442,7 @@ def main() -> None:
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)  # as the probes
     ckpt = Checkpoint(args.ckpt)
     resumed = ckpt.exists()
-    state, curve = ckpt.load(net, opt) if resumed else (
-        {"step": 0, "stage": 0, "train_s": 0.0, "group": 0, "stage_step": 0, "runs": 0}, {"points": [], "evals": []})
+    state, curve = ckpt.load(net, opt) if resumed else (fresh_state(), {"points": [], "evals": []})
     if args.stage is not None:
         state["stage"], state["stage_step"] = args.stage, 0
     tokenizer = Tokenizer.from_file(str(args.model_dir / "tokenizer.json"))
@@ -472,6 +470,11 @@ def main() -> None:
         print(f"saved {args.ckpt} after {time.monotonic() - started:.0f}s", flush=True)
     feed.pool.terminate()
     ranks.finish()
+
+
+def fresh_state(step: int = 0) -> dict:
+    """state.json of a checkpoint that has trained `step` steps and nothing else: stage 0, fresh schedule."""
+    return {"step": step, "stage": 0, "train_s": 0.0, "group": 0, "stage_step": step, "runs": 0}
 
 
 def run_over(args: argparse.Namespace, run_step: int, elapsed_s: float) -> bool:

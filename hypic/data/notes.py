@@ -89,8 +89,10 @@ def _fact(world: World, note: Note, index: int, relations: tuple[str, ...],
           chain: tuple[str, str] | None = None) -> str:
     """One fact sentence of a random relation about a fresh entity, recorded as a lookup candidate on `note`."""
     person, relation = world.person(), world.rng.choice(relations)
-    if chain is not None or relation == "lives":  # a chain is the first hop of a two-hop: its city is stated elsewhere
-        person, city = chain if chain is not None else (person, world.city())
+    if chain is None and relation == "lives":
+        chain = (person, world.city())
+    if chain is not None:  # a planted chain is the first hop of a two-hop: its city is stated in another note
+        person, city = chain
         note.lives[person] = city
         return _lookup(note, index, f"Where does {person} live?", city, f"{person} lives in {city}.")
     if relation == "job":
