@@ -60,6 +60,7 @@ class Capture:
 
     jobs: list[SegmentJob]
     rows: torch.Tensor  # [R] interior token rows, job after job
+    cu_seqlens: torch.Tensor  # [J+1] int32 offsets into rows
     seq_lens: tuple[int, ...]  # [J] interior lengths, on the host
     tail_rows: torch.Tensor  # [J, W-1] rows of the pre-conv inputs just before each interior's end
     T: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, HV, *t_shape]
@@ -101,8 +102,7 @@ class PicStep:
               linear_index: int) -> torch.Tensor:
         a = self.assembly
         if a is None:
-            return self._chunked(q, k, v, g, beta, ssm_pool, batch.slots, batch.has_state, batch.cu_seqlens,
-                                 scale=layer.scale, num_decodes=batch.num_decodes, seq_lens=batch.seq_lens_cpu)
+            return layer.recur(q, k, v, g, beta, ssm_pool, batch)
         o = torch.empty_like(v)
         r = a.walk_rows
         layout = self.store.layout
@@ -111,78 +111,30 @@ class PicStep:
                                  batch.has_state[a.walk_seq_index], a.walk_cu_seqlens, pieces, self.store.t_src,
                                  self.store.s0_src, family=self.family, scale=layer.scale, checkpoints=a.saves)
         if a.rest_rows.numel():  # after the walk: the tails read the composed states from the slots
-            r = a.rest_rows  # (cold segments never walk: a capturing step always has rest rows)
-            o[r] = self._chunked(q[r], k[r], v[r], g[r], beta[r], ssm_pool, batch.slots[a.rest_seq_index],
-                                 a.rest_has_state, a.rest_cu_seqlens, scale=layer.scale,
-                                 num_decodes=a.rest_decodes, seq_lens=a.rest_lens, spans_from=(k, v, g, beta))
+            r = a.rest_rows
+            o[r] = gated_delta_rule(q[r], k[r], v[r], g[r], beta[r], ssm_pool, batch.slots[a.rest_seq_index],
+                                    a.rest_has_state, a.rest_cu_seqlens, scale=layer.scale,
+                                    num_decodes=a.rest_decodes, seq_lens_cpu=a.rest_lens)
         return o
 
-    def _chunked(self, q, k, v, g, beta, ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
-                 cu_seqlens: torch.Tensor, *, scale: float, num_decodes: int, seq_lens: tuple[int, ...],
-                 spans_from: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        """The chunked recurrence of these rows; a step with cold segments also takes their tuples in
-        the same kernel call. `spans_from`: the whole batch's (k, v, g, beta) when these rows are a
-        part of it (capture rows index the whole batch)."""
+    def capture_linear(self, mixed_qkv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor) -> None:
         c = self.capture
         if c is None:
-            return gated_delta_rule(q, k, v, g, beta, ssm_pool, slots, has_state, cu_seqlens, scale=scale,
-                                    num_decodes=num_decodes, seq_lens_cpu=seq_lens)
-        span_k, span_v, span_g, span_beta = (x[c.rows] for x in spans_from or (k, v, g, beta))
-        o, T, S0 = recur_with_tuples(q, k, v, g, beta, ssm_pool, slots, has_state, cu_seqlens, scale=scale,
-                                     num_decodes=num_decodes, seq_lens=seq_lens,
-                                     spans=(span_k, span_v, span_g, span_beta), span_lens=c.seq_lens)
+            return
+        r = c.rows
+        T, S0 = self.family.extract_tuple(k[r], v[r], g[r], beta[r], c.cu_seqlens, c.seq_lens)
         for j, job in enumerate(c.jobs):
             if job.identity_T:
                 T[j] = self.family.identity_T(T.shape[1], k.shape[-1], T.dtype, T.device)
         c.T.append(T)
         c.S0.append(S0)
-        return o
-
-    def capture_conv_tail(self, mixed_qkv: torch.Tensor) -> None:
-        if self.capture is not None:
-            self.capture.conv_tail.append(mixed_qkv[self.capture.tail_rows].transpose(1, 2).contiguous())
+        c.conv_tail.append(mixed_qkv[c.tail_rows].transpose(1, 2).contiguous())
 
     def capture_full(self, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
         if self.capture is not None:
             self.capture.K.append(k_pre_rope[self.capture.rows])
             self.capture.V.append(v[self.capture.rows])
-
-
-def recur_with_tuples(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, cu_seqlens: torch.Tensor,
-                      *, scale: float, num_decodes: int, seq_lens: tuple[int, ...],
-                      spans: tuple[torch.Tensor, ...], span_lens: tuple[int, ...]
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`gated_delta_rule` over a step's rows, and in the same kernel call the Gated DeltaNet tuple
-    (T [J, HV, K, K], S0 [J, HV, K, V], float32) of each span of `spans` = (k, v, g, beta) rows
-    (`span_lens` on the host): every span runs once more from zero (S0), and once per value-width
-    block of T from that block of I with v = 0 (value columns recur independently, so the end
-    state is T's block). One call, not two: on a GPU each call of the chunked kernel costs ~1.5 ms
-    of host time, and a cold step is host-bound."""
-    span_k, span_v, span_g, span_beta = spans
-    key_dim, (rows, heads, value_dim) = k.shape[-1], span_v.shape
-    blocks, jobs = -(-key_dim // value_dim), len(span_lens)
-    copies = 1 + blocks
-    values = torch.cat([span_v, span_v.new_zeros(blocks * rows, heads, value_dim)])
-    eye = torch.eye(key_dim, blocks * value_dim, dtype=ssm_pool.dtype, device=ssm_pool.device)
-    starts = eye.view(key_dim, blocks, value_dim).permute(1, 0, 2)[:, None, None]  # [blocks, 1, 1, K, V]
-    starts = starts.expand(blocks, jobs, heads, key_dim, value_dim).flatten(0, 1)
-    zeros = ssm_pool.new_zeros(jobs, heads, key_dim, value_dim)
-    pool = torch.cat([ssm_pool[slots], zeros, starts])
-    spans_cu = cu_seqlens[-1] + host_to_device(list(itertools.accumulate(span_lens * copies)), torch.int32,
-                                                 cu_seqlens.device)
-    span_keys = span_k.repeat(copies, 1, 1)  # also the spans' queries: their outputs are dropped
-    o = gated_delta_rule(
-        torch.cat([q, span_keys]), torch.cat([k, span_keys]),
-        torch.cat([v, values]), torch.cat([g, span_g.repeat(copies, 1)]),
-        torch.cat([beta, span_beta.repeat(copies, 1)]),
-        pool, torch.arange(pool.shape[0], device=pool.device),
-        torch.cat([has_state, has_state.new_ones(copies * jobs)]), torch.cat([cu_seqlens, spans_cu]),
-        scale=scale, num_decodes=num_decodes, seq_lens_cpu=seq_lens + span_lens * copies)
-    ssm_pool[slots] = pool[: slots.numel()]
-    ends = pool[slots.numel():].unflatten(0, (copies, jobs))
-    T = ends[1:].permute(1, 2, 3, 0, 4).flatten(3)[..., :key_dim]  # blocks side by side: [J, HV, K, K]
-    return o[: q.shape[0]], T.contiguous(), ends[0].clone()
 
 
 # -- building a step's PIC part on the host --------------------------------------------------------
@@ -281,8 +233,8 @@ def build_capture(chunks: list, seq_lens: tuple[int, ...], conv_width: int,
     rows = [r for i, job in jobs for r in range(cu[i] + job.interior[0], cu[i] + job.interior[1])]
     tails = [[cu[i] + job.interior[1] - conv_width + 1 + t for t in range(conv_width - 1)] for i, job in jobs]
     lens = tuple(job.interior[1] - job.interior[0] for _, job in jobs)
-    return Capture(jobs=[job for _, job in jobs], rows=_long(rows, device), seq_lens=lens,
-                   tail_rows=_long(tails, device))
+    return Capture(jobs=[job for _, job in jobs], rows=_long(rows, device), cu_seqlens=_cumsum(lens, device),
+                   seq_lens=lens, tail_rows=_long(tails, device))
 
 
 def _long(values: list, device: torch.device) -> torch.Tensor:

@@ -89,5 +89,5 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv, z, b, a = self.in_projection(hidden)
         q, k, v = self.split_heads(pic.conv(self, mixed_qkv, conv_pool, batch, linear_index))
         g, beta = self.gates(b, a)
-        pic.capture_conv_tail(mixed_qkv)
+        pic.capture_linear(mixed_qkv, k, v, g, beta)
         return self.output(pic.recur(self, q, k, v, g, beta, ssm_pool, batch, linear_index), z)
