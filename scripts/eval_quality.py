@@ -205,7 +205,7 @@ def release_device_memory() -> None:
 async def evaluate(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
     """Every setting, engine by engine; `save` gets the result so far after each engine but the last
     (a run cut short by a time limit still leaves its finished settings)."""
-    spec = dataclasses.replace(EVAL_SPEC if args.names == "rich" else EVAL_SPEC_SINGLE_NAMES, restate=args.restate)
+    spec = EVAL_SPEC if args.names == "rich" else EVAL_SPEC_SINGLE_NAMES
     prompts = eval_prompts(args.per_kind, split=args.split, spec=spec)
     settings = settings_of(args.modes, args.seam_widths)
     samples = min(args.ttft_samples, len(prompts))
@@ -224,7 +224,7 @@ async def evaluate(args: argparse.Namespace, save: Callable[[dict], None]) -> di
 
 def assemble(args: argparse.Namespace, header: dict, num_prompts: int, samples: int,
              done: list[tuple[Setting, dict]]) -> dict:
-    run = {"split": args.split, "names": args.names, "restate": args.restate, "per_kind": args.per_kind,
+    run = {"split": args.split, "names": args.names, "restate": EVAL_SPEC.restate, "per_kind": args.per_kind,
            "num_prompts": num_prompts,
            "kinds": list(KINDS), "max_tokens": args.max_tokens, "concurrency": args.concurrency,
            "ttft_samples": samples, "state_drift": "scripts/bench_fidelity.py"}
@@ -270,9 +270,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--names", default="rich", choices=("rich", "single"),
                         help="entity names of the held-out prompts: invented multi-token names (the benchmark), "
                              "or single-token common names (the same spec otherwise)")
-    parser.add_argument("--restate", action="store_true",
-                        help="the model restates its evidence before the answer (the reply format of the current "
-                             "scripts/train_data.py); the answer after 'Answer:' is scored")
     parser.add_argument("--max-tokens", type=_positive, default=48, help="tokens generated per answer")
     parser.add_argument("--concurrency", type=_positive, default=32, help="accuracy requests in flight")
     parser.add_argument("--ttft-samples", type=_positive, default=20,

@@ -13,7 +13,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from hypic.data import lexicon
-from hypic.data.tasks import EVAL_SPEC, KINDS, Prompt, TaskSpec, make_prompt
+from hypic.data.tasks import KINDS, Prompt, TaskSpec, make_prompt
 
 PAD_ID = 0  # <|endoftext|>
 
@@ -72,7 +72,6 @@ STAGES: tuple[Stage, ...] = (
           min_steps=1000, needs=NEEDS, floor=0.7),
     Stage(TaskSpec(4, 12, 64, 512, rich_names=True, questions=4, restate=True), gate=1.01, until=1.0),
 )
-EVAL_SPEC_TRAINED = replace(EVAL_SPEC, restate=True)
 """The benchmark in the reply format STAGES train."""
 
 

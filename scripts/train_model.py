@@ -1,14 +1,17 @@
 """Trains the bundled Qwen3.5 text model on the notes task, in resumable time-limited runs.
 
+    python scripts/probe_lookup.py ... --save runs/notes                    # first: a model that binds (README)
     python scripts/train_model.py --ckpt runs/notes --time-limit 540        # one GPU run (resumes)
     python scripts/train_model.py --ckpt /tmp/smoke --smoke                 # CPU, under a minute
     torchrun --standalone --nproc_per_node 2 scripts/train_model.py --ckpt runs/notes --stage 1  # 2 GPUs
     python scripts/make_default_model.py --out hypic/assets/default_model --weights runs/notes/weights.safetensors
 
-Loss is on answer tokens only ("Answer: X<|im_end|>", several questions per context). A curriculum
-(scripts/train_data.py STAGES) starts from two short notes and single-token names and moves on
-when the running exact match of a stage passes its gate. The learning rate follows the cumulative
-training time: warm-up, constant, then linear decay over the last `--decay-frac` of `--budget-s`.
+Loss is on reply tokens only ("Note: <evidence> Answer: X<|im_end|>", several questions per
+context). A curriculum (scripts/train_data.py STAGES) opens on short notes of several same-relation
+facts (binding names to values), then moves to longer notes, more question kinds and invented
+names when the running exact match of a stage passes its gate. From a fresh model, binding may not
+appear in this loop's data stream; start from `probe_lookup.py --save` (.notes/TRAINING.md). The
+learning rate follows the cumulative training time: warm-up, constant, then linear decay over the last `--decay-frac` of `--budget-s`.
 
 The checkpoint directory is compact (each file < 16 MiB): weights.safetensors (bf16, `model.*`
 names), optimizer.safetensors (Adam's second moments, bf16; first moments restart at zero and
@@ -46,7 +49,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_data import (  # noqa: E402
-    EVAL_SPEC_TRAINED,
     RELATIONS,
     STAGES,
     Batch,
@@ -60,7 +62,7 @@ from train_data import (  # noqa: E402
 )
 from train_net import Qwen35ForTraining, cap_mlp_neurons, deviation_norm, mlp_neuron_peaks, respread_rows  # noqa: E402
 
-from hypic.data.tasks import KINDS, eval_prompts, make_prompts  # noqa: E402
+from hypic.data.tasks import EVAL_SPEC, KINDS, eval_prompts, make_prompts  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "hypic" / "assets" / "default_model"
 SMOKE_DIMS = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "head_dim": 16,
@@ -74,11 +76,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL, help="config.json + tokenizer.json")
     p.add_argument("--time-limit", type=float, default=540.0, help="wall seconds of this run, all included")
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps of this run (0: no limit)")
-    p.add_argument("--budget-s", type=float, default=480.0,
+    p.add_argument("--budget-s", type=float, default=3000.0,
                    help="training seconds of all runs together (LR decay and stage deadlines follow it)")
     p.add_argument("--decay-frac", type=float, default=0.25)
     p.add_argument("--tokens-per-step", type=int, default=65536, help="global batch, split over the ranks")
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup", type=int, default=100, help="steps (30 after a resume)")
     p.add_argument("--chunk", type=int, default=64, help="Gated DeltaNet chunk length")
     p.add_argument("--workers", type=int, default=None,
@@ -420,7 +422,7 @@ def evaluate(net, prompts, tokenizer, device: torch.device, token_budget: int,
 def run_evals(net, args, tokenizer, device, stage: int) -> dict:
     n = args.eval_per_kind
     spec, budget = STAGES[stage].spec, max(args.tokens_per_step, 8192)
-    out = {"eval_spec": evaluate(net, eval_prompts(n, "validation", EVAL_SPEC_TRAINED), tokenizer, device, budget),
+    out = {"eval_spec": evaluate(net, eval_prompts(n, "validation", EVAL_SPEC), tokenizer, device, budget),
            f"stage{stage}": evaluate(net, make_prompts(spec, "validation", 4 * n), tokenizer, device, budget)}
     if STAGES[stage].extra:  # the practice spec, per relation (what diagnose_model.py --extra splits)
         out["practice"] = evaluate(net, make_prompts(STAGES[stage].extra[0][0], "validation", 4 * n), tokenizer,

@@ -63,7 +63,7 @@ async def _answers(prompts: list, mode: str) -> list[str]:
     engine = AsyncEngine(EngineConfig(device="cpu"))  # no model: the bundled one
     await engine.start()
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=8)
+        params = SamplingParams(temperature=0.0, max_tokens=32)  # "Note: <evidence> Answer: X"
         replies = []
         for prompt in prompts:  # one at a time: the second sees the notes the first cached
             pieces = []
@@ -75,16 +75,18 @@ async def _answers(prompts: list, mode: str) -> list[str]:
         await engine.shutdown()
 
 
-def test_bundled_model_answers_held_out_questions_in_none_and_hypic() -> None:
-    """The trained checkpoint reads across notes: held-out `linked` questions (the answer is in the
-    note after the one naming the person) on the single-token-name variant of the benchmark spec
-    (H200, 125 prompts: 84 % in none and in hypic w=8, bench/results/quality_single_h200.md)."""
+@pytest.mark.parametrize("kind", ["lookup", "linked"])
+def test_bundled_model_answers_held_out_questions_in_none_and_hypic(kind: str) -> None:
+    """The trained checkpoint binds names to values and reads across notes: held-out lookups and
+    `linked` questions (the answer is in the note after the one naming the person) on the
+    single-token-name variant of the benchmark spec (H200, 40 prompts a kind: lookup 90 %, linked
+    90 % in none and in hypic w=8, bench/results/quality_single_h200_step8259.md)."""
     import asyncio
 
     from hypic.data import EVAL_SPEC_SINGLE_NAMES, is_correct
     torch.set_num_threads(1)
-    prompts = [p for p in eval_prompts(8, split="test", spec=EVAL_SPEC_SINGLE_NAMES) if p.kind == "linked"]
+    prompts = [p for p in eval_prompts(8, split="test", spec=EVAL_SPEC_SINGLE_NAMES) if p.kind == kind]
     for mode in ("none", "hypic"):
         replies = asyncio.run(_answers(prompts, mode))
         correct = sum(is_correct(reply, prompt.answer) for reply, prompt in zip(replies, prompts, strict=True))
-        assert correct >= 5, (mode, correct, replies)
+        assert correct >= 6, (mode, correct, replies)

@@ -95,7 +95,7 @@ def test_reply_format_and_exact_match() -> None:
 def test_restated_replies_quote_the_notes_and_keep_the_prompt(spec: TaskSpec) -> None:
     """Restating changes only the replies: each evidence sentence is written in the notes, a linked
     reply quotes the seam between the anchor's signature and the dependent note, and the answer still scores."""
-    plain, restated = make_prompts(spec, "validation", 40), make_prompts(replace(spec, restate=True), "validation", 40)
+    plain, restated = (make_prompts(replace(spec, restate=r), "validation", 40) for r in (False, True))
     pooled = eval_prompts(3, "validation", replace(spec, restate=True))
     assert [p.segments for p in plain] == [p.segments for p in restated]
     assert all(not qa.evidence for p in plain for qa in p.qas)

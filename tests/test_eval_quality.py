@@ -23,7 +23,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     torch.set_num_threads(1)  # the bundled model is tiny: one thread beats two contending ones
     prefix = tmp_path_factory.mktemp("quality") / "quality_cpu"
     result = main(["--device", "cpu", "--per-kind", "1", "--modes", "none,hypic", "--seam-widths", "8",
-                   "--max-tokens", "2", "--ttft-samples", "1", "--restate", "--out-prefix", str(prefix)])
+                   "--max-tokens", "2", "--ttft-samples", "1", "--out-prefix", str(prefix)])
     return result, prefix
 
 
