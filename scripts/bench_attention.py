@@ -4,8 +4,9 @@ A warm PIC assembly step computes a few hundred tokens (a seam window at the sta
 segment, then the query) against the whole prompt's KV. For each case this times
 `paged_attention_triton` with the KV splits `Tiling.choose` picks and with one split (the unsplit
 prefill path, which first times its wide-head tilings), each as CUDA-graph replays the way the
-engine runs assembly steps, and checks both against the torch reference. Prints a table and writes
-JSON.
+engine runs assembly steps, and checks both against the torch reference. The warm-assembly cases
+also time the split path in each tile of `--tiles` (rows x KV block, 8 warps, 2 stages; the engine
+uses 64 x 32), to pick the split grids' tile. Prints a table and writes JSON.
 
     python scripts/bench_attention.py --out bench/results/attention_h200.json
 """
@@ -21,11 +22,12 @@ import torch
 
 from hypic.config import EngineConfig
 from hypic.kernels.paged_attention import Tiling, paged_attention_ref, paged_attention_triton
+from hypic.kernels.triton_lazy import next_power_of_2
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 2, 256  # Qwen3.5-35B-A3B full attention
 BLOCK_SIZE = EngineConfig.block_size  # the engine's KV page
 DTYPE = torch.bfloat16
-SEGMENTS, SEAM_TOKENS, QUERY_TOKENS = 16, 8, 64
+SEGMENTS, SEAM_TOKENS, QUERY_TOKENS = 16, 16, 64  # seam: 2w at w = 8 (a segment's last w, the next's first w)
 CALLS_PER_GRAPH, REPLAYS = 20, 10  # graph replays time the GPU, not the host's launch cost
 TOLERANCE = 2e-2  # max abs error allowed, relative to the reference's largest magnitude (bf16)
 
@@ -64,6 +66,8 @@ class Result:
     max_abs_err_split: float
     max_abs_err_unsplit: float
     reference_max_abs: float
+    ms_by_tile: dict[str, float]  # split path per forced tile "ROWSxKV_BLOCK" (warm assembly cases)
+    max_abs_err_by_tile: dict[str, float]
 
 
 def assembly_positions(kv_len: int) -> tuple[int, ...]:
@@ -93,20 +97,21 @@ def make_step(case: Case, gen: torch.Generator) -> Step:
                 cu_seqlens=torch.tensor([0, tokens], dtype=torch.int32, device="cuda"))
 
 
-def attend(step: Step, out: torch.Tensor, max_kv_len: int, splits: int | None) -> None:
+def attend(step: Step, out: torch.Tensor, max_kv_len: int, splits: int | None, shape: Tiling | None) -> None:
     paged_attention_triton(step.q, step.k_cache, step.v_cache, step.block_tables, step.kv_lens, step.positions,
                            step.cu_seqlens, scale=HEAD_DIM ** -0.5, out=out, first_seq=0, first_token=0,
-                           seq_lens=step.seq_lens, max_kv_len=max_kv_len, splits=splits)
+                           seq_lens=step.seq_lens, max_kv_len=max_kv_len, splits=splits, shape=shape)
 
 
-def time_ms(step: Step, max_kv_len: int, splits: int | None) -> tuple[float, torch.Tensor]:
+def time_ms(step: Step, max_kv_len: int, splits: int | None,
+            shape: Tiling | None = None) -> tuple[float, torch.Tensor]:
     """Milliseconds a call, from replays of a graph of CALLS_PER_GRAPH calls; and the output."""
     out = torch.empty_like(step.q)
-    attend(step, out, max_kv_len, splits)  # compiles; unsplit, also times the wide tilings once
+    attend(step, out, max_kv_len, splits, shape)  # compiles; unsplit, also times the wide tilings once
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(CALLS_PER_GRAPH):
-            attend(step, out, max_kv_len, splits)
+            attend(step, out, max_kv_len, splits, shape)
     graph.replay()  # warm
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -117,7 +122,13 @@ def time_ms(step: Step, max_kv_len: int, splits: int | None) -> tuple[float, tor
     return start.elapsed_time(end) / (REPLAYS * CALLS_PER_GRAPH), out
 
 
-def measure(case: Case, gen: torch.Generator) -> Result:
+def tile_shape(text: str) -> Tiling:
+    """"ROWSxKV_BLOCK" -> the split path's tile at this shape's head group (8 warps, 2 stages)."""
+    rows, kv_block = (int(x) for x in text.split("x"))
+    return Tiling(rows, next_power_of_2(HEADS // KV_HEADS), kv_block, 1, 8, 2)
+
+
+def measure(case: Case, gen: torch.Generator, tiles: list[str]) -> Result:
     step = make_step(case, gen)
     reference = paged_attention_ref(step.q, step.k_cache, step.v_cache, step.block_tables, step.kv_lens,
                                     step.positions, step.cu_seqlens, scale=HEAD_DIM ** -0.5, num_decodes=0,
@@ -126,20 +137,26 @@ def measure(case: Case, gen: torch.Generator) -> Result:
     ms_split, out_split = time_ms(step, case.kv_len, None)
     ms_unsplit, out_unsplit = time_ms(step, case.kv_len, 1)
     err_split, err_unsplit = ((out.float() - reference).abs().max().item() for out in (out_split, out_unsplit))
+    ms_by_tile, err_by_tile = {}, {}
+    for tile in tiles if case.name == "warm assembly" else []:
+        ms_by_tile[tile], out = time_ms(step, case.kv_len, None, tile_shape(tile))
+        err_by_tile[tile] = (out.float() - reference).abs().max().item()
     return Result(case.name, case.kv_len, len(case.positions), splits, ms_split, ms_unsplit, ms_unsplit / ms_split,
-                  err_split, err_unsplit, reference.abs().max().item())
+                  err_split, err_unsplit, reference.abs().max().item(), ms_by_tile, err_by_tile)
 
 
 def within_tolerance(result: Result) -> bool:
     """Both paths finite and close to the reference (NaN compares False)."""
     limit = TOLERANCE * result.reference_max_abs
-    return result.max_abs_err_split <= limit and result.max_abs_err_unsplit <= limit
+    errors = (result.max_abs_err_split, result.max_abs_err_unsplit, *result.max_abs_err_by_tile.values())
+    return all(err <= limit for err in errors)
 
 
 def write_report(out: Path, results: list[Result]) -> None:
     report = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   device=torch.cuda.get_device_name(), torch=torch.__version__, dtype=str(DTYPE),
                   heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE,
+                  segments=SEGMENTS, seam_tokens=SEAM_TOKENS, query_tokens=QUERY_TOKENS,
                   results=[asdict(r) for r in results])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
@@ -148,6 +165,8 @@ def write_report(out: Path, results: list[Result]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results/attention.json"))
+    parser.add_argument("--tiles", type=lambda s: s.split(","), default=["64x32", "128x32", "64x64", "128x64"],
+                        help="split-path tiles ROWSxKV_BLOCK timed on the warm assembly cases")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention.py times the Triton kernel: it needs a CUDA device")
@@ -158,11 +177,12 @@ def main() -> None:
           f"{'err split':>10} {'err 1':>10}")
     results = []
     for case in cases():
-        result = measure(case, gen)
+        result = measure(case, gen, args.tiles)
         results.append(result)
         print(f"{result.case:14} {result.kv_len:6} {result.tokens:6} {result.splits:6} {result.ms_split:9.4f} "
               f"{result.ms_unsplit:9.4f} {result.speedup:7.2f} {result.max_abs_err_split:10.2e} "
-              f"{result.max_abs_err_unsplit:10.2e}", flush=True)
+              f"{result.max_abs_err_unsplit:10.2e}", *(f"{t} {ms:.4f}" for t, ms in result.ms_by_tile.items()),
+              flush=True)
         write_report(args.out, results)  # after every case: a killed run keeps what it measured
     print(f"wrote {args.out}")
     failed = [r.case + f" kv={r.kv_len}" for r in results if not within_tolerance(r)]

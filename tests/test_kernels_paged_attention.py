@@ -66,7 +66,7 @@ def with_positions(pb: PagedBatch, positions: list[int]) -> PagedBatch:
 
 
 def run_triton(pb: PagedBatch, num_decodes: int, scale: float, max_kv_len: int | None = None,
-               splits: int | None = None) -> torch.Tensor:
+               splits: int | None = None, shape: Tiling | None = None) -> torch.Tensor:
     """The Triton kernel as the dispatcher calls it: decodes, then the prefill sequences. Host values
     only (no device reads), so that it can run inside a CUDA graph capture."""
     out = torch.empty_like(pb.q)
@@ -76,7 +76,7 @@ def run_triton(pb: PagedBatch, num_decodes: int, scale: float, max_kv_len: int |
             paged_attention_triton(pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.kv_lens, pb.positions,
                                    pb.cu_seqlens, scale=scale, out=out, first_seq=first_seq,
                                    first_token=starts[first_seq], seq_lens=seq_lens,
-                                   max_kv_len=max_kv_len or int(pb.kv_lens.max()), splits=splits)
+                                   max_kv_len=max_kv_len or int(pb.kv_lens.max()), splits=splits, shape=shape)
     return out
 
 
@@ -100,6 +100,18 @@ def test_forced_splits() -> None:
     assert Tiling.choose(q, k_cache, (64,), 4096, splits=3).splits == 3
     with pytest.raises(ValueError, match="at least one KV split"):
         Tiling.choose(q, k_cache, (64,), 4096, splits=0)
+
+
+def test_forced_shape_takes_its_own_split_count() -> None:
+    """A forced tile of 32 rows (16 tokens x a group of 2) sizes the split count by its own programs:
+    12 tokens over long KV are 4 programs in the default tiles of 8 tokens (the 4 pretend SMs: one
+    split) but 2 in tiles of 16 (4 splits)."""
+    q, k_cache = torch.empty(12, 4, 8), torch.empty(1, 8, 2, 8)
+    assert Tiling.choose(q, k_cache, (12,), 4096).splits == 1
+    tiling = Tiling.choose(q, k_cache, (12,), 4096, shape=Tiling(32, 2, 16, 1, 4))
+    assert (tiling.rows, tiling.kv_block, tiling.tokens, tiling.splits) == (32, 16, 16, 4)
+    with pytest.raises(ValueError, match="groups of 2"):
+        Tiling.choose(q, k_cache, (12,), 4096, shape=Tiling(32, 4, 16, 1, 4))
 
 
 @interpreted
@@ -128,6 +140,9 @@ def test_triton_interpreted_short_prefill_splits(monkeypatch: pytest.MonkeyPatch
     pb = with_positions(pb, [100, 101, 102, 103, 558, 559, 560, 561, 1096, 1097, 1098, 1099])
     expected = call(paged_attention_ref, pb, 0, scale=0.2)
     torch.testing.assert_close(run_triton(pb, 0, scale=0.2, splits=2), expected, rtol=1e-5, atol=1e-5)
+    # the same step in tiles of 8 tokens over KV tiles of 32 keys (bench_attention's wider shapes)
+    wide = run_triton(pb, 0, scale=0.2, splits=2, shape=Tiling(32, 4, 32, 1, 4))
+    torch.testing.assert_close(wide, expected, rtol=1e-5, atol=1e-5)
 
 
 @interpreted

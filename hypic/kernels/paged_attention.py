@@ -89,12 +89,13 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            kv_lens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, *, scale: float,
                            out: torch.Tensor, first_seq: int, first_token: int, seq_lens: tuple[int, ...],
-                           max_kv_len: int, splits: int | None = None) -> None:
+                           max_kv_len: int, splits: int | None = None, shape: Tiling | None = None) -> None:
     """Sequences first_seq.. of the batch (their tokens start at first_token). `Tiling.choose` may
-    split the KV range over several programs; `splits` forces the count (benchmarks, tests). Programs
+    split the KV range over several programs; `splits` forces the count and `shape` the tile
+    (benchmarks, tests). Programs
     read KV lengths and positions on the device and host values only size the grid (max_kv_len picks
     the split count), so a captured CUDA graph stays correct for any KV lengths at replay."""
-    tiling = Tiling.choose(q, k_cache, seq_lens, max_kv_len, splits)
+    tiling = Tiling.choose(q, k_cache, seq_lens, max_kv_len, splits, shape)
     num_tokens = sum(seq_lens)
     if tiling.splits == 1:
         def launch(t: Tiling) -> None:
@@ -179,11 +180,12 @@ class Tiling:
 
     @staticmethod
     def choose(q: torch.Tensor, k_cache: torch.Tensor, seq_lens: tuple[int, ...], max_kv_len: int,
-               splits: int | None = None) -> Tiling:
-        """Sizes that compile without register spills on sm90 (checked with ptxas, D = 128 and 256);
-        KV splits as `_kv_splits` picks them unless `splits` forces a count."""
+               splits: int | None = None, shape: Tiling | None = None) -> Tiling:
+        """Sizes that compile without register spills on sm90 (checked with ptxas, D = 128 and 256)
+        unless `shape` forces rows, KV tile, warps and stages (its group must be the heads'); KV
+        splits as `_kv_splits` picks them for that tile unless `splits` forces a count."""
         decode = max(seq_lens) == 1
-        tiling = _tile_shape(q, k_cache, decode)
+        tiling = _tile_shape(q, k_cache, decode) if shape is None else _forced_shape(shape, q, k_cache)
         if splits is None:
             # programs with work (the grid's numbering leaves some empty): one per decode and KV head
             programs = sum(-(-n // tiling.tokens) for n in seq_lens) * k_cache.shape[2]
@@ -206,6 +208,15 @@ def _tile_shape(q: torch.Tensor, k_cache: torch.Tensor, decode: bool) -> Tiling:
     wide = tuple(Tiling(rows, group, kv_block, 1, warps, stages)
                  for rows, kv_block, warps, stages in WIDE_PREFILL_TILINGS)
     return Tiling(64, group, 32, 1, 8, 2, wide)
+
+
+def _forced_shape(shape: Tiling, q: torch.Tensor, k_cache: torch.Tensor) -> Tiling:
+    """A caller's tile, checked against the heads: whole padded head groups per program, untimed."""
+    group = next_power_of_2(q.shape[1] // k_cache.shape[2])
+    if shape.group != group or shape.rows % group:
+        raise ValueError(f"a tile of {shape.rows} rows in groups of {shape.group} does not fit {q.shape[1]} "
+                         f"query heads over {k_cache.shape[2]} KV heads (groups of {group})")
+    return dataclasses.replace(shape, candidates=())
 
 
 # A prefill over fewer keys walks short tiles anyway: splitting it would not repay the merge.
