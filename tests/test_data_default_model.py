@@ -75,17 +75,15 @@ async def _answers(prompts: list, mode: str) -> list[str]:
         await engine.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["lookup", "linked"])
-def test_bundled_model_answers_held_out_questions_in_none_and_hypic(kind: str) -> None:
-    """The trained checkpoint binds names to values and reads across notes: held-out lookups and
-    `linked` questions (the answer is in the note after the one naming the person) on the
-    single-token-name variant of the benchmark spec (H200, 40 prompts a kind: lookup 90 %, linked
-    90 % in none and in hypic w=8, bench/results/quality_single_h200_step8259.md)."""
+def test_bundled_model_answers_held_out_lookups_in_none_and_hypic() -> None:
+    """The trained checkpoint binds names to values: held-out lookups (4-8 notes, several facts of
+    each relation, single-token names) in none and hypic (125 prompts on the CPU: 94.4 % in none,
+    93.6 % in hypic w=8, bench/results/quality_single_cpu_step8259.md)."""
     import asyncio
 
     from hypic.data import EVAL_SPEC_SINGLE_NAMES, is_correct
     torch.set_num_threads(1)
-    prompts = [p for p in eval_prompts(8, split="test", spec=EVAL_SPEC_SINGLE_NAMES) if p.kind == kind]
+    prompts = [p for p in eval_prompts(8, split="test", spec=EVAL_SPEC_SINGLE_NAMES) if p.kind == "lookup"]
     for mode in ("none", "hypic"):
         replies = asyncio.run(_answers(prompts, mode))
         correct = sum(is_correct(reply, prompt.answer) for reply, prompt in zip(replies, prompts, strict=True))

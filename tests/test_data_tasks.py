@@ -75,6 +75,26 @@ def test_pool_requests_share_notes() -> None:
     assert max(uses.values()) >= 3  # segments recur across requests, as PIC needs
 
 
+RIVAL_SENTENCES = {"linked": "The person above works at", "long": "Their locker code is"}
+
+
+@pytest.mark.parametrize("spec", [SMALL, EVAL_SPEC])
+def test_linked_and_long_questions_have_rivals(spec: TaskSpec) -> None:
+    """Beside the asked pair or long note sit RIVAL_UNITS others where max_notes allows (an only
+    "works at" sentence would answer without reading who is above), in the benchmark's pool requests
+    and in training prompts."""
+    wide = replace(spec, min_notes=max(spec.min_notes, 6), max_notes=max(spec.max_notes, 6), questions=1)
+    for kind, sentence in RIVAL_SENTENCES.items():
+        requests = [p for p in eval_prompts(12, "validation", spec) if p.kind == kind]
+        weights = tuple(float(k == kind) for k in KINDS)
+        trained = make_prompts(replace(wide, kind_weights=weights), "train", 12)
+        for p, most in [(p, spec.max_notes) for p in requests] + [(p, wide.max_notes) for p in trained]:
+            assert len(p.notes) <= most
+            seen = sum(note.count(sentence) for note in p.notes)
+            room = 1 + (most - 2) // 2 if kind == "linked" else most
+            assert seen >= min(3, room), (kind, seen, len(p.notes))  # the asked one and RIVAL_UNITS = 2 more
+
+
 def test_chat_template_renders_the_prompt_text() -> None:
     template = json.loads((MODEL_DIR / "tokenizer_config.json").read_text())["chat_template"]
     for p in eval_prompts(2):

@@ -14,6 +14,8 @@ Question kinds, reported separately:
 - linked:  a note says "The person above works at Acme."; the person is the signer of the note
            placed right before it, so isolated prefill of the second note cannot resolve it.
 - long:    a long note opens with its subject and buries the locker code deep inside.
+A linked or long question comes with RIVAL_UNITS other pairs or long notes where the notes allow, so
+that the answer is never the only "works at" (or locker code) sentence in sight.
 
 Everything is a pure function of (spec, split, seed, index): the same call gives the same prompt
 in any process. Splits draw from disjoint seed streams.
@@ -28,6 +30,7 @@ from hypic.config import PIC_SEPARATOR
 from hypic.data.notes import RELATIONS, Candidate, Note, World, dependent_note, fact_note, long_note
 
 KINDS: tuple[str, ...] = ("lookup", "two_hop", "linked", "long")
+RIVAL_UNITS = 2  # other linked pairs / long notes beside a linked / long question's own
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 SYSTEM_PROMPT = "Read the notes and answer the question. Reply in the form 'Answer: ...'."
 ANSWER_PREFIX = "Answer:"
@@ -161,8 +164,9 @@ class _Plan:
 def _plan(rng: random.Random, spec: TaskSpec, n: int, wanted: Counter) -> _Plan:
     """Structures for `n` notes serving the wanted question kinds, plus a distractor of each."""
     on = dict(zip(KINDS, (w > 0 for w in spec.kind_weights)))
-    pairs = min(wanted["linked"] + (on["linked"] and rng.random() < 0.6), n // 2)
-    longs = min(wanted["long"] + (on["long"] and rng.random() < 0.6), n - 2 * pairs)
+    extra = {kind: RIVAL_UNITS if wanted[kind] else int(on[kind] and rng.random() < 0.6) for kind in ("linked", "long")}
+    pairs = min(wanted["linked"] + extra["linked"], n // 2)
+    longs = min(wanted["long"] + extra["long"], n - 2 * pairs)
     while pairs + (n - 2 * pairs - longs) < 2 and longs + pairs > 1:  # keep two fact notes if possible
         longs, pairs = (longs - 1, pairs) if longs else (longs, pairs - 1)
     fact_like = pairs + n - 2 * pairs - longs
@@ -268,11 +272,21 @@ class NotePool:
         rng = _rng(self.split, self.seed, index, f"request:{kind}")
         target = rng.choice([c for c in self._candidates if c.kind == kind])
         chosen = [u for u in self.units if set(u) & set(target.notes)]
+        rivals = [u for u in self.units if u not in chosen and self._structure(u) == kind != "lookup"]
+        for unit in rng.sample(rivals, len(rivals))[:RIVAL_UNITS]:
+            if sum(map(len, chosen)) + len(unit) <= self.spec.max_notes:
+                chosen.append(unit)
         n = max(rng.randint(self.spec.min_notes, self.spec.max_notes), sum(map(len, chosen)))
         for unit in rng.sample(self.units, len(self.units)):
             if unit not in chosen and sum(map(len, chosen)) + len(unit) <= n:
                 chosen.append(unit)
         return _assemble(rng, self.notes, chosen, [_qa(target, self.spec.restate)])
+
+    def _structure(self, unit: tuple[int, ...]) -> str:
+        """"linked" for an anchor-and-dependent pair, "long" for a long note, "lookup" otherwise."""
+        if len(unit) == 2:
+            return "linked"
+        return "long" if any(c.kind == "long" for c in self.notes[unit[0]].candidates) else "lookup"
 
     def requests(self, per_kind: int, kinds: tuple[str, ...] = KINDS) -> list[Prompt]:
         """`per_kind` requests of each kind, kinds interleaved."""
