@@ -146,7 +146,7 @@ def measure(case: Case, gen: torch.Generator, tiles: list[str]) -> Result:
 
 
 def within_tolerance(result: Result) -> bool:
-    """Both paths finite and close to the reference (NaN compares False)."""
+    """Every path finite and close to the reference (NaN compares False)."""
     limit = TOLERANCE * result.reference_max_abs
     errors = (result.max_abs_err_split, result.max_abs_err_unsplit, *result.max_abs_err_by_tile.values())
     return all(err <= limit for err in errors)

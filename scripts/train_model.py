@@ -10,8 +10,9 @@ Loss is on reply tokens only ("Note: <evidence> Answer: X<|im_end|>", several qu
 context). A curriculum (scripts/train_data.py STAGES) opens on short notes of several same-relation
 facts (binding names to values), then moves to longer notes, more question kinds and invented
 names when the running exact match of a stage passes its gate. From a fresh model, binding may not
-appear in this loop's data stream; start from `probe_lookup.py --save` (.notes/TRAINING.md). The
-learning rate follows the cumulative training time: warm-up, constant, then linear decay over the last `--decay-frac` of `--budget-s`.
+appear in this loop's data stream; start from `probe_lookup.py --save` (.notes/TRAINING.md).
+The learning rate follows the cumulative training time: warm-up, constant, then linear decay over
+the last `--decay-frac` of `--budget-s`.
 
 The checkpoint directory is compact (each file < 16 MiB): weights.safetensors (bf16, `model.*`
 names), optimizer.safetensors (Adam's second moments, bf16; first moments restart at zero and

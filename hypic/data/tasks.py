@@ -162,7 +162,8 @@ class _Plan:
 
 
 def _plan(rng: random.Random, spec: TaskSpec, n: int, wanted: Counter) -> _Plan:
-    """Structures for `n` notes serving the wanted question kinds, plus a distractor of each."""
+    """Structures for `n` notes serving the wanted question kinds: a wanted pair or long note comes
+    with RIVAL_UNITS rivals, a kind not wanted often with one distractor (room permitting)."""
     on = dict(zip(KINDS, (w > 0 for w in spec.kind_weights)))
     extra = {kind: RIVAL_UNITS if wanted[kind] else int(on[kind] and rng.random() < 0.6) for kind in ("linked", "long")}
     pairs = min(wanted["linked"] + extra["linked"], n // 2)

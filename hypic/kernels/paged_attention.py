@@ -92,9 +92,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            max_kv_len: int, splits: int | None = None, shape: Tiling | None = None) -> None:
     """Sequences first_seq.. of the batch (their tokens start at first_token). `Tiling.choose` may
     split the KV range over several programs; `splits` forces the count and `shape` the tile
-    (benchmarks, tests). Programs
-    read KV lengths and positions on the device and host values only size the grid (max_kv_len picks
-    the split count), so a captured CUDA graph stays correct for any KV lengths at replay."""
+    (benchmarks, tests). Programs read KV lengths and positions on the device and host values only
+    size the grid (max_kv_len picks the split count), so a captured CUDA graph stays correct for any
+    KV lengths at replay."""
     tiling = Tiling.choose(q, k_cache, seq_lens, max_kv_len, splits, shape)
     num_tokens = sum(seq_lens)
     if tiling.splits == 1:
