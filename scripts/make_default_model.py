@@ -79,14 +79,14 @@ def hf_model(config: dict, weights: dict[str, torch.Tensor] | None = None, seed:
     return model
 
 
-def greedy_check(model, tokenizer_dir: Path, per_kind: int) -> dict[str, float]:
+def greedy_check(model, tokenizer_dir: Path, per_kind: int, names: str) -> dict[str, float]:
     """Exact match per kind on test requests, greedy decoding through transformers' generate."""
     from tokenizers import Tokenizer
 
-    from hypic.data import EVAL_SPEC, eval_prompts, is_correct
+    from hypic.data import EVAL_SPEC, EVAL_SPEC_SINGLE_NAMES, eval_prompts, is_correct
 
     tokenizer, hits = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")), {}
-    for prompt in eval_prompts(per_kind, "test", EVAL_SPEC):
+    for prompt in eval_prompts(per_kind, "test", EVAL_SPEC if names == "rich" else EVAL_SPEC_SINGLE_NAMES):
         ids = [i for s in prompt.segments for i in tokenizer.encode(s, add_special_tokens=False).ids]
         out = model.generate(torch.tensor([ids]), max_new_tokens=generation_config()["max_new_tokens"],
                              do_sample=False, eos_token_id=EOS_TOKEN_ID)
@@ -107,6 +107,8 @@ def main() -> None:
     parser.add_argument("--weights", type=Path, help="safetensors with `model.*` names (a training checkpoint)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", type=int, default=0, help="greedy exact match on N test requests per kind")
+    parser.add_argument("--names", default="rich", choices=("rich", "single"),
+                        help="entity names of the check's requests (as eval_quality.py --names)")
     args = parser.parse_args()
     vocab_size = Tokenizer.from_file(str(args.out / "tokenizer.json")).get_vocab_size()
     config = model_config(vocab_size)
@@ -119,7 +121,7 @@ def main() -> None:
     count = sum(t.numel() for t in weights.values() if t.ndim)
     print(f"{count / 1e6:.2f} M parameters -> {args.out}")
     if args.check:
-        print("greedy exact match (transformers):", greedy_check(model, args.out, args.check))
+        print("greedy exact match (transformers):", greedy_check(model, args.out, args.check, args.names))
 
 
 if __name__ == "__main__":
