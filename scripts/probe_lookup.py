@@ -224,9 +224,9 @@ def main() -> None:
     print(json.dumps({"final": True, "step": step, "tokens": seen, "answers": answers,
                       **evaluate(net, tokenizer, val, args.bf16)}), flush=True)
     if args.save:
-        from train_model import Checkpoint, fresh_state
+        from train_model import Checkpoint, fresh_curve, fresh_state
 
-        Checkpoint(Path(args.save)).save(net, opt, fresh_state(step), {"points": [], "evals": []})
+        Checkpoint(Path(args.save)).save(net, opt, fresh_state(step), fresh_curve())
 
 
 if __name__ == "__main__":

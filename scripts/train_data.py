@@ -72,7 +72,6 @@ STAGES: tuple[Stage, ...] = (
           min_steps=1000, needs=NEEDS, floor=0.7),
     Stage(TaskSpec(4, 12, 64, 512, rich_names=True, questions=4, restate=True), gate=1.01, until=1.0),
 )
-"""The benchmark in the reply format STAGES train."""
 
 
 VALUE_CLASSES: dict[str, tuple[str, ...]] = {"cities": lexicon.CITIES, "jobs": lexicon.JOBS,

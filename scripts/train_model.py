@@ -445,7 +445,7 @@ def main() -> None:
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)  # as the probes
     ckpt = Checkpoint(args.ckpt)
     resumed = ckpt.exists()
-    state, curve = ckpt.load(net, opt) if resumed else (fresh_state(), {"points": [], "evals": []})
+    state, curve = ckpt.load(net, opt) if resumed else (fresh_state(), fresh_curve())
     if args.stage is not None:
         state["stage"], state["stage_step"] = args.stage, 0
     tokenizer = Tokenizer.from_file(str(args.model_dir / "tokenizer.json"))
@@ -478,6 +478,11 @@ def main() -> None:
 def fresh_state(step: int = 0) -> dict:
     """state.json of a checkpoint that has trained `step` steps and nothing else: stage 0, fresh schedule."""
     return {"step": step, "stage": 0, "train_s": 0.0, "group": 0, "stage_step": step, "runs": 0}
+
+
+def fresh_curve() -> dict:
+    """curve.json of a checkpoint with no loss points or evaluations yet."""
+    return {"points": [], "evals": []}
 
 
 def run_over(args: argparse.Namespace, run_step: int, elapsed_s: float) -> bool:

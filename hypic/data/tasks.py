@@ -30,7 +30,8 @@ from hypic.config import PIC_SEPARATOR
 from hypic.data.notes import RELATIONS, Candidate, Note, World, dependent_note, fact_note, long_note
 
 KINDS: tuple[str, ...] = ("lookup", "two_hop", "linked", "long")
-RIVAL_UNITS = 2  # other linked pairs / long notes beside a linked / long question's own
+RIVAL_KINDS: tuple[str, ...] = ("linked", "long")  # kinds whose own structure (a pair, a long note) gets rivals
+RIVAL_UNITS = 2  # other pairs / long notes beside such a question's own
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 SYSTEM_PROMPT = "Read the notes and answer the question. Reply in the form 'Answer: ...'."
 ANSWER_PREFIX = "Answer:"
@@ -165,7 +166,7 @@ def _plan(rng: random.Random, spec: TaskSpec, n: int, wanted: Counter) -> _Plan:
     """Structures for `n` notes serving the wanted question kinds: a wanted pair or long note comes
     with RIVAL_UNITS rivals, a kind not wanted often with one distractor (room permitting)."""
     on = dict(zip(KINDS, (w > 0 for w in spec.kind_weights)))
-    extra = {kind: RIVAL_UNITS if wanted[kind] else int(on[kind] and rng.random() < 0.6) for kind in ("linked", "long")}
+    extra = {kind: RIVAL_UNITS if wanted[kind] else int(on[kind] and rng.random() < 0.6) for kind in RIVAL_KINDS}
     pairs = min(wanted["linked"] + extra["linked"], n // 2)
     longs = min(wanted["long"] + extra["long"], n - 2 * pairs)
     while pairs + (n - 2 * pairs - longs) < 2 and longs + pairs > 1:  # keep two fact notes if possible
@@ -273,7 +274,7 @@ class NotePool:
         rng = _rng(self.split, self.seed, index, f"request:{kind}")
         target = rng.choice([c for c in self._candidates if c.kind == kind])
         chosen = [u for u in self.units if set(u) & set(target.notes)]
-        rivals = [u for u in self.units if u not in chosen and self._structure(u) == kind != "lookup"]
+        rivals = [u for u in self.units if kind in RIVAL_KINDS and u not in chosen and self._structure(u) == kind]
         for unit in rng.sample(rivals, len(rivals))[:RIVAL_UNITS]:
             if sum(map(len, chosen)) + len(unit) <= self.spec.max_notes:
                 chosen.append(unit)
