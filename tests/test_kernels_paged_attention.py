@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 
-from hypic.kernels.paged_attention import (PREFILL_SPLIT_MIN_KV, Tiling, paged_attention, paged_attention_ref,
-                                           paged_attention_triton, write_kv)
+from hypic.kernels.paged_attention import (PREFILL_SPLIT_MIN_KV, WIDE_SPLIT_TILING, Tiling, paged_attention,
+                                           paged_attention_ref, paged_attention_triton, write_kv)
 from kernel_cases import PagedBatch, dense_causal_attention, interpreted, make_paged, rel_err
 
 
@@ -223,7 +223,8 @@ def assembly_positions(kv_len: int) -> list[int]:
 def test_gpu_short_prefill_splits(kv_len: int) -> None:
     """The assembly step splits its KV range (24 tiles x 2 KV heads cannot fill the GPU)."""
     pb = with_positions(gpu_batch([kv_len], [192], torch.bfloat16, seed=4), assembly_positions(kv_len))
-    assert Tiling.choose(pb.q, pb.k_cache, pb.seq_lens, kv_len).splits > 1
+    tiling = Tiling.choose(pb.q, pb.k_cache, pb.seq_lens, kv_len)
+    assert tiling.splits > 1 and (tiling.rows, tiling.kv_block) == WIDE_SPLIT_TILING[:2]
     scale = GPU_HEAD_DIM ** -0.5
     assert rel_err(run_triton(pb, 0, scale), call(paged_attention_ref, pb, 0, scale)) < 1e-2
 

@@ -137,6 +137,10 @@ def merge_splits_triton(partial: torch.Tensor, lse: torch.Tensor, out: torch.Ten
 # Which is fastest depends on the chip and the chunk, so the first chunk of each size times them.
 WIDE_PREFILL_TILINGS = ((64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 8, 3),
                         (128, 32, 8, 3))
+# A split wide-head prefill (a warm assembly step) re-reads its keys once per query tile: the widest
+# tile re-reads least (H200, 320 seam and query tokens over 16k keys: 0.29 ms vs 0.58 in 64 x 32;
+# bench/results/attention_h200.json).
+WIDE_SPLIT_TILING = (128, 64, 8, 2)
 _FASTEST: dict[tuple, Tiling] = {}
 
 
@@ -183,16 +187,19 @@ class Tiling:
                splits: int | None = None, shape: Tiling | None = None) -> Tiling:
         """Sizes that compile without register spills on sm90 (checked with ptxas, D = 128 and 256)
         unless `shape` forces rows, KV tile, warps and stages (its group must be the heads'); KV
-        splits as `_kv_splits` picks them for that tile unless `splits` forces a count."""
+        splits as `_kv_splits` picks them for that tile unless `splits` forces a count. A wide-head
+        prefill that splits takes WIDE_SPLIT_TILING, split for that tile's programs."""
         decode = max(seq_lens) == 1
         tiling = _tile_shape(q, k_cache, decode) if shape is None else _forced_shape(shape, q, k_cache)
         if splits is None:
-            # programs with work (the grid's numbering leaves some empty): one per decode and KV head
-            programs = sum(-(-n // tiling.tokens) for n in seq_lens) * k_cache.shape[2]
-            splits = _kv_splits(programs, max_kv_len, q.device, decode)
+            splits = _kv_splits(_programs(tiling, seq_lens, k_cache), max_kv_len, q.device, decode)
+            if splits > 1 and tiling.candidates:  # a wide-head prefill that splits: its own tile and count
+                rows, kv_block, warps, stages = WIDE_SPLIT_TILING
+                tiling = Tiling(rows, tiling.group, kv_block, 1, warps, stages)
+                splits = _kv_splits(_programs(tiling, seq_lens, k_cache), max_kv_len, q.device, decode)
         if splits < 1:
             raise ValueError(f"paged attention needs at least one KV split, got {splits}")
-        # the timed candidates are for prefills that fill the GPU unsplit; a split grid keeps the default
+        # the timed candidates are for prefills that fill the GPU unsplit
         return tiling if splits == 1 else dataclasses.replace(tiling, splits=splits, candidates=())
 
 
@@ -208,6 +215,11 @@ def _tile_shape(q: torch.Tensor, k_cache: torch.Tensor, decode: bool) -> Tiling:
     wide = tuple(Tiling(rows, group, kv_block, 1, warps, stages)
                  for rows, kv_block, warps, stages in WIDE_PREFILL_TILINGS)
     return Tiling(64, group, 32, 1, 8, 2, wide)
+
+
+def _programs(tiling: Tiling, seq_lens: tuple[int, ...], k_cache: torch.Tensor) -> int:
+    """Programs with work (the grid's numbering leaves some empty): tiles of each sequence x KV heads."""
+    return sum(-(-n // tiling.tokens) for n in seq_lens) * k_cache.shape[2]
 
 
 def _forced_shape(shape: Tiling, q: torch.Tensor, k_cache: torch.Tensor) -> Tiling:
