@@ -3,7 +3,7 @@
 For each setting — `none`, `prefix`, `naive`, and `hypic` at each seam width w — through the public
 AsyncEngine API only:
 - greedy exact-match accuracy per question kind (lookup, two_hop, linked, long) on held-out prompts
-  that draw their notes from one shared pool (hypic.data.eval_prompts), so notes recur across
+  that draw their notes from shared pools (hypic.data.eval_prompts), so notes recur across
   requests as in a real corpus; --concurrency requests in flight;
 - TTFT on a separate sample run one request at a time (no queueing): cold = a fresh cache_salt, so
   nothing is cached; warm = the same notes again, now cached, in a new order (only the system

@@ -13,7 +13,7 @@ import pytest
 
 from hypic.config import PIC_SEPARATOR
 from hypic.data import EVAL_SPEC, KINDS, NotePool, TaskSpec, eval_prompts, is_correct, make_prompt, make_prompts
-from hypic.data.tasks import PREFIX_SEGMENT, QA, reply_text
+from hypic.data.tasks import POOL_REQUESTS, PREFIX_SEGMENT, QA, reply_text
 
 SMALL = TaskSpec(min_notes=2, max_notes=4, min_note_tokens=32, max_note_tokens=96, rich_names=False, questions=4)
 MODEL_DIR = Path(__file__).resolve().parents[1] / "hypic" / "assets" / "default_model"
@@ -73,6 +73,19 @@ def test_pool_requests_share_notes() -> None:
     prompts = eval_prompts(10)
     uses = Counter(note for p in prompts for note in p.notes)
     assert max(uses.values()) >= 3  # segments recur across requests, as PIC needs
+
+
+def test_benchmark_pools_vary_the_facts() -> None:
+    """Each POOL_REQUESTS requests of a kind draw on a pool of their own: more pools ask about more
+    facts (one pool's linked questions are about its 4 pairs), and no note is in two pools."""
+    def answers(prompts: list, kind: str) -> set[str]:
+        return {p.answer for p in prompts if p.kind == kind}
+    one, three = eval_prompts(POOL_REQUESTS), eval_prompts(3 * POOL_REQUESTS)
+    assert three[:len(one)] == one
+    for kind in ("linked", "long"):
+        assert len(answers(three, kind)) > len(answers(one, kind))
+    later = {note for p in three[len(one):] for note in p.notes}
+    assert later and not later & {note for p in one for note in p.notes}
 
 
 RIVAL_SENTENCES = {"linked": "The person above works at", "long": "Their locker code is"}

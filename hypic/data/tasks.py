@@ -32,6 +32,7 @@ from hypic.data.notes import RELATIONS, Candidate, Note, World, dependent_note, 
 KINDS: tuple[str, ...] = ("lookup", "two_hop", "linked", "long")
 RIVAL_KINDS: tuple[str, ...] = ("linked", "long")  # kinds whose own structure (a pair, a long note) gets rivals
 RIVAL_UNITS = 2  # other pairs / long notes beside such a question's own
+POOL_REQUESTS = 5  # benchmark requests of each kind per note pool (see eval_prompts)
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 SYSTEM_PROMPT = "Read the notes and answer the question. Reply in the form 'Answer: ...'."
 ANSWER_PREFIX = "Answer:"
@@ -261,8 +262,8 @@ def make_prompts(spec: TaskSpec, split: str, count: int, seed: int = 0) -> list[
 class NotePool:
     """A fixed set of notes shared by many requests, so segments recur across requests (PIC reuse)."""
 
-    def __init__(self, spec: TaskSpec, split: str, num_notes: int = 48, seed: int = 0) -> None:
-        rng = _rng(split, seed, num_notes, "pool")
+    def __init__(self, spec: TaskSpec, split: str, num_notes: int = 48, seed: int = 0, index: int = 0) -> None:
+        rng = _rng(split, seed, num_notes, f"pool:{index}")
         plan = _Plan(pairs=num_notes // 8, longs=num_notes // 8, chains=num_notes // 4,
                      facts=num_notes - 3 * (num_notes // 8))
         self.spec, self.split, self.seed = spec, split, seed
@@ -290,14 +291,19 @@ class NotePool:
             return "linked"
         return "long" if any(c.kind == "long" for c in self.notes[unit[0]].candidates) else "lookup"
 
-    def requests(self, per_kind: int, kinds: tuple[str, ...] = KINDS) -> list[Prompt]:
-        """`per_kind` requests of each kind, kinds interleaved."""
-        return [self.request(i, kind) for i in range(per_kind) for kind in kinds]
+    def requests(self, indices: range, kinds: tuple[str, ...] = KINDS) -> list[Prompt]:
+        """Requests `indices` of each kind, kinds interleaved."""
+        return [self.request(i, kind) for i in indices for kind in kinds]
 
 
 def eval_prompts(per_kind: int, split: str = "test", spec: TaskSpec = EVAL_SPEC, seed: int = 0,
                  pool_notes: int | None = None) -> list[Prompt]:
-    """The benchmark: requests over one shared note pool, `per_kind` of each question kind. The pool
-    holds 48 notes, 32 with single-token names (their 118 first names run out in a larger one)."""
-    pool = pool_notes or (48 if spec.rich_names else 32)
-    return NotePool(spec, split, pool, seed).requests(per_kind)
+    """The benchmark: `per_kind` requests of each question kind, POOL_REQUESTS of each kind per shared
+    note pool, so notes recur across requests while the facts asked about vary (one pool's few pairs
+    and long notes alone would make every linked or long question one of four). A pool holds 48
+    notes, 32 with single-token names (their 118 first names run out in a larger one)."""
+    num_notes = pool_notes or (48 if spec.rich_names else 32)
+    starts = range(0, per_kind, POOL_REQUESTS)
+    return [prompt for pool, start in enumerate(starts)
+            for prompt in NotePool(spec, split, num_notes, seed, pool).requests(
+                range(start, min(start + POOL_REQUESTS, per_kind)))]
