@@ -66,7 +66,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(TaskSpec(2, 5, 32, 128, (1.0, 2.0, 1.0, 1.0), rich_names=False, questions=8, facts_per_note=(1, 4),
                    restate=True),
           gate=0.85, until=0.55, min_steps=1500, needs=NEEDS, floor=0.6, extra=((LOOKUP_SIMPLE, 0.25),)),
-    # The benchmark's lengths before its names: at step 11.6k stage 3's linked and long questions
+    # The benchmark's lengths before its names: at step 10k stage 3's linked and long questions
     # scored 0.8 on 2-5 notes of 32-128 tokens but 0.35 on the benchmark's 4-8 notes of 64-256 (CPU).
     Stage(TaskSpec(3, 8, 64, 256, (1.0, 2.0, 1.0, 1.0), rich_names=False, questions=6, facts_per_note=(1, 4),
                    restate=True),

@@ -221,7 +221,8 @@ def assembly_positions(kv_len: int) -> list[int]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_len", [4096, 16384])
 def test_gpu_short_prefill_splits(kv_len: int) -> None:
-    """The assembly step splits its KV range (24 tiles x 2 KV heads cannot fill the GPU)."""
+    """The assembly step splits its KV range in WIDE_SPLIT_TILING's tiles (12 tiles x 2 KV heads
+    cannot fill the GPU)."""
     pb = with_positions(gpu_batch([kv_len], [192], torch.bfloat16, seed=4), assembly_positions(kv_len))
     tiling = Tiling.choose(pb.q, pb.k_cache, pb.seq_lens, kv_len)
     assert tiling.splits > 1 and (tiling.rows, tiling.kv_block) == WIDE_SPLIT_TILING[:2]

@@ -303,7 +303,8 @@ def eval_prompts(per_kind: int, split: str = "test", spec: TaskSpec = EVAL_SPEC,
     and long notes alone would make every linked or long question one of four). A pool holds 48
     notes, 32 with single-token names (their 118 first names run out in a larger one)."""
     num_notes = pool_notes or (48 if spec.rich_names else 32)
-    starts = range(0, per_kind, POOL_REQUESTS)
-    return [prompt for pool, start in enumerate(starts)
-            for prompt in NotePool(spec, split, num_notes, seed, pool).requests(
-                range(start, min(start + POOL_REQUESTS, per_kind)))]
+    prompts: list[Prompt] = []
+    for pool, start in enumerate(range(0, per_kind, POOL_REQUESTS)):
+        notes = NotePool(spec, split, num_notes, seed, pool)
+        prompts += notes.requests(range(start, min(start + POOL_REQUESTS, per_kind)))
+    return prompts
