@@ -36,7 +36,7 @@ from hypic.data.tasks import EVAL_SPEC, eval_prompts, make_prompts  # noqa: E402
 MODEL_DIR = Path(__file__).resolve().parents[1] / "hypic" / "assets" / "default_model"
 RELATION_PATTERNS = {  # regex counting the facts of a relation in the context
     "lives": r" lives in ", "job": r" works as an? ", "code": r"'s locker code is ",
-    "long": r"Their locker code is ", "linked": r"The person above works at ", "based": r" is based in ",
+    "long": r"Their locker code is ", "linked": r"The person above works at ", "based": r" hosts ",
 }
 
 

@@ -49,7 +49,7 @@ BIND_LIVES = TaskSpec(2, 3, 8, 16, (1.0, 0.0, 0.0, 0.0), rich_names=False, quest
                       relations=("lives",), restate=True)
 BIND_MIXED = TaskSpec(2, 3, 8, 24, (1.0, 0.0, 0.0, 0.0), rich_names=False, questions=4, facts_per_note=(2, 4),
                       relations=("lives", "job", "code"), restate=True)
-# Lookup-only practice with short notes and no filler and no "X is based in <city>" distractors
+# Lookup-only practice with short notes and no filler and no "<city> hosts X" distractors
 # (run 8's diagnosis, .notes/TRAINING.md), several facts per note so that lookups keep needing binding.
 LOOKUP_SIMPLE = replace(BIND_MIXED, max_note_tokens=16, facts_per_note=(1, 3))
 LOOKUP_RICH = TaskSpec(2, 4, 48, 128, (1.0, 0.0, 0.0, 0.0), rich_names=True, questions=4, facts_per_note=(1, 2),

@@ -13,6 +13,7 @@ import pytest
 
 from hypic.config import PIC_SEPARATOR
 from hypic.data import EVAL_SPEC, KINDS, NotePool, TaskSpec, eval_prompts, is_correct, make_prompt, make_prompts
+from hypic.data.notes import based_sentence
 from hypic.data.tasks import POOL_REQUESTS, PREFIX_SEGMENT, QA, reply_text
 
 SMALL = TaskSpec(min_notes=2, max_notes=4, min_note_tokens=32, max_note_tokens=96, rich_names=False, questions=4)
@@ -62,7 +63,7 @@ def check_answerable(notes: tuple[str, ...], qa) -> None:
         person = qa.question.split("where ")[1].removesuffix(" lives?")
         home = next(i for i, n in enumerate(notes) if f"{person} lives in " in n)
         city = notes[home].split(f"{person} lives in ")[1].split(".")[0]
-        assert any(f"{qa.answer} is based in {city}." in n for j, n in enumerate(notes) if j != home)
+        assert any(based_sentence(city, qa.answer) in n for j, n in enumerate(notes) if j != home)
     if qa.kind == "long":
         person = qa.question.removeprefix("What is ").removesuffix("'s locker code?")
         assert any(n.startswith(f"Note: This note is about {person}.") and f"Their locker code is {qa.answer}." in n
@@ -150,18 +151,18 @@ def test_note_lengths_follow_the_spec_in_tokens() -> None:
 
 
 def test_lookup_only_worlds_always_have_a_question() -> None:
-    """A world drawn with only "X is based in Y" facts has nothing to ask; it is redrawn, not a crash."""
+    """A world drawn with only "Y hosts X" facts has nothing to ask; it is redrawn, not a crash."""
     spec = TaskSpec(2, 4, 32, 96, (1.0, 0.0, 0.0, 0.0), rich_names=False, questions=4, facts_per_note=(1, 2))
     prompts = make_prompts(spec, "train", 600)
     assert all(p.kind == "lookup" and p.answer for p in prompts)
 
 
 def test_relations_restrict_the_random_facts() -> None:
-    """Without "based" the notes hold no "is based in" sentence, so every city in them is a lookup answer."""
+    """Without "based" the notes hold no "hosts" sentence, so every city in them is a lookup answer."""
     spec = TaskSpec(2, 4, 32, 96, (1.0, 0.0, 0.0, 0.0), rich_names=False, questions=4, facts_per_note=(1, 2),
                     relations=("lives", "job", "code"))
     prompts = make_prompts(spec, "train", 200)
-    assert not any(" is based in " in note for p in prompts for note in p.notes)
+    assert not any(" hosts " in note for p in prompts for note in p.notes)
     assert {qa.question.split()[0] for p in prompts for qa in p.qas} == {"Where", "What"}
     with pytest.raises(ValueError):
         TaskSpec(relations=("lives", "hobby"))

@@ -128,7 +128,7 @@ def test_value_classes_and_embedding_respread() -> None:
 
 
 def test_practice_has_no_based_facts_and_relation_weights() -> None:
-    """The practice spec (LOOKUP_SIMPLE) states no "X is based in <city>" facts, so every city in a practice
+    """The practice spec (LOOKUP_SIMPLE) states no "<city> hosts X" facts, so every city in a practice
     context answers a lookup; --practice-relations (with_mix) reweights the practice facts by repetition."""
     import collections
     import re
@@ -140,7 +140,7 @@ def test_practice_has_no_based_facts_and_relation_weights() -> None:
 
     assert STAGES[2].extra[0][0] is LOOKUP_SIMPLE and "based" not in LOOKUP_SIMPLE.relations
     prompts = make_prompts(LOOKUP_SIMPLE, "train", 300)
-    assert not any(" is based in " in note for p in prompts for note in p.notes)
+    assert not any(" hosts " in note for p in prompts for note in p.notes)
 
     def question_relations(spec) -> collections.Counter:
         return collections.Counter(qa.question.split()[0] + ("job" if qa.question.endswith("job?") else "")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from hypic.data import lexicon
 
 RELATIONS: tuple[str, ...] = ("lives", "job", "code", "based")
-"""Relations of a random fact sentence; "based" ("Acme is based in Oslo.") answers no lookup itself."""
+"""Relations of a random fact sentence; "based" ("Oslo hosts Acme.") answers no lookup itself."""
 
 CHARS_PER_TOKEN = 4.7
 """Average characters per token of the bundled tokenizer on notes (used to size notes)."""
@@ -103,7 +103,13 @@ def _fact(world: World, note: Note, index: int, relations: tuple[str, ...],
         return _lookup(note, index, f"What is {person}'s locker code?", code, f"{person}'s locker code is {code}.")
     city, company = world.city(), world.company()
     note.based[city] = company
-    return f"{company} is based in {city}."
+    return based_sentence(city, company)
+
+
+def based_sentence(city: str, company: str) -> str:
+    """City first, as the key a two-hop answer is found by: restating "Oslo hosts" copies the company
+    that follows (induction), where "Acme is based in Oslo." would have to be read backwards."""
+    return f"{city} hosts {company}."
 
 
 def _fill(world: World, sentences: list[str], target_tokens: int, fixed_chars: int) -> list[str]:
@@ -131,7 +137,7 @@ def fact_note(world: World, index: int, target_tokens: int, num_facts: int,
     facts = [_fact(world, note, index, relations, chain) for chain in chains]
     for city, company in bases:
         note.based[city] = company
-        facts.append(f"{company} is based in {city}.")
+        facts.append(based_sentence(city, company))
     facts += [_fact(world, note, index, relations) for _ in range(max(0, num_facts - len(facts)))]
     world.rng.shuffle(facts)
     return _finish(note, _fill(world, facts, target_tokens, 30), world.person())

@@ -10,7 +10,7 @@ lives in Oslo. Answer: Oslo"): the value then follows the same tokens as in the 
 
 Question kinds, reported separately:
 - lookup:  a fact stated in one note ("Derek lives in Oslo.").
-- two_hop: "Derek lives in Oslo." and "Acme is based in Oslo." in two notes, any order.
+- two_hop: "Derek lives in Oslo." and "Oslo hosts Acme." in two notes, any order.
 - linked:  a note says "The person above works at Acme."; the person is the signer of the note
            placed right before it, so isolated prefill of the second note cannot resolve it.
 - long:    a long note opens with its subject and buries the locker code deep inside.
@@ -27,7 +27,8 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from hypic.config import PIC_SEPARATOR
-from hypic.data.notes import RELATIONS, Candidate, Note, World, dependent_note, fact_note, long_note
+from hypic.data.notes import (RELATIONS, Candidate, Note, World, based_sentence, dependent_note, fact_note,
+                              long_note)
 
 KINDS: tuple[str, ...] = ("lookup", "two_hop", "linked", "long")
 RIVAL_KINDS: tuple[str, ...] = ("linked", "long")  # kinds whose own structure (a pair, a long note) gets rivals
@@ -215,7 +216,7 @@ def _candidates(notes: list[Note], included: set[int]) -> list[Candidate]:
                 if city in notes[j].based:
                     company = notes[j].based[city]
                     found.append(Candidate("two_hop", f"Which company is based in the city where {person} lives?",
-                                           company, (i, j), f"{person} lives in {city}. {company} is based in {city}."))
+                                           company, (i, j), f"{person} lives in {city}. {based_sentence(city, company)}"))
     return found
 
 
@@ -246,7 +247,7 @@ def _assemble(rng: random.Random, notes: list[Note], units: list[tuple[int, ...]
 def make_prompt(spec: TaskSpec, split: str, index: int, seed: int = 0) -> Prompt:
     """Prompt `index` of `split`: a fresh world whose notes are all included, shuffled by unit."""
     rng = _rng(split, seed, index, "prompt")
-    while True:  # a world without any question (only "X is based in Y" facts) is redrawn from the same rng
+    while True:  # a world without any question (only "Y hosts X" facts) is redrawn from the same rng
         kinds = rng.choices(KINDS, weights=spec.kind_weights, k=spec.questions)
         plan = _plan(rng, spec, rng.randint(spec.min_notes, spec.max_notes), Counter(kinds))
         notes, units = _build(World(rng, spec.rich_names), spec, plan)
