@@ -1,12 +1,13 @@
-"""Small CPU probe: how fast does single-hop lookup emerge in a shrunken model of the bundled layout?
+"""Small CPU probe: how fast does single-hop lookup (or two-hop) emerge in a shrunken model of the bundled layout?
 
     python3 scripts/probe_lookup.py --layers LLLF --hidden 64 --minutes 4
     python3 scripts/probe_lookup.py --value-weight 0.0 --lr 1e-3 --minutes 4   # variants
+    python3 scripts/probe_lookup.py --kind two_hop --evidence --minutes 20      # two-hop questions only
 
-Trains a fresh Qwen3.5-layout model (L = Gated DeltaNet layer, F = full attention) on lookup-only
-prompts (scripts/train_data.py encoding and collation, the trainer's loss) and prints first-turn
-teacher-forced exact match per relation (lives / job / code) on validation prompts as it goes,
-so training-setup hypotheses can be compared in minutes instead of GPU runs.
+Trains a fresh Qwen3.5-layout model (L = Gated DeltaNet layer, F = full attention) on prompts of one
+question kind (scripts/train_data.py encoding and collation, the trainer's loss) and prints first-turn
+teacher-forced exact match per relation (lives / job / code, or two_hop) on validation prompts as it
+goes, so training-setup hypotheses can be compared in minutes instead of GPU runs.
 """
 from __future__ import annotations
 
@@ -31,11 +32,12 @@ from train_net import Qwen35ForTraining, collapse_rows, deviation_norm, respread
 from tokenizers import Tokenizer  # noqa: E402
 
 from hypic.data.notes import RELATIONS as FACT_RELATIONS
-from hypic.data.tasks import QA, Prompt, TaskSpec, make_prompt  # noqa: E402
+from hypic.data.tasks import KINDS, QA, Prompt, TaskSpec, make_prompt  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kind", choices=("lookup", "two_hop"), default="lookup", help="the question kind trained on")
     p.add_argument("--layers", default="LLLF", help="one letter per layer: L linear attention, F full attention")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -81,10 +83,13 @@ def build(args: argparse.Namespace) -> Qwen35ForTraining:
     return Qwen35ForTraining(cfg)
 
 
-RELATIONS = ("lives", "job", "code")
+RELATIONS = ("lives", "job", "code", "two_hop")
+"""What the probe tallies a question by: a lookup's relation, or two_hop."""
 
 
 def relation(question: str) -> int:
+    if question.startswith("Which company"):
+        return RELATIONS.index("two_hop")
     return RELATIONS.index("lives" if question.startswith("Where does") else "job" if question.endswith("job?") else "code")
 
 
@@ -122,8 +127,8 @@ def token_weights(batch: Batch, value_weight: float) -> torch.Tensor:
     return w / w.sum()
 
 
-PHRASES = (" lives in ", " works as ", "'s locker code is ")
-"""The fact sentence's phrase of each of RELATIONS (hypic/data/notes.py _fact)."""
+PHRASES = (" lives in ", " works as ", "'s locker code is ", " hosts ")
+"""The fact sentence's phrase of each of RELATIONS (hypic/data/notes.py _fact; two_hop: the companies)."""
 
 
 def same_relation_facts(prompt: Prompt) -> int:
@@ -177,7 +182,8 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
-    spec = TaskSpec(args.notes[0], args.notes[1], args.note_tokens[0], args.note_tokens[1], (1.0, 0.0, 0.0, 0.0),
+    weights = tuple(float(kind == args.kind) for kind in KINDS)
+    spec = TaskSpec(args.notes[0], args.notes[1], args.note_tokens[0], args.note_tokens[1], weights,
                     rich_names=False, questions=args.questions, facts_per_note=tuple(args.facts),
                     relations=tuple(args.relations), restate=args.evidence or args.restate)
     shape = restated if args.restate else (lambda prompt: prompt)
