@@ -77,8 +77,8 @@ async def _answers(prompts: list, mode: str) -> list[str]:
 
 def test_bundled_model_answers_held_out_lookups_in_none_and_hypic() -> None:
     """The trained checkpoint binds names to values: held-out lookups (4-8 notes, several facts of
-    each relation, single-token names) in none and hypic (125 prompts on the CPU: 94.4 % in none,
-    93.6 % in hypic w=8, bench/results/quality_single_cpu_step8259.md)."""
+    each relation, single-token names) in none and hypic (125 prompts on the CPU: 92.8 % in none,
+    94.4 % in hypic w=8, bench/results/quality_single_cpu_step8259.md)."""
     import asyncio
 
     from hypic.data import EVAL_SPEC_SINGLE_NAMES, is_correct
