@@ -13,7 +13,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from hypic.data import lexicon
-from hypic.data.tasks import KINDS, Prompt, TaskSpec, make_prompt
+from hypic.data.tasks import EVAL_SPEC_SINGLE_NAMES, KINDS, Prompt, TaskSpec, make_prompt
 
 PAD_ID = 0  # <|endoftext|>
 
@@ -68,8 +68,8 @@ STAGES: tuple[Stage, ...] = (
           gate=0.85, until=0.55, min_steps=1500, needs=NEEDS, floor=0.6, extra=((LOOKUP_SIMPLE, 0.25),)),
     # The benchmark's lengths before its names: at step 10k stage 3's linked and long questions
     # scored 0.8 on 2-5 notes of 32-128 tokens but 0.35 on the benchmark's 4-8 notes of 64-256 (CPU).
-    Stage(TaskSpec(3, 8, 64, 256, (1.0, 2.0, 1.0, 1.0), rich_names=False, questions=6, facts_per_note=(1, 4),
-                   restate=True),
+    Stage(replace(EVAL_SPEC_SINGLE_NAMES, min_notes=3, kind_weights=(1.0, 2.0, 1.0, 1.0), questions=6,
+                  facts_per_note=(1, 4)),
           gate=0.85, until=0.65, min_steps=1000, needs=NEEDS, floor=0.6, extra=((LOOKUP_SIMPLE, 0.2),)),
     Stage(TaskSpec(2, 6, 48, 160, rich_names=True, questions=6, restate=True), gate=0.85, until=0.7,
           min_steps=1500, needs=NEEDS, floor=0.5, extra=((LOOKUP_RICH, 0.25),), replay=0.35),

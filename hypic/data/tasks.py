@@ -215,8 +215,9 @@ def _candidates(notes: list[Note], included: set[int]) -> list[Candidate]:
             for j in sorted(included - {i}):
                 if city in notes[j].based:
                     company = notes[j].based[city]
+                    evidence = f"{person} lives in {city}. {based_sentence(city, company)}"
                     found.append(Candidate("two_hop", f"Which company is based in the city where {person} lives?",
-                                           company, (i, j), f"{person} lives in {city}. {based_sentence(city, company)}"))
+                                           company, (i, j), evidence))
     return found
 
 
@@ -270,13 +271,15 @@ class NotePool:
         self.spec, self.split, self.seed = spec, split, seed
         self.notes, self.units = _build(World(rng, spec.rich_names), spec, plan)
         self._candidates = _candidates(self.notes, set(range(len(self.notes))))
+        self._structures = {unit: self._structure(unit) for unit in self.units}
 
     def request(self, index: int, kind: str) -> Prompt:
         """Request `index`: one question of `kind`, its supporting notes, distractors from the pool."""
         rng = _rng(self.split, self.seed, index, f"request:{kind}")
         target = rng.choice([c for c in self._candidates if c.kind == kind])
         chosen = [u for u in self.units if set(u) & set(target.notes)]
-        rivals = [u for u in self.units if kind in RIVAL_KINDS and u not in chosen and self._structure(u) == kind]
+        rivals = [u for u in self.units if u not in chosen and self._structures[u] == kind] \
+            if kind in RIVAL_KINDS else []
         for unit in rng.sample(rivals, len(rivals))[:RIVAL_UNITS]:
             if sum(map(len, chosen)) + len(unit) <= self.spec.max_notes:
                 chosen.append(unit)
