@@ -45,6 +45,8 @@ def relation(kind: str, question: str) -> str:
         return {"two_hop": "based", "linked": "linked", "long": "long"}[kind]
     if question.startswith("Where does"):
         return "lives"
+    if question.startswith("Which company"):
+        return "based"
     return "job" if question.endswith("job?") else "code"
 
 

@@ -52,6 +52,10 @@ BIND_MIXED = TaskSpec(2, 3, 8, 24, (1.0, 0.0, 0.0, 0.0), rich_names=False, quest
 # Lookup-only practice with short notes and no filler and no "<city> hosts X" distractors
 # (run 8's diagnosis, .notes/TRAINING.md), several facts per note so that lookups keep needing binding.
 LOOKUP_SIMPLE = replace(BIND_MIXED, max_note_tokens=16, facts_per_note=(1, 3))
+# The second hop alone, "Oslo hosts Acme." asked by its city, beside the other lookups: once two-hop notes
+# turned city-first, stage 4's two-hop first turns fell to ~0.02 (run 19) with a stock company named after
+# "Bristol hosts": the model binds people to values, not yet cities to the companies they host.
+LOOKUP_HOSTS = replace(LOOKUP_SIMPLE, relations=("lives", "hosts", "hosts", "job", "code"))
 LOOKUP_RICH = TaskSpec(2, 4, 48, 128, (1.0, 0.0, 0.0, 0.0), rich_names=True, questions=4, facts_per_note=(1, 2),
                        restate=True)
 NEEDS = ("lookup", "two_hop")  # the issue's targets: >= 95 % lookup, >= 85 % two_hop on EVAL_SPEC
@@ -70,7 +74,7 @@ STAGES: tuple[Stage, ...] = (
     # scored 0.8 on 2-5 notes of 32-128 tokens but 0.35 on the benchmark's 4-8 notes of 64-256 (CPU).
     Stage(replace(EVAL_SPEC_SINGLE_NAMES, min_notes=3, kind_weights=(1.0, 2.0, 1.0, 1.0), questions=6,
                   facts_per_note=(1, 4)),
-          gate=0.85, until=0.65, min_steps=1000, needs=NEEDS, floor=0.6, extra=((LOOKUP_SIMPLE, 0.2),)),
+          gate=0.85, until=0.65, min_steps=1000, needs=NEEDS, floor=0.6, extra=((LOOKUP_HOSTS, 0.3),)),
     Stage(TaskSpec(2, 6, 48, 160, rich_names=True, questions=6, restate=True), gate=0.85, until=0.7,
           min_steps=1500, needs=NEEDS, floor=0.5, extra=((LOOKUP_RICH, 0.25),), replay=0.35),
     Stage(TaskSpec(3, 8, 64, 256, rich_names=True, questions=6, restate=True), gate=0.9, until=1.0,
@@ -103,17 +107,21 @@ class Batch:
     first: np.ndarray      # [A] bool: the prompt's first answer (query segment; what the benchmark scores)
     tokens: int            # real (unpadded) tokens
     extra: np.ndarray | None = None  # [A] bool: answer of a stage's `extra` (practice) prompt
-    rel: np.ndarray | None = None    # [A] int64 RELATIONS index (lookups: lives / job / code; "other" otherwise)
+    rel: np.ndarray | None = None    # [A] int64 RELATIONS index (lookups: their relation; "other" otherwise)
 
 
-RELATIONS: tuple[str, ...] = ("lives", "job", "code", "other")
+RELATIONS: tuple[str, ...] = ("lives", "job", "code", "hosts", "other")
 
 
 def relation_index(kind: str, question: str) -> int:
     """RELATIONS index of an answer: which fact a lookup asks for (the probe's and the diagnosis' split)."""
     if kind != "lookup":
-        return 3
-    return 0 if question.startswith("Where does") else 1 if question.endswith("job?") else 2
+        return RELATIONS.index("other")
+    if question.startswith("Where does"):
+        return RELATIONS.index("lives")
+    if question.startswith("Which company"):
+        return RELATIONS.index("hosts")
+    return RELATIONS.index("job" if question.endswith("job?") else "code")
 
 
 def encode(tokenizer: Tokenizer, prompt: Prompt, all_questions: bool) -> tuple[list[int], list[tuple[int, int]]]:
@@ -138,7 +146,7 @@ def collate(rows: list[tuple], multiple: int) -> Batch:
     positions, targets, answer, kinds, current, first, extra, rel = [], [], [], [], [], [], [], []
     for b, r in enumerate(rows):
         row, spans, row_kinds, is_current = r[:4]
-        row_rels, is_extra = (r[4], r[5]) if len(r) > 4 else ([3] * len(spans), False)
+        row_rels, is_extra = (r[4], r[5]) if len(r) > 4 else ([RELATIONS.index("other")] * len(spans), False)
         ids[b, : len(row)] = row
         for turn, ((start, end), kind, relation) in enumerate(zip(spans, row_kinds, row_rels)):
             positions += range(b * width + start - 1, b * width + end - 1)

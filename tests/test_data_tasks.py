@@ -166,3 +166,18 @@ def test_relations_restrict_the_random_facts() -> None:
     assert {qa.question.split()[0] for p in prompts for qa in p.qas} == {"Where", "What"}
     with pytest.raises(ValueError):
         TaskSpec(relations=("lives", "hobby"))
+
+
+def test_hosts_practice_asks_a_company_by_its_city() -> None:
+    """The "hosts" practice relation is a based fact asked by its city: the note says "Oslo hosts Acme." and
+    the restated reply quotes that sentence, so the second hop of a two-hop question is trained alone."""
+    spec = TaskSpec(2, 3, 8, 16, (1.0, 0.0, 0.0, 0.0), rich_names=False, questions=4, facts_per_note=(2, 3),
+                    relations=("hosts",), restate=True)
+    prompts = make_prompts(spec, "train", 100)
+    qas = [qa for p in prompts for qa in p.qas]
+    assert qas and all(qa.question.startswith("Which company is based in ") for qa in qas)
+    for p in prompts:
+        for qa in p.qas:
+            city = qa.question.removeprefix("Which company is based in ").removesuffix("?")
+            assert qa.evidence == f"{city} hosts {qa.answer}."
+            assert sum(qa.evidence in note for note in p.notes) == 1

@@ -86,14 +86,16 @@ def test_mix_override_and_practice_tags() -> None:
     kinds = np.concatenate([b.kinds for b in batches])
     current = np.concatenate([b.current for b in batches])
     assert extra.any() and current.any() and not (extra & current).any()
-    assert (kinds[extra] == KINDS.index("lookup")).all() and (rel[extra] < 3).all()  # practice: lookups only
-    assert ((rel == 3) == (kinds != KINDS.index("lookup"))).all()
+    other = RELATIONS.index("other")
+    assert (kinds[extra] == KINDS.index("lookup")).all() and (rel[extra] != other).all()  # practice: lookups only
+    assert ((rel == other) == (kinds != KINDS.index("lookup"))).all()
     assert relation_index("lookup", "Where does Mona live?") == RELATIONS.index("lives")
     assert relation_index("lookup", "What is Mona's job?") == RELATIONS.index("job")
     assert relation_index("lookup", "What is Mona's locker code?") == RELATIONS.index("code")
+    assert relation_index("lookup", "Which company is based in Oslo?") == RELATIONS.index("hosts")
     assert relation_index("long", "What is Mona's locker code?") == RELATIONS.index("other")
     old_style = collate([r[:4] for r in [encode_row(p) for p in [make_prompt(LOOKUP_SIMPLE, "train", 0)]]], 64)
-    assert not old_style.extra.any() and (old_style.rel == 3).all()  # 4-tuple rows (probe, eval) still collate
+    assert not old_style.extra.any() and (old_style.rel == other).all()  # 4-tuple rows (probe, eval) still collate
 
 
 def encode_row(prompt) -> tuple:

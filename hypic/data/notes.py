@@ -13,6 +13,9 @@ from hypic.data import lexicon
 
 RELATIONS: tuple[str, ...] = ("lives", "job", "code", "based")
 """Relations of a random fact sentence; "based" ("Oslo hosts Acme.") answers no lookup itself."""
+PRACTICE_RELATIONS: tuple[str, ...] = ("hosts",)
+"""Relations only training practice draws: "hosts" is a based fact asked by its city ("Which company is
+based in Oslo?"), a two-hop question's second hop on its own."""
 
 CHARS_PER_TOKEN = 4.7
 """Average characters per token of the bundled tokenizer on notes (used to size notes)."""
@@ -103,6 +106,8 @@ def _fact(world: World, note: Note, index: int, relations: tuple[str, ...],
         return _lookup(note, index, f"What is {person}'s locker code?", code, f"{person}'s locker code is {code}.")
     city, company = world.city(), world.company()
     note.based[city] = company
+    if relation == "hosts":
+        return _lookup(note, index, f"Which company is based in {city}?", company, based_sentence(city, company))
     return based_sentence(city, company)
 
 

@@ -27,8 +27,8 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from hypic.config import PIC_SEPARATOR
-from hypic.data.notes import (RELATIONS, Candidate, Note, World, based_sentence, dependent_note, fact_note,
-                              long_note)
+from hypic.data.notes import (PRACTICE_RELATIONS, RELATIONS, Candidate, Note, World, based_sentence,
+                              dependent_note, fact_note, long_note)
 
 KINDS: tuple[str, ...] = ("lookup", "two_hop", "linked", "long")
 RIVAL_KINDS: tuple[str, ...] = ("linked", "long")  # kinds whose own structure (a pair, a long note) gets rivals
@@ -58,7 +58,8 @@ class TaskSpec:
     facts_per_note: tuple[int, int] = (1, 3)
     """Fewest and most fact sentences in an ordinary note (planted two-hop facts included)."""
     relations: tuple[str, ...] = RELATIONS
-    """Relations the random (not planted) facts draw from."""
+    """Relations the random (not planted) facts draw from (RELATIONS, or PRACTICE_RELATIONS for practice);
+    a repeated relation is drawn more often."""
     restate: bool = False
     """Replies restate their evidence before "Answer:" (the reply format the model is trained on)."""
 
@@ -73,8 +74,9 @@ class TaskSpec:
             raise ValueError("questions must be >= 1")
         if not 1 <= self.facts_per_note[0] <= self.facts_per_note[1]:
             raise ValueError(f"need 1 <= fewest <= most facts_per_note, got {self.facts_per_note}")
-        if not self.relations or not set(self.relations) <= set(RELATIONS):
-            raise ValueError(f"relations must be a non-empty subset of {RELATIONS}, got {self.relations}")
+        if not self.relations or not set(self.relations) <= set(RELATIONS + PRACTICE_RELATIONS):
+            raise ValueError(f"relations must be a non-empty subset of {RELATIONS + PRACTICE_RELATIONS}, "
+                             f"got {self.relations}")
 
 
 EVAL_SPEC = TaskSpec(min_notes=4, max_notes=8, min_note_tokens=64, max_note_tokens=256, restate=True)
