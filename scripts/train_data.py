@@ -52,10 +52,11 @@ BIND_MIXED = TaskSpec(2, 3, 8, 24, (1.0, 0.0, 0.0, 0.0), rich_names=False, quest
 # Lookup-only practice with short notes and no filler and no "<city> hosts X" distractors
 # (run 8's diagnosis, .notes/TRAINING.md), several facts per note so that lookups keep needing binding.
 LOOKUP_SIMPLE = replace(BIND_MIXED, max_note_tokens=16, facts_per_note=(1, 3))
-# The second hop alone, "Oslo hosts Acme." asked by its city, beside the other lookups: once two-hop notes
-# turned city-first, stage 4's two-hop first turns fell to ~0.02 (run 19) with a stock company named after
-# "Bristol hosts": the model binds people to values, not yet cities to the companies they host.
-LOOKUP_HOSTS = replace(LOOKUP_SIMPLE, relations=("lives", "hosts", "hosts", "job", "code"))
+# The second hop alone, "Oslo hosts Acme." asked by its city, mostly: once two-hop notes turned city-first,
+# stage 4's two-hop first turns fell to ~0.02 (run 19) with a stock company named after "Bristol hosts": the
+# model bound people to values, not cities to the companies they host. As a 0.3 share beside the other
+# lookups it did not bind in 1,360 steps (run 20); as 0.8 of the stage it bound in ~500, two-hop with it (run 21).
+LOOKUP_HOSTS = replace(LOOKUP_SIMPLE, relations=("hosts", "hosts", "hosts", "lives"))
 LOOKUP_RICH = TaskSpec(2, 4, 48, 128, (1.0, 0.0, 0.0, 0.0), rich_names=True, questions=4, facts_per_note=(1, 2),
                        restate=True)
 NEEDS = ("lookup", "two_hop")  # the issue's targets: >= 95 % lookup, >= 85 % two_hop on EVAL_SPEC
@@ -74,7 +75,8 @@ STAGES: tuple[Stage, ...] = (
     # scored 0.8 on 2-5 notes of 32-128 tokens but 0.35 on the benchmark's 4-8 notes of 64-256 (CPU).
     Stage(replace(EVAL_SPEC_SINGLE_NAMES, min_notes=3, kind_weights=(1.0, 2.0, 1.0, 1.0), questions=6,
                   facts_per_note=(1, 4)),
-          gate=0.85, until=0.65, min_steps=1000, needs=NEEDS, floor=0.6, extra=((LOOKUP_HOSTS, 0.3),)),
+          gate=0.85, until=0.65, min_steps=1000, needs=NEEDS, floor=0.6, extra=((LOOKUP_HOSTS, 0.8),),
+          replay=0.1),
     Stage(TaskSpec(2, 6, 48, 160, rich_names=True, questions=6, restate=True), gate=0.85, until=0.7,
           min_steps=1500, needs=NEEDS, floor=0.5, extra=((LOOKUP_RICH, 0.25),), replay=0.35),
     Stage(TaskSpec(3, 8, 64, 256, rich_names=True, questions=6, restate=True), gate=0.9, until=1.0,

@@ -197,7 +197,7 @@ def launch_constants(family: LinearFamily, key_heads: int, value_heads: int, key
                      config: WalkConfig) -> dict[str, int]:
     """The kernel's compile-time constants (shared with scripts/kernel_resources.py)."""
     # KC: columns of T a compose step. Each step waits on its loads, so fewer steps win although 32 columns
-    # spill 32 bytes a thread at K=128, BV 8, one warp: a 256-token, 16-piece walk 302 us against 324 at 16
+    # spill 32 bytes a thread at K=128, BV 8, one warp: a 256-token, 16-piece walk 301 us against 324 at 16
     # (bench/results/compose_kc_h200_experiment.txt)
     return dict(H=key_heads, HV=value_heads, K=key_dim, V=value_dim, BK=max(16, next_power_of_2(key_dim)),
                 BV=config.block_v, KC=32, FAMILY=FAMILY_CODES[family.name])
