@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_data import STAGES, VALUE_CLASSES, class_token_ids, encode  # noqa: E402
 from train_net import Qwen35ForTraining, cap_mlp_neurons, deviation_norm, mlp_neuron_peaks, respread_rows  # noqa: E402
 
+from hypic.data.notes import lookup_relation  # noqa: E402
 from hypic.data.tasks import EVAL_SPEC, eval_prompts, make_prompts  # noqa: E402
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "hypic" / "assets" / "default_model"
@@ -43,11 +44,8 @@ RELATION_PATTERNS = {  # regex counting the facts of a relation in the context
 def relation(kind: str, question: str) -> str:
     if kind != "lookup":
         return {"two_hop": "based", "linked": "linked", "long": "long"}[kind]
-    if question.startswith("Where does"):
-        return "lives"
-    if question.startswith("Which company"):
-        return "based"
-    return "job" if question.endswith("job?") else "code"
+    found = lookup_relation(question)
+    return "based" if found == "hosts" else found  # a hosts lookup counts " hosts " facts, as two-hop does
 
 
 def score(net, tokenizer, prompts, first_only: bool) -> list[dict]:

@@ -31,7 +31,8 @@ from train_model import DEFAULT_MODEL  # noqa: E402
 from train_net import Qwen35ForTraining, collapse_rows, deviation_norm, respread_rows  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from hypic.data.notes import RELATIONS as FACT_RELATIONS
+from hypic.data.notes import RELATIONS as FACT_RELATIONS  # noqa: E402
+from hypic.data.notes import lookup_relation  # noqa: E402
 from hypic.data.tasks import KINDS, QA, Prompt, TaskSpec, make_prompt  # noqa: E402
 
 
@@ -88,9 +89,8 @@ RELATIONS = ("lives", "job", "code", "two_hop")
 
 
 def relation(question: str) -> int:
-    if question.startswith("Which company"):
-        return RELATIONS.index("two_hop")
-    return RELATIONS.index("lives" if question.startswith("Where does") else "job" if question.endswith("job?") else "code")
+    found = lookup_relation(question)  # the probe asks companies only in two-hop questions
+    return RELATIONS.index("two_hop" if found == "hosts" else found)
 
 
 def restated(prompt: Prompt) -> Prompt:

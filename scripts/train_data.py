@@ -13,6 +13,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from hypic.data import lexicon
+from hypic.data.notes import lookup_relation
 from hypic.data.tasks import EVAL_SPEC_SINGLE_NAMES, KINDS, Prompt, TaskSpec, make_prompt
 
 PAD_ID = 0  # <|endoftext|>
@@ -117,13 +118,7 @@ RELATIONS: tuple[str, ...] = ("lives", "job", "code", "hosts", "other")
 
 def relation_index(kind: str, question: str) -> int:
     """RELATIONS index of an answer: which fact a lookup asks for (the probe's and the diagnosis' split)."""
-    if kind != "lookup":
-        return RELATIONS.index("other")
-    if question.startswith("Where does"):
-        return RELATIONS.index("lives")
-    if question.startswith("Which company"):
-        return RELATIONS.index("hosts")
-    return RELATIONS.index("job" if question.endswith("job?") else "code")
+    return RELATIONS.index(lookup_relation(question) if kind == "lookup" else "other")
 
 
 def encode(tokenizer: Tokenizer, prompt: Prompt, all_questions: bool) -> tuple[list[int], list[tuple[int, int]]]:

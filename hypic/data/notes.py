@@ -111,6 +111,15 @@ def _fact(world: World, note: Note, index: int, relations: tuple[str, ...],
     return based_sentence(city, company)
 
 
+def lookup_relation(question: str) -> str:
+    """The relation ("lives", "job", "code" or "hosts") a lookup question of `_fact` asks about."""
+    if question.startswith("Where does"):
+        return "lives"
+    if question.startswith("Which company"):
+        return "hosts"
+    return "job" if question.endswith("job?") else "code"
+
+
 def based_sentence(city: str, company: str) -> str:
     """City first, as the key a two-hop answer is found by: restating "Oslo hosts" copies the company
     that follows (induction), where "Acme is based in Oslo." would have to be read backwards."""
