@@ -1,10 +1,10 @@
 """Times the PIC walk kernel over its launch shapes at Qwen3.5 GDN heads, against the float64 reference.
 
 One request walks N recompute tokens with P cached pieces spread evenly among them, as a PIC
-prefill does at each linear layer (float32 state pool and tuples, bf16 q/k/v, checkpoints passed
-as the engine passes them). For each family, launch shape (BV value columns and num_warps warps a
-program) and walk: the median time of a call (triton.testing.do_bench, L2 flushed before each call), per
-call and per token, and the largest absolute errors of the outputs and of the end state against
+prefill does at each linear layer (float32 state pool, tuples stored as the segment store stores them
+at --tuple-dtype, bf16 q/k/v, checkpoints passed as the engine passes them). For each family, launch
+shape (BV value columns and num_warps warps a program) and walk: the median time of a call
+(triton.testing.do_bench, L2 flushed before each call), per call and per token, and the largest absolute errors of the outputs and of the end state against
 `compose_and_recur_ref` in float64. A shape that fails to compile or run is reported and skipped;
 shapes not started within --budget-s are listed as skipped. Prints a table, writes JSON.
 
@@ -65,7 +65,7 @@ class Result:
     error: str | None = None
 
 
-def make_walk(family: LinearFamily, tokens: int, pieces: int, gen: torch.Generator) -> Walk:
+def make_walk(family: LinearFamily, tokens: int, pieces: int, gen: torch.Generator, tuple_dtype: torch.dtype) -> Walk:
     randn = lambda *shape: torch.randn(*shape, generator=gen, device=DEVICE)  # noqa: E731
     gate_shape = (tokens, VALUE_HEADS, DIM) if family.gate_per_key else (tokens, VALUE_HEADS)
     q = F.normalize(randn(tokens, KEY_HEADS, DIM), dim=-1).bfloat16()
@@ -74,6 +74,7 @@ def make_walk(family: LinearFamily, tokens: int, pieces: int, gen: torch.Generat
     g = F.logsigmoid(randn(*gate_shape) + 3.0)
     beta = torch.sigmoid(randn(tokens, VALUE_HEADS)).bfloat16() if family.kind == "dense" else None
     T, S0 = random_tuples(family, pieces, gen)
+    T, S0 = T.to(torch.float32 if family.log_T else tuple_dtype), S0.to(tuple_dtype)  # SegmentLayout.t_dtype's rule
     pieces_table = CachedPieces.build([[(p * tokens // pieces, p * T[0].numel(), p * S0[0].numel())
                                         for p in range(pieces)]], DEVICE)
     initial = torch.stack([randn(VALUE_HEADS, DIM, DIM) * 0.1, torch.zeros(VALUE_HEADS, DIM, DIM, device=DEVICE)])
@@ -150,7 +151,8 @@ def print_result(r: Result) -> None:
           f" {r.first_call_s:8.2f}", flush=True)
 
 
-def write_report(out: Path, results: list[Result], skipped: list[str], defaults: dict[str, dict]) -> None:
+def write_report(out: Path, results: list[Result], skipped: list[str], defaults: dict[str, dict],
+                 tuple_dtype: str) -> None:
     best: dict[str, dict] = {}
     for r in results:
         key = f"{r.family} {r.tokens}x{r.pieces}"
@@ -160,6 +162,7 @@ def write_report(out: Path, results: list[Result], skipped: list[str], defaults:
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   heads=dict(key_heads=KEY_HEADS, value_heads=VALUE_HEADS, key_dim=DIM, value_dim=DIM),
+                  tuple_dtype=tuple_dtype,
                   engine_default=defaults, best=best, results=[asdict(r) for r in results], skipped=skipped)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
@@ -177,6 +180,8 @@ def main() -> None:
     parser.add_argument("--block-v", type=int_list, default=[8, 16, 32])
     parser.add_argument("--num-warps", type=int_list, default=[1, 2, 4, 8])
     parser.add_argument("--rep-ms", type=int, default=20, help="do_bench time per measurement")
+    parser.add_argument("--tuple-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="storage of cached T and S0 (EngineConfig.segment_state_dtype)")
     parser.add_argument("--budget-s", type=float, default=40.0,
                         help="shared equally by the families: no new shape starts past a family's share")
     args = parser.parse_args()
@@ -189,7 +194,8 @@ def main() -> None:
           f" {'first s':>8}")
     for i, family in enumerate(families):
         deadline = started + args.budget_s * (i + 1) / len(families)
-        walks = [make_walk(family, *int_list(w.replace("x", ",")), gen) for w in args.walks.split(",")]
+        walks = [make_walk(family, *int_list(w.replace("x", ",")), gen, getattr(torch, args.tuple_dtype))
+                 for w in args.walks.split(",")]
         for n, config in enumerate(sweep_configs(family, args.block_v, args.num_warps)):
             if n > 0 and time.perf_counter() > deadline:
                 skipped.append(f"{family.name} BV={config.block_v} warps={config.num_warps}")
@@ -197,10 +203,10 @@ def main() -> None:
             for result in run_shape(walks, config, args.rep_ms):
                 print_result(result)
                 results.append(result)
-            write_report(args.out, results, skipped, defaults)  # a killed run keeps what it measured
+            write_report(args.out, results, skipped, defaults, args.tuple_dtype)  # a killed run keeps what it measured
     if skipped:
         print(f"skipped (past --budget-s {args.budget_s:.0f}): {', '.join(skipped)}")
-    write_report(args.out, results, skipped, defaults)
+    write_report(args.out, results, skipped, defaults, args.tuple_dtype)
     print(f"wrote {args.out} in {time.perf_counter() - started:.0f} s")
 
 

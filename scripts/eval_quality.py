@@ -167,7 +167,7 @@ def _fraction(part: int, whole: int) -> float | None:
 
 def engine_config(args: argparse.Namespace, seam_width: int) -> EngineConfig:
     return EngineConfig(model=args.model, device=args.device, seam_width=seam_width,
-                        max_num_seqs=args.concurrency)
+                        max_num_seqs=args.concurrency, segment_state_dtype=args.segment_state_dtype)
 
 
 async def run_engine(args: argparse.Namespace, width: int, group: list[Setting], prompts: list[Prompt],
@@ -225,7 +225,7 @@ async def evaluate(args: argparse.Namespace, save: Callable[[dict], None]) -> di
 def assemble(args: argparse.Namespace, header: dict, num_prompts: int, samples: int,
              done: list[tuple[Setting, dict]]) -> dict:
     run = {"split": args.split, "names": args.names, "restate": EVAL_SPEC.restate, "per_kind": args.per_kind,
-           "num_prompts": num_prompts,
+           "num_prompts": num_prompts, "segment_state_dtype": args.segment_state_dtype,
            "kinds": list(KINDS), "max_tokens": args.max_tokens, "concurrency": args.concurrency,
            "ttft_samples": samples, "state_drift": "scripts/bench_fidelity.py"}
     entries = [{"label": s.label, "mode": s.mode, "seam_width": s.seam_width, **found} for s, found in done]
@@ -272,6 +272,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "or single-token common names (the same spec otherwise)")
     parser.add_argument("--max-tokens", type=_positive, default=48, help="tokens generated per answer")
     parser.add_argument("--concurrency", type=_positive, default=32, help="accuracy requests in flight")
+    parser.add_argument("--segment-state-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="storage of cached T and S0 (EngineConfig.segment_state_dtype)")
     parser.add_argument("--ttft-samples", type=_positive, default=20,
                         help="prompts per setting timed one at a time, cold then warm")
     parser.add_argument("--out-prefix", type=Path, default=None,

@@ -42,9 +42,9 @@ def _summary(result: dict) -> str:
     return (f"{result['date']} · {result['device']} · model `{result['model']}` ({result['dtype']}, weights "
             f"xxh64 {result['weights_xxh64']}) · {result['num_prompts']} held-out prompts ({result['per_kind']} "
             f"per kind, split {result['split']}, {NAMES[result.get('names', 'rich')]}) · greedy, at most "
-            f"{result['max_tokens']} tokens, "
-            f"{result['concurrency']} in flight · TTFT over {result['ttft_samples']} prompts per setting, "
-            f"one at a time.{partial}")
+            f"{result['max_tokens']} tokens, {result['concurrency']} in flight · cached T and S0 in "
+            f"{result.get('segment_state_dtype', 'float32')} · TTFT over {result['ttft_samples']} prompts per "
+            f"setting, one at a time.{partial}")
 
 
 def _legend(result: dict) -> str:

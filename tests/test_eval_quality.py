@@ -23,7 +23,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     torch.set_num_threads(1)  # the bundled model is tiny: one thread beats two contending ones
     prefix = tmp_path_factory.mktemp("quality") / "quality_cpu"
     result = main(["--device", "cpu", "--per-kind", "1", "--modes", "none,hypic", "--seam-widths", "8",
-                   "--max-tokens", "2", "--ttft-samples", "1", "--out-prefix", str(prefix)])
+                   "--max-tokens", "2", "--ttft-samples", "1", "--segment-state-dtype", "bfloat16",
+                   "--out-prefix", str(prefix)])
     return result, prefix
 
 
@@ -32,6 +33,7 @@ def test_json_has_both_settings_with_fractions_in_range(run: tuple[dict, Path]) 
     saved = json.loads((prefix.parent / "quality_cpu.json").read_text())
     assert saved == json.loads(json.dumps(result))
     assert saved["device"] == "cpu" and saved["model"] == "default_model" and saved["date"] and saved["restate"]
+    assert saved["segment_state_dtype"] == "bfloat16"
     assert [(e["mode"], e["seam_width"]) for e in saved["settings"]] == [("none", None), ("hypic", 8)]
     for entry in saved["settings"]:
         assert set(entry["em"]) == {*KINDS, "overall"} and entry["count"] == dict.fromkeys(KINDS, 1)
