@@ -14,7 +14,7 @@ import pytest
 from hypic.config import PIC_SEPARATOR
 from hypic.data import EVAL_SPEC, KINDS, NotePool, TaskSpec, eval_prompts, is_correct, make_prompt, make_prompts
 from hypic.data.notes import based_sentence
-from hypic.data.tasks import POOL_REQUESTS, PREFIX_SEGMENT, QA, reply_text
+from hypic.data.tasks import POOL_REQUESTS, PREFIX_SEGMENT, QA, RIVAL_UNITS, reply_text
 
 SMALL = TaskSpec(min_notes=2, max_notes=4, min_note_tokens=32, max_note_tokens=96, rich_names=False, questions=4)
 MODEL_DIR = Path(__file__).resolve().parents[1] / "hypic" / "assets" / "default_model"
@@ -107,6 +107,20 @@ def test_linked_and_long_questions_have_rivals(spec: TaskSpec) -> None:
             seen = sum(note.count(sentence) for note in p.notes)
             room = 1 + (most - 2) // 2 if kind == "linked" else most
             assert seen >= min(3, room), (kind, seen, len(p.notes))  # the asked one and RIVAL_UNITS = 2 more
+
+
+def test_strict_rivals_hold_in_crowded_prompts() -> None:
+    """With strict_rivals, every linked or long question of a many-question prompt sits beside RIVAL_UNITS
+    rivals of its structure; without it, a prompt that wants both kinds asks one of them beside none."""
+    crowded = TaskSpec(3, 8, 24, 48, (1.0, 0.5, 3.0, 1.5), questions=6, strict_rivals=True)
+
+    def rivals_of_asked(spec: TaskSpec) -> list[int]:
+        return [sum(note.count(RIVAL_SENTENCES[qa.kind]) for note in p.notes)
+                for p in make_prompts(spec, "train", 60) for qa in p.qas if qa.kind in RIVAL_SENTENCES]
+
+    strict = rivals_of_asked(crowded)
+    assert len(strict) > 60 and min(strict) >= 1 + RIVAL_UNITS
+    assert min(rivals_of_asked(replace(crowded, strict_rivals=False))) == 1
 
 
 def test_chat_template_renders_the_prompt_text() -> None:

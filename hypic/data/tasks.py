@@ -14,8 +14,9 @@ Question kinds, reported separately:
 - linked:  a note says "The person above works at Acme."; the person is the signer of the note
            placed right before it, so isolated prefill of the second note cannot resolve it.
 - long:    a long note opens with its subject and buries the locker code deep inside.
-A linked or long question comes with RIVAL_UNITS other pairs or long notes where the notes allow, so
-that the answer is never the only "works at" (or locker code) sentence in sight.
+A linked or long question comes with RIVAL_UNITS other pairs or long notes where the notes allow (with
+`TaskSpec.strict_rivals`, always), so that the answer is never the only "works at" (or locker code)
+sentence in sight.
 
 Everything is a pure function of (spec, split, seed, index): the same call gives the same prompt
 in any process. Splits draw from disjoint seed streams.
@@ -62,6 +63,11 @@ class TaskSpec:
     a repeated relation is drawn more often."""
     restate: bool = False
     """Replies restate their evidence before "Answer:" (the reply format the model is trained on)."""
+    strict_rivals: bool = False
+    """A linked or long question is asked only among 1 + RIVAL_UNITS units of its structure, as in the
+    benchmark; otherwise rivals come as room permits, and a prompt crowded by several wanted kinds asks
+    them beside no rival at all (stage 6 of training, 57 of 69 long questions: the model learned to copy
+    the only locker code in sight, 0.94 there and 0.27 on the benchmark)."""
 
     def __post_init__(self) -> None:
         if not 2 <= self.min_notes <= self.max_notes:
@@ -168,16 +174,32 @@ class _Plan:
 
 def _plan(rng: random.Random, spec: TaskSpec, n: int, wanted: Counter) -> _Plan:
     """Structures for `n` notes serving the wanted question kinds: a wanted pair or long note comes
-    with RIVAL_UNITS rivals, a kind not wanted often with one distractor (room permitting)."""
+    with RIVAL_UNITS rivals, a kind not wanted often with one distractor (room permitting, or, with
+    `spec.strict_rivals`, a wanted kind gets all of its rivals or no unit)."""
     on = dict(zip(KINDS, (w > 0 for w in spec.kind_weights)))
     extra = {kind: RIVAL_UNITS if wanted[kind] else int(on[kind] and rng.random() < 0.6) for kind in RIVAL_KINDS}
-    pairs = min(wanted["linked"] + extra["linked"], n // 2)
-    longs = min(wanted["long"] + extra["long"], n - 2 * pairs)
+    if spec.strict_rivals:
+        pairs, longs = _strict_units(rng, n, wanted, extra)
+    else:
+        pairs = min(wanted["linked"] + extra["linked"], n // 2)
+        longs = min(wanted["long"] + extra["long"], n - 2 * pairs)
     while pairs + (n - 2 * pairs - longs) < 2 and longs + pairs > 1:  # keep two fact notes if possible
         longs, pairs = (longs - 1, pairs) if longs else (longs, pairs - 1)
     fact_like = pairs + n - 2 * pairs - longs
     chains = wanted["two_hop"] + (on["two_hop"] and rng.random() < 0.6) if fact_like >= 2 else 0
     return _Plan(pairs, longs, chains, n - 2 * pairs - longs)
+
+
+def _strict_units(rng: random.Random, n: int, wanted: Counter, extra: dict[str, int]) -> tuple[int, int]:
+    """(pairs, long notes) for `n` notes, the two kinds served in random order: a wanted kind takes
+    1 + RIVAL_UNITS units (more if more questions want it) or none where they do not fit beside two
+    fact-like notes (anchors count); a kind not wanted takes its distractor where it fits."""
+    units = {"linked": 0, "long": 0}
+    for kind in rng.sample(RIVAL_KINDS, len(RIVAL_KINDS)):
+        trial = dict(units, **{kind: max(wanted[kind], 1 + RIVAL_UNITS) if wanted[kind] else extra[kind]})
+        if 2 * trial["linked"] + trial["long"] <= n and n - trial["linked"] - trial["long"] >= 2:
+            units = trial
+    return units["linked"], units["long"]
 
 
 def _lengths(rng: random.Random, spec: TaskSpec) -> tuple[int, int]:
@@ -254,7 +276,11 @@ def make_prompt(spec: TaskSpec, split: str, index: int, seed: int = 0) -> Prompt
         kinds = rng.choices(KINDS, weights=spec.kind_weights, k=spec.questions)
         plan = _plan(rng, spec, rng.randint(spec.min_notes, spec.max_notes), Counter(kinds))
         notes, units = _build(World(rng, spec.rich_names), spec, plan)
-        qas = _pick(rng, _candidates(notes, set(range(len(notes)))), kinds, spec.restate)
+        candidates = _candidates(notes, set(range(len(notes))))
+        if spec.strict_rivals:  # a lone distractor pair or long note is read, never asked about
+            structures = {"linked": plan.pairs, "long": plan.longs}
+            candidates = [c for c in candidates if structures.get(c.kind, 1 + RIVAL_UNITS) > RIVAL_UNITS]
+        qas = _pick(rng, candidates, kinds, spec.restate)
         if qas:
             return _assemble(rng, notes, units, qas)
 
