@@ -8,6 +8,7 @@ from hypic.errors import InvalidRequestError
 
 CacheMode = Literal["none", "prefix", "naive", "hypic"]
 CACHE_MODES: tuple[str, ...] = ("none", "prefix", "naive", "hypic")
+SEGMENT_STATE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")  # storage of cached T and S0
 PIC_SEPARATOR = "<|segment|>"
 
 
@@ -70,8 +71,9 @@ class EngineConfig:
             raise InvalidRequestError("prefix_cache_fraction must be in [0, 1)")
         if self.seam_width < 0:
             raise InvalidRequestError(f"seam_width must be >= 0, got {self.seam_width}")
-        if self.segment_state_dtype not in ("float32", "bfloat16"):
-            raise InvalidRequestError("segment_state_dtype must be float32 or bfloat16")
+        if self.segment_state_dtype not in SEGMENT_STATE_DTYPES:
+            raise InvalidRequestError(f"segment_state_dtype must be one of {SEGMENT_STATE_DTYPES}, "
+                                      f"got {self.segment_state_dtype!r}")
         if self.segment_pool_bytes is not None and self.segment_pool_bytes < 0:
             raise InvalidRequestError("segment_pool_bytes must be >= 0")
         if not self.segment_separator:

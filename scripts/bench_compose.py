@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hypic.config import SEGMENT_STATE_DTYPES
 from hypic.kernels.compose import (CachedPieces, StateCheckpoints, WalkConfig, compose_and_recur_ref,
                                    compose_and_recur_triton, walk_config)
 from hypic.kernels.linear_families import LinearFamily, get_family
@@ -180,7 +181,7 @@ def main() -> None:
     parser.add_argument("--block-v", type=int_list, default=[8, 16, 32])
     parser.add_argument("--num-warps", type=int_list, default=[1, 2, 4, 8])
     parser.add_argument("--rep-ms", type=int, default=20, help="do_bench time per measurement")
-    parser.add_argument("--tuple-dtype", choices=("float32", "bfloat16"), default="float32",
+    parser.add_argument("--tuple-dtype", choices=SEGMENT_STATE_DTYPES, default="float32",
                         help="storage of cached T and S0 (EngineConfig.segment_state_dtype)")
     parser.add_argument("--budget-s", type=float, default=40.0,
                         help="shared equally by the families: no new shape starts past a family's share")

@@ -23,6 +23,7 @@ import torch
 from bench_engine import model_dir, random_weights, shape_config
 
 from hypic import EngineConfig, SamplingParams
+from hypic.config import SEGMENT_STATE_DTYPES
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.segments import SegmentedPrompt
 
@@ -104,7 +105,7 @@ def main() -> None:
     parser.add_argument("--counts", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seam-width", type=int, default=8)
-    parser.add_argument("--segment-state-dtype", choices=("float32", "bfloat16"), default="float32",
+    parser.add_argument("--segment-state-dtype", choices=SEGMENT_STATE_DTYPES, default="float32",
                         help="storage of cached T and S0 (bfloat16 halves what each compose reads)")
     parser.add_argument("--profile", type=lambda s: [tuple(map(int, x.split("x"))) for x in s.split(",")], default=[],
                         metavar="NxLEN,...", help="print profiles of a warm request of each prompt shape (and a "

@@ -42,6 +42,7 @@ from plot_quality import write_report
 from tqdm import tqdm
 
 from hypic import CACHE_MODES, AsyncEngine, EngineConfig, RequestMetrics, SamplingParams
+from hypic.config import SEGMENT_STATE_DTYPES
 from hypic.data import EVAL_SPEC, EVAL_SPEC_SINGLE_NAMES, KINDS, Prompt, eval_prompts, is_correct
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "bench" / "results"
@@ -272,7 +273,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "or single-token common names (the same spec otherwise)")
     parser.add_argument("--max-tokens", type=_positive, default=48, help="tokens generated per answer")
     parser.add_argument("--concurrency", type=_positive, default=32, help="accuracy requests in flight")
-    parser.add_argument("--segment-state-dtype", choices=("float32", "bfloat16"), default="float32",
+    parser.add_argument("--segment-state-dtype", choices=SEGMENT_STATE_DTYPES, default="float32",
                         help="storage of cached T and S0 (EngineConfig.segment_state_dtype)")
     parser.add_argument("--ttft-samples", type=_positive, default=20,
                         help="prompts per setting timed one at a time, cold then warm")

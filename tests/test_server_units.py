@@ -160,14 +160,16 @@ def _parse(*argv: str) -> argparse.Namespace:
 def test_options_map_into_engine_config_and_settings() -> None:
     args = _parse("--cpu-cache-bytes", "64MiB", "--cache-mode", "none", "--max-waiting", "7", "--api-key", "k",
                   "--served-model-name", "tiny", "--shutdown-grace", "2", "--seam-width", "4",
-                  "--segment-pool-bytes", "1G")
+                  "--segment-pool-bytes", "1G", "--segment-state-dtype", "bfloat16")
     config, settings = engine_config(args), server_settings(args)
     assert (config.cpu_cache_bytes, config.cache_mode, config.max_waiting) == (64 << 20, "none", 7)
-    assert (config.seam_width, config.segment_pool_bytes) == (4, 1 << 30)
+    assert (config.seam_width, config.segment_pool_bytes, config.segment_state_dtype) == (4, 1 << 30, "bfloat16")
     assert (settings.api_key, settings.served_model_name, settings.shutdown_grace_s) == ("k", "tiny", 2.0)
     assert engine_config(_parse()) == EngineConfig()  # no options: the engine's own defaults
     with pytest.raises(SystemExit):
         _parse("--device", "tpu")
+    with pytest.raises(InvalidRequestError, match="segment_state_dtype"):
+        EngineConfig(segment_state_dtype="float16")
 
 
 def test_console_script_has_the_serve_command(capsys) -> None:

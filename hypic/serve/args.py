@@ -5,7 +5,7 @@ import argparse
 import os
 import re
 
-from hypic.config import CACHE_MODES, EngineConfig
+from hypic.config import CACHE_MODES, SEGMENT_STATE_DTYPES, EngineConfig
 from hypic.errors import InvalidRequestError
 from hypic.serve.state import ServerSettings
 
@@ -54,7 +54,7 @@ def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                        help="tokens recomputed on each side of a segment boundary (default: %(default)s)")
     group.add_argument("--segment-pool-bytes", type=_size, metavar="SIZE",
                        help="budget of the shared segment cache (default: a quarter of the cache budget)")
-    group.add_argument("--segment-state-dtype", choices=("float32", "bfloat16"), default=_DEFAULTS.segment_state_dtype,
+    group.add_argument("--segment-state-dtype", choices=SEGMENT_STATE_DTYPES, default=_DEFAULTS.segment_state_dtype,
                        help="storage of cached segment states (default: %(default)s)")
     group.add_argument("--max-segments", type=_positive_int, default=_DEFAULTS.max_segments, metavar="N",
                        help="most segments in one prompt (default: %(default)s)")
