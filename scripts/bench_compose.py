@@ -4,9 +4,10 @@ One request walks N recompute tokens with P cached pieces spread evenly among th
 prefill does at each linear layer (float32 state pool, tuples stored as the segment store stores them
 at --tuple-dtype, bf16 q/k/v, checkpoints passed as the engine passes them). For each family, launch
 shape (BV value columns and num_warps warps a program) and walk: the median time of a call
-(triton.testing.do_bench, L2 flushed before each call), per call and per token, and the largest absolute errors of the outputs and of the end state against
-`compose_and_recur_ref` in float64. A shape that fails to compile or run is reported and skipped;
-shapes not started within --budget-s are listed as skipped. Prints a table, writes JSON.
+(triton.testing.do_bench, L2 flushed before each call), per call and per token, and the largest
+absolute errors of the outputs and of the end state against `compose_and_recur_ref` in float64. A
+shape that fails to compile or run is reported and skipped; shapes not started within --budget-s are
+listed as skipped. Prints a table, writes JSON.
 
     python scripts/bench_compose.py --out bench/results/compose_h200.json
 """
@@ -75,7 +76,7 @@ def make_walk(family: LinearFamily, tokens: int, pieces: int, gen: torch.Generat
     g = F.logsigmoid(randn(*gate_shape) + 3.0)
     beta = torch.sigmoid(randn(tokens, VALUE_HEADS)).bfloat16() if family.kind == "dense" else None
     T, S0 = random_tuples(family, pieces, gen)
-    T, S0 = T.to(torch.float32 if family.log_T else tuple_dtype), S0.to(tuple_dtype)  # SegmentLayout.t_dtype's rule
+    T, S0 = T.to(family.t_storage_dtype(tuple_dtype)), S0.to(tuple_dtype)
     pieces_table = CachedPieces.build([[(p * tokens // pieces, p * T[0].numel(), p * S0[0].numel())
                                         for p in range(pieces)]], DEVICE)
     initial = torch.stack([randn(VALUE_HEADS, DIM, DIM) * 0.1, torch.zeros(VALUE_HEADS, DIM, DIM, device=DEVICE)])

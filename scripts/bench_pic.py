@@ -118,7 +118,8 @@ def main() -> None:
     for i, (num_docs, doc_len) in enumerate(args.profile):
         profile(engine, rng, num_docs, doc_len, cold=i == 0)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "shape": args.model or args.shape, "seam_width": args.seam_width,
+              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "shape": args.model or args.shape, "seam_width": args.seam_width,
               "segment_state_dtype": args.segment_state_dtype,
               "by_length": {}, "by_count": {}}
     for doc_len in args.lengths:

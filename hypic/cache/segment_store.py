@@ -93,8 +93,7 @@ class SegmentLayout:
 
     @property
     def t_dtype(self) -> torch.dtype:
-        """Log-gate sums stay float32: bf16 would err by up to 2^-8 relative *in the exponent*."""
-        return torch.float32 if self.family.log_T else self.state_dtype
+        return self.family.t_storage_dtype(self.state_dtype)
 
     @property
     def t_shape(self) -> tuple[int, ...]:

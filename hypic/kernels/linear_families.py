@@ -68,6 +68,11 @@ class LinearFamily(ABC):
         """T as explicit [.., HV, K, K] matrices."""
 
     # --- shared algebra -----------------------------------------------------------------------
+    def t_storage_dtype(self, state_dtype: torch.dtype) -> torch.dtype:
+        """Dtype of cached T beside states cached in `state_dtype`: log-gate sums stay float32, as bf16
+        would err by up to 2^-8 relative *in the exponent*."""
+        return torch.float32 if self.log_T else state_dtype
+
     def t_bytes(self, key_dim: int, dtype: torch.dtype) -> int:
         """Bytes of one head's stored T."""
         return math.prod(self.t_shape(key_dim)) * dtype.itemsize
