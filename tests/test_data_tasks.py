@@ -64,10 +64,11 @@ def check_answerable(notes: tuple[str, ...], qa) -> None:
         home = next(i for i, n in enumerate(notes) if f"{person} lives in " in n)
         city = notes[home].split(f"{person} lives in ")[1].split(".")[0]
         assert any(based_sentence(city, qa.answer) in n for j, n in enumerate(notes) if j != home)
-    if qa.kind == "long":
+    if qa.kind == "long":  # "the person above" opens the note right after the one signed by the person
         person = qa.question.removeprefix("What is ").removesuffix("'s locker code?")
-        assert any(n.startswith(f"Note: This note is about {person}.") and f"Their locker code is {qa.answer}." in n
-                   for n in notes)
+        i = next(i for i in holding if f"Their locker code is {qa.answer}." in notes[i])
+        assert notes[i].startswith("Note: This note is about the person above.")
+        assert i > 0 and notes[i - 1].endswith(f" Filed by {person}.\n")
 
 
 def test_pool_requests_share_notes() -> None:
@@ -105,7 +106,7 @@ def test_linked_and_long_questions_have_rivals(spec: TaskSpec) -> None:
         for p, most in [(p, spec.max_notes) for p in requests] + [(p, wide.max_notes) for p in trained]:
             assert len(p.notes) <= most
             seen = sum(note.count(sentence) for note in p.notes)
-            room = 1 + (most - 2) // 2 if kind == "linked" else most
+            room = 1 + (most - 2) // 2  # pairs beside two fact-like notes
             assert seen >= min(3, room), (kind, seen, len(p.notes))  # the asked one and RIVAL_UNITS = 2 more
 
 
@@ -119,7 +120,7 @@ def test_strict_rivals_hold_in_crowded_prompts() -> None:
                 for p in make_prompts(spec, "train", 60) for qa in p.qas if qa.kind in RIVAL_SENTENCES]
 
     strict = rivals_of_asked(crowded)
-    assert len(strict) > 60 and min(strict) >= 1 + RIVAL_UNITS
+    assert len(strict) > 40 and min(strict) >= 1 + RIVAL_UNITS
     assert min(rivals_of_asked(replace(crowded, strict_rivals=False))) == 1
 
 

@@ -2,7 +2,8 @@
 
 Every fact is stated once, so any subset of the notes, in any order, never contradicts itself.
 Notes come in units: a unit is one note, or an (anchor, dependent) pair whose second note says
-"The person above ..." and is only meaningful right after its anchor, so pairs are never split.
+"The person above ..." (a linked note) or "This note is about the person above." (a long note) and is
+only meaningful right after its anchor, so pairs are never split.
 """
 from __future__ import annotations
 
@@ -171,11 +172,14 @@ def dependent_note(world: World, index: int, anchor: int, notes: list[Note], tar
     return _finish(note, [opening] + _fill(world, [], target_tokens, 60), world.person())
 
 
-def long_note(world: World, index: int, target_tokens: int) -> Note:
-    """A long note about one person whose locker code sits at a random depth, far from the name."""
-    note, person, code = Note(), world.person(), world.code()
-    opening, buried = f"This note is about {person}.", f"Their locker code is {code}."
-    note.candidates.append(Candidate("long", f"What is {person}'s locker code?", code, (index,), f"{opening} {buried}"))
+def long_note(world: World, index: int, anchor: int, notes: list[Note], target_tokens: int) -> Note:
+    """A long note about the signer of notes[anchor] ("This note is about the person above.") whose locker
+    code sits at a random depth: who it is about crosses the boundary, then the note's length."""
+    note, code = Note(), world.code()
+    person = signer_of(notes[anchor])
+    opening, buried = "This note is about the person above.", f"Their locker code is {code}."
+    note.candidates.append(Candidate("long", f"What is {person}'s locker code?", code, (anchor, index),
+                                     f"Filed by {person}. {opening} {buried}"))
     body = _fill(world, [], target_tokens, 80)
     body.insert(world.rng.randint(len(body) // 4, len(body)), buried)
     return _finish(note, [opening] + body, world.person())

@@ -13,7 +13,9 @@ Question kinds, reported separately:
 - two_hop: "Derek lives in Oslo." and "Oslo hosts Acme." in two notes, any order.
 - linked:  a note says "The person above works at Acme."; the person is the signer of the note
            placed right before it, so isolated prefill of the second note cannot resolve it.
-- long:    a long note opens with its subject and buries the locker code deep inside.
+- long:    a long note says "This note is about the person above." (the signer of the note before it)
+           and buries the locker code deep inside: the reference crosses the boundary, the code is far
+           from it, so isolated prefill loses whose code it is and the seam repairs only the opening.
 A linked or long question comes with RIVAL_UNITS other pairs or long notes where the notes allow (with
 `TaskSpec.strict_rivals`, always), so that the answer is never the only "works at" (or locker code)
 sentence in sight.
@@ -32,7 +34,7 @@ from hypic.data.notes import (PRACTICE_RELATIONS, RELATIONS, Candidate, Note, Wo
                               dependent_note, fact_note, long_note)
 
 KINDS: tuple[str, ...] = ("lookup", "two_hop", "linked", "long")
-RIVAL_KINDS: tuple[str, ...] = ("linked", "long")  # kinds whose own structure (a pair, a long note) gets rivals
+RIVAL_KINDS: tuple[str, ...] = ("linked", "long")  # kinds whose own structure (an anchored pair) gets rivals
 RIVAL_UNITS = 2  # other pairs / long notes beside such a question's own
 POOL_REQUESTS = 5  # benchmark requests of each kind per note pool (see eval_prompts)
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
@@ -166,8 +168,8 @@ def _rng(split: str, seed: int, index: int, stream: str) -> random.Random:
 
 @dataclass(frozen=True)
 class _Plan:
-    pairs: int
-    longs: int
+    pairs: int  # (anchor, linked note) pairs
+    longs: int  # (anchor, long note) pairs
     chains: int
     facts: int  # stand-alone fact notes (pair anchors are fact notes too)
 
@@ -182,12 +184,12 @@ def _plan(rng: random.Random, spec: TaskSpec, n: int, wanted: Counter) -> _Plan:
         pairs, longs = _strict_units(rng, n, wanted, extra)
     else:
         pairs = min(wanted["linked"] + extra["linked"], n // 2)
-        longs = min(wanted["long"] + extra["long"], n - 2 * pairs)
-    while pairs + (n - 2 * pairs - longs) < 2 and longs + pairs > 1:  # keep two fact notes if possible
+        longs = min(wanted["long"] + extra["long"], (n - 2 * pairs) // 2)
+    while n - pairs - longs < 2 and longs + pairs > 1:  # keep two fact-like notes (anchors count) if possible
         longs, pairs = (longs - 1, pairs) if longs else (longs, pairs - 1)
-    fact_like = pairs + n - 2 * pairs - longs
+    fact_like = n - pairs - longs
     chains = wanted["two_hop"] + (on["two_hop"] and rng.random() < 0.6) if fact_like >= 2 else 0
-    return _Plan(pairs, longs, chains, n - 2 * pairs - longs)
+    return _Plan(pairs, longs, chains, n - 2 * pairs - 2 * longs)
 
 
 def _strict_units(rng: random.Random, n: int, wanted: Counter, extra: dict[str, int]) -> tuple[int, int]:
@@ -197,7 +199,7 @@ def _strict_units(rng: random.Random, n: int, wanted: Counter, extra: dict[str, 
     units = {"linked": 0, "long": 0}
     for kind in rng.sample(RIVAL_KINDS, len(RIVAL_KINDS)):
         trial = dict(units, **{kind: max(wanted[kind], 1 + RIVAL_UNITS) if wanted[kind] else extra[kind]})
-        if 2 * trial["linked"] + trial["long"] <= n and n - trial["linked"] - trial["long"] >= 2:
+        if 2 * (trial["linked"] + trial["long"]) <= n and n - trial["linked"] - trial["long"] >= 2:
             units = trial
     return units["linked"], units["long"]
 
@@ -211,7 +213,7 @@ def _lengths(rng: random.Random, spec: TaskSpec) -> tuple[int, int]:
 
 def _build(world: World, spec: TaskSpec, plan: _Plan) -> tuple[list[Note], list[tuple[int, ...]]]:
     """All notes (indexed) and their units; fact notes first, so chain hops land in fact notes."""
-    rng, n_fact_like = world.rng, plan.facts + plan.pairs
+    rng, n_fact_like = world.rng, plan.facts + plan.pairs + plan.longs
     chains: dict[int, list] = {i: [] for i in range(n_fact_like)}
     bases: dict[int, list] = {i: [] for i in range(n_fact_like)}
     for _ in range(plan.chains):
@@ -223,11 +225,11 @@ def _build(world: World, spec: TaskSpec, plan: _Plan) -> tuple[list[Note], list[
                        spec.relations) for i in range(n_fact_like)]
     units: list[tuple[int, ...]] = [(i,) for i in range(plan.facts)]
     for anchor in range(plan.facts, n_fact_like):
-        notes.append(dependent_note(world, len(notes), anchor, notes, _lengths(rng, spec)[0]))
+        if anchor < plan.facts + plan.pairs:
+            notes.append(dependent_note(world, len(notes), anchor, notes, _lengths(rng, spec)[0]))
+        else:
+            notes.append(long_note(world, len(notes), anchor, notes, _lengths(rng, spec)[1]))
         units.append((anchor, len(notes) - 1))
-    for _ in range(plan.longs):
-        notes.append(long_note(world, len(notes), _lengths(rng, spec)[1]))
-        units.append((len(notes) - 1,))
     return notes, units
 
 
@@ -295,7 +297,7 @@ class NotePool:
     def __init__(self, spec: TaskSpec, split: str, num_notes: int = 48, seed: int = 0, index: int = 0) -> None:
         rng = _rng(split, seed, num_notes, f"pool:{index}")
         plan = _Plan(pairs=num_notes // 8, longs=num_notes // 8, chains=num_notes // 4,
-                     facts=num_notes - 3 * (num_notes // 8))
+                     facts=num_notes - 4 * (num_notes // 8))
         self.spec, self.split, self.seed = spec, split, seed
         self.notes, self.units = _build(World(rng, spec.rich_names), spec, plan)
         self._candidates = _candidates(self.notes, set(range(len(self.notes))))
@@ -318,10 +320,8 @@ class NotePool:
         return _assemble(rng, self.notes, chosen, [_qa(target, self.spec.restate)])
 
     def _structure(self, unit: tuple[int, ...]) -> str:
-        """"linked" for an anchor-and-dependent pair, "long" for a long note, "lookup" otherwise."""
-        if len(unit) == 2:
-            return "linked"
-        return "long" if any(c.kind == "long" for c in self.notes[unit[0]].candidates) else "lookup"
+        """The kind its dependent note answers ("linked" or "long") for a pair, "lookup" for one note."""
+        return self.notes[unit[1]].candidates[0].kind if len(unit) == 2 else "lookup"
 
     def requests(self, indices: range, kinds: tuple[str, ...] = KINDS) -> list[Prompt]:
         """Requests `indices` of each kind, kinds interleaved."""
