@@ -193,17 +193,23 @@ def stage_spec(rng: random.Random, stage: int, stages: tuple[Stage, ...] = STAGE
 
 
 def with_mix(stages: tuple[Stage, ...], stage: int, practice: float | None = None,
-             replay: float | None = None, practice_relations: tuple[str, ...] | None = None) -> tuple[Stage, ...]:
+             replay: float | None = None, practice_relations: tuple[str, ...] | None = None,
+             practice_note_tokens: tuple[int, int] | None = None) -> tuple[Stage, ...]:
     """`stages` with stage `stage`'s first `extra` share and/or its replay share replaced (train_model.py
     --practice-share / --replay); `practice_relations` replaces the practice spec's fact relations
     (--practice-relations; a repeated relation is drawn more often, e.g. lives,lives,job,code: half the
-    facts, and so about half the questions, are cities)."""
+    facts, and so about half the questions, are cities) and `practice_note_tokens` its note lengths
+    (--practice-note-tokens: a binding learned in short notes, practised at growing distances)."""
     s = stages[stage]
-    if (practice is not None or practice_relations) and not s.extra:
-        raise ValueError(f"stage {stage} has no extra (practice) spec")
+    changes: dict = {}
     if practice_relations:
-        s = replace(s, extra=((replace(s.extra[0][0], relations=tuple(practice_relations)), s.extra[0][1]),)
-                    + s.extra[1:])
+        changes["relations"] = tuple(practice_relations)
+    if practice_note_tokens:
+        changes["min_note_tokens"], changes["max_note_tokens"] = practice_note_tokens
+    if (practice is not None or changes) and not s.extra:
+        raise ValueError(f"stage {stage} has no extra (practice) spec")
+    if changes:
+        s = replace(s, extra=((replace(s.extra[0][0], **changes), s.extra[0][1]),) + s.extra[1:])
     if practice is not None:
         s = replace(s, extra=((s.extra[0][0], practice),) + s.extra[1:])
     if replay is not None:

@@ -94,6 +94,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--practice-relations", default="",
                    help="comma list: fact relations of the practice spec, repeats weight them "
                         "(e.g. lives,lives,job,code; default the spec's own: lives,job,code)")
+    p.add_argument("--practice-note-tokens", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
+                   metavar="MIN,MAX", help="note lengths of the practice spec (default the spec's own)")
     p.add_argument("--respread", default="",
                    help="comma list of VALUE_CLASSES (cities,jobs): once per checkpoint, give these collapsed "
                         "embedding rows fresh random deviations (train_net.respread_rows)")
@@ -230,12 +232,14 @@ class Feed:
         self.switch(stage)
 
     def switch(self, stage: int) -> None:
-        """--practice-share / --replay / --practice-relations apply to whichever stage runs (a stage without
-        practice keeps none)."""
+        """--practice-share / --replay / --practice-relations / --practice-note-tokens apply to whichever
+        stage runs (a stage without practice keeps none)."""
         self.stage = stage
-        practice = self.args.practice_share if STAGES[stage].extra else None
-        relations = tuple(filter(None, self.args.practice_relations.split(","))) if STAGES[stage].extra else None
-        self.stages = with_mix(STAGES, stage, practice, self.args.replay, relations or None)
+        has_practice = bool(STAGES[stage].extra)
+        practice = self.args.practice_share if has_practice else None
+        relations = tuple(filter(None, self.args.practice_relations.split(","))) if has_practice else None
+        note_tokens = self.args.practice_note_tokens if has_practice else None
+        self.stages = with_mix(STAGES, stage, practice, self.args.replay, relations or None, note_tokens)
         self.pending.clear()
         self.ready.clear()
 

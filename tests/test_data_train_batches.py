@@ -165,6 +165,28 @@ def test_practice_has_no_based_facts_and_relation_weights() -> None:
         with_mix(STAGES, 0, practice_relations=("lives",))  # stage 0 has no practice spec
 
 
+def test_practice_note_tokens_lengthen_only_the_practice_notes() -> None:
+    """--practice-note-tokens (with_mix): the practice spec's notes get the given lengths, all else stays."""
+    import pytest
+    from train_data import PAIRS_PRACTICE, with_mix
+
+    from hypic.data.tasks import make_prompts
+
+    longer = with_mix(STAGES, 6, practice_note_tokens=(64, 96))
+    spec = longer[6].extra[0][0]
+    assert STAGES[6].extra[0][0] is PAIRS_PRACTICE and (spec.min_note_tokens, spec.max_note_tokens) == (64, 96)
+    assert spec.kind_weights == PAIRS_PRACTICE.kind_weights and longer[6].spec == STAGES[6].spec
+    assert longer[6].extra[0][1] == STAGES[6].extra[0][1]
+
+    def mean_note_chars(s) -> float:
+        notes = [note for p in make_prompts(s, "train", 40) for note in p.notes]
+        return sum(map(len, notes)) / len(notes)
+
+    assert mean_note_chars(spec) > 1.5 * mean_note_chars(PAIRS_PRACTICE)
+    with pytest.raises(ValueError):
+        with_mix(STAGES, 0, practice_note_tokens=(64, 96))  # stage 0 has no practice spec
+
+
 def test_mlp_neuron_cap() -> None:
     """train_model.py --cap-mlp: mlp_neuron_peaks finds a neuron that dominates the residual at answer positions,
     cap_mlp_neurons scales only its down_proj column so that its peak equals the cap."""
