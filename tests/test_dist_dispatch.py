@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 
+from hypic.cache.prefix_cache import token_bytes
 from hypic.cache.segment_store import SegmentKey
 from hypic.dist.cluster import NodeHandle
 from hypic.dist.config import DistConfig
@@ -56,7 +57,7 @@ class FakeCluster:
 
 def seg(name: str, tokens: int = 300) -> SegmentJob:
     ids = tuple(range(tokens))
-    return SegmentJob(SegmentKey.of("fp", 8, name, ids), ids, (8, tokens - 8), False)
+    return SegmentJob(SegmentKey.of("fp", 8, name, token_bytes(ids)), ids, (8, tokens - 8), False)
 
 
 def setup(count: int = 3, timeout: float = 60.0) -> tuple[FakeCluster, Router, Dispatch]:

@@ -1,6 +1,7 @@
 """Router decisions: combine node choice, pulls over recomputation, LPT of cold segments, affinity."""
 from __future__ import annotations
 
+from hypic.cache.prefix_cache import token_bytes
 from hypic.cache.segment_store import SegmentKey
 from hypic.dist.affinity import AffinityMap, prefix_hashes
 from hypic.dist.config import DistConfig
@@ -11,7 +12,7 @@ from hypic.engine.pic_plan import SegmentJob
 
 def seg(name: str, tokens: int) -> SegmentJob:
     ids = tuple(range(tokens))
-    return SegmentJob(SegmentKey.of("fp", 8, name, ids), ids, (8, tokens - 8), False)
+    return SegmentJob(SegmentKey.of("fp", 8, name, token_bytes(ids)), ids, (8, tokens - 8), False)
 
 
 def nodes(*loads: int) -> list[NodeLoad]:

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import torch
 
+from hypic.cache.prefix_cache import token_bytes
 from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentStore, SegmentTuple
 from hypic.dist.messages import TensorSpec
 from hypic.dist.segment_wire import tuple_from, tuple_meta, tuple_specs, tuple_tensors
@@ -123,7 +124,7 @@ def test_a_segment_tuple_round_trips_and_its_specs_are_known_in_advance():
     interior, g = (8, 20), torch.Generator().manual_seed(1)
     tup = SegmentTuple(interior, *[[torch.randn(*shape, generator=g) for _ in range(n)] for shape, n in (
         (layout.t_shape, 3), (layout.s0_shape, 3), (layout.conv_shape, 3), ((12, 2, 16), 1), ((12, 2, 16), 1))])
-    key = SegmentKey.of("fp", 8, None, [1, 2, 3])
+    key = SegmentKey.of("fp", 8, None, token_bytes([1, 2, 3]))
     assert store.put(key, tup)
     entry = store.get(key)
     stored = SegmentTuple(entry.interior, [entry.T(i) for i in range(3)], [entry.S0(i) for i in range(3)],

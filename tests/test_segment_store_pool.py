@@ -1,12 +1,17 @@
 """The public pool: keys, layout, LRU, pins, budget, flush by salt, accounting, dtype fidelity."""
 from __future__ import annotations
 
+import array
 import random
 
 import pytest
 import torch
+import xxhash
 
+from hypic.cache.prefix_cache import token_bytes
 from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentStore, SegmentTuple
+from hypic.engine.pic_assembly import piece_token_offsets
+from hypic.engine.pieces import Cached
 from hypic.kernels.compose import CachedPieces, compose_and_recur, compose_and_recur_ref
 from hypic.kernels.linear_families import get_family
 from hypic.kernels.scatter_kv import apply_rope, rope_inv_freq, scatter_kv_ref
@@ -31,7 +36,7 @@ def random_tuple(lay: SegmentLayout, interior_len: int, seed: int = 0) -> Segmen
 
 
 def key(name: str, salt: str | None = None) -> SegmentKey:
-    return SegmentKey.of("model-abc", 8, salt, [ord(c) for c in name])
+    return SegmentKey.of("model-abc", 8, salt, token_bytes([ord(c) for c in name]))
 
 
 def store_for(entries: int, interior_len: int = 5, **kwargs) -> SegmentStore:
@@ -40,12 +45,19 @@ def store_for(entries: int, interior_len: int = 5, **kwargs) -> SegmentStore:
 
 
 def test_key_is_content_address() -> None:
-    base = SegmentKey.of("fp", 8, None, [1, 2, 3])
-    assert base == SegmentKey.of("fp", 8, None, [1, 2, 3])
-    variants = [SegmentKey.of("fp", 8, None, [1, 2, 4]), SegmentKey.of("fp", 4, None, [1, 2, 3]),
-                SegmentKey.of("fp", 8, "", [1, 2, 3]), SegmentKey.of("fp2", 8, None, [1, 2, 3]),
-                SegmentKey.of("fp", 8, "tenant", [1, 2, 3])]
+    def of(fingerprint: str, seam: int, salt: str | None, ids: list[int]) -> SegmentKey:
+        return SegmentKey.of(fingerprint, seam, salt, token_bytes(ids))
+    base = of("fp", 8, None, [1, 2, 3])
+    assert base == of("fp", 8, None, [1, 2, 3])
+    variants = [of("fp", 8, None, [1, 2, 4]), of("fp", 4, None, [1, 2, 3]), of("fp", 8, "", [1, 2, 3]),
+                of("fp2", 8, None, [1, 2, 3]), of("fp", 8, "tenant", [1, 2, 3])]
     assert len({base, *variants}) == 6
+
+
+def test_key_digest_is_unchanged() -> None:
+    """Peers exchange keys: the digest is xxh3-128 of the parts and the ids as 8-byte ints."""
+    parts = b"fp\x008\x00=tenant\x00" + array.array("q", [5, 70000, 3]).tobytes()
+    assert SegmentKey.of("fp", 8, "tenant", token_bytes([5, 70000, 3])).digest == xxhash.xxh3_128(parts).digest()
 
 
 def test_put_get_round_trip_and_kernel_offsets() -> None:
@@ -211,6 +223,20 @@ def test_scatter_reads_entry_kv_in_place() -> None:
     expected = apply_rope(tup.K[0], positions[:, None], inv_freq)
     assert torch.allclose(k_cache.view(-1, KV_HEADS, HEAD_DIM)[dst], expected, atol=1e-6)
     assert torch.equal(v_cache.view(-1, KV_HEADS, HEAD_DIM)[dst], tup.V[0])
+
+
+def test_piece_token_offsets_equal_a_per_token_build() -> None:
+    """The admission scatter's per-token positions and store offsets, expanded from one row per
+    piece, against each piece's tokens listed one by one."""
+    store = store_for(3, interior_len=7)
+    entries = []
+    for name, length in (("a", 7), ("b", 3), ("c", 5)):
+        store.put(key(name), random_tuple(store.layout, length))
+        entries.append(store.get(key(name)))
+    pieces = [Cached(10, 17, entries[0], True), Cached(30, 33, entries[1], True), Cached(40, 45, entries[2], False)]
+    positions, src = piece_token_offsets(pieces, store.layout.kv_token_stride, torch.device("cpu"))
+    assert positions.tolist() == [pos for p in pieces for pos in range(p.start, p.end)]
+    assert src.tolist() == [p.entry.kv_offset(0, t) for p in pieces for t in range(p.end - p.start)]
 
 
 @pytest.mark.gpu

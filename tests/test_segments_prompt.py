@@ -1,14 +1,17 @@
 """Splitting a prompt into independently tokenized segments."""
 from __future__ import annotations
 
+import array
 from pathlib import Path
 
 import pytest
 
 from hypic.config import PIC_SEPARATOR
 from hypic.engine.segments import LMCACHE_SEPARATOR, SegmentedPrompt, encode_segments, split_segments
+from hypic.engine.sequence import RequestInfo, Sequence
 from hypic.engine.tokenizer import Tokenizer
 from hypic.errors import InvalidRequestError
+from hypic.sampling_params import SamplingParams
 from tokenizer_util import write_byte_level, write_metaspace
 
 DOCS = ["You answer from the notes.\n", " Doc one: héllo 世界.", " Doc two 🙂 the quick fox.", "\nQ: who?"]
@@ -83,3 +86,20 @@ def test_token_ids_are_one_verbatim_segment(tokenizer: Tokenizer) -> None:
 def test_bad_prompts_raise_invalid_request(tokenizer: Tokenizer, prompt: object, match: str) -> None:
     with pytest.raises(InvalidRequestError, match=match):
         SegmentedPrompt.build(tokenizer, prompt, separator=PIC_SEPARATOR)  # type: ignore[arg-type]
+
+
+def test_token_bytes_convert_the_ids_once_and_slice_per_segment() -> None:
+    """Reference: each id as an 8-byte native int (array 'q'), the encoding keys were built on."""
+    prompt = SegmentedPrompt(((1, 2), (), (300, 70000, 5), (2**40,)))
+    assert prompt.token_bytes == array.array("q", prompt.token_ids).tobytes()
+    for i, segment in enumerate(prompt.segments):
+        assert prompt.segment_bytes(i) == array.array("q", segment).tobytes()
+
+
+def test_sequence_token_bytes_cover_prompt_and_output() -> None:
+    prompt = SegmentedPrompt(((7, 8, 9), (10, 11)))
+    seq = Sequence(RequestInfo("r", SamplingParams(), prompt, None, "prefix"), 0)
+    seq.append(12)
+    seq.append(13)
+    for length in range(len(seq.token_ids) + 1):
+        assert seq.token_bytes(length) == array.array("q", seq.token_ids[:length]).tobytes()

@@ -1,13 +1,17 @@
 """Exact prefix cache of a hybrid model: a hit needs a recurrent-state checkpoint at exactly the
 matched length plus the KV pages under it (DESIGN §3 step 7, §4).
 
-Checkpoints are found by a hash chain over full blocks (as in nano-vllm): each checkpoint is indexed
-under the chain hash of its last full block, so lengths that are not block-aligned work too; the
-token ids are always compared, so a hash collision can cost time but never serve wrong data.
+Checkpoints are found by a hash chain over full spans of `hash_span` tokens (nano-vllm hashes each
+page; spans of a few pages make a 16k-token checkpoint 256 hash, count and uncount steps, not 1024):
+each checkpoint is indexed under the chain hash of its last full span, so any length works; the
+token ids are always compared, so a hash collision can cost time but never serve wrong data (a
+lookup compares the ids of every checkpoint on its path that ends within one span).
+Token ids arrive and are kept as `token_bytes`: a request converts its prompt once (SegmentedPrompt),
+so hashing and comparing a prefix are slices and memcmp, not loops over Python ints.
 """
 from __future__ import annotations
 
-from array import array
+import struct
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,15 +46,19 @@ def root_hash(salt: str | None, provenance: Provenance) -> int:
     return xxhash.xxh64(f"{salt!r}\x00{provenance}".encode()).intdigest()
 
 
-def chain_hash(prev: int, block: bytes) -> int:
-    """Hash of one full block of token ids (see `token_bytes`), given the hash of everything before it."""
-    return xxhash.xxh64_intdigest(block, seed=prev)
+def chain_hash(prev: int, span: bytes) -> int:
+    """Hash of one full span of token ids (see `token_bytes`), given the hash of everything before it."""
+    return xxhash.xxh64_intdigest(span, seed=prev)
+
+
+TOKEN_SIZE = 8  # bytes per token id in `token_bytes`
+HASH_SPAN = 64  # tokens per link of the hash chain (see the module docstring)
 
 
 def token_bytes(tokens: Sequence[int]) -> bytes:
-    """Token ids as 8-byte integers: converted once per chain, each block hashes a slice (4x faster
-    than converting block by block on a 16k-token prompt)."""
-    return array("q", tokens).tobytes()
+    """Token ids as 8-byte native integers, the form that prefix-cache and segment keys hash and
+    compare (one struct.pack: about 2x array('q', ...) on a 16k-token prompt)."""
+    return struct.pack(f"{len(tokens)}q", *tokens)
 
 
 def share_pages(blocks: BlockPool, caches: ModelCaches, block_ids: Sequence[int], num_tokens: int,
@@ -89,76 +97,82 @@ class PrefixCacheStats:
 
 @dataclass(eq=False)
 class _Checkpoint:
-    tokens: tuple[int, ...]
+    tokens: bytes  # token_bytes of its token ids
     salt: str | None
     provenance: Provenance
     slot: int
     block_ids: tuple[int, ...]
-    chain: tuple[int, ...]  # root hash, then the chain hash after each full block
+    chain: tuple[int, ...]  # root hash, then the chain hash after each full span
     pins: int = 0
     dropped: bool = False  # no longer served; its slot and blocks go back at the last release
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // TOKEN_SIZE
 
-def _serves(cp: _Checkpoint, tokens: tuple[int, ...], salt: str | None, provenance: Provenance) -> bool:
+
+def _serves(cp: _Checkpoint, tokens: bytes, salt: str | None, provenance: Provenance) -> bool:
     """The checkpoint may start a request for `tokens` (checked on the token ids, not on hashes)."""
-    n = len(cp.tokens)
-    return n < len(tokens) and cp.salt == salt and cp.provenance == provenance and tokens[:n] == cp.tokens
+    return (len(cp.tokens) < len(tokens) and cp.salt == salt and cp.provenance == provenance
+            and tokens.startswith(cp.tokens))
 
 
 class PrefixCache:
     """LRU set of checkpoints. Each one owns a state slot and one ref on each block it covers."""
 
     def __init__(self, blocks: BlockPool, slots: SlotPool, caches: ModelCaches, block_size: int,
-                 max_slots: int) -> None:
+                 max_slots: int, hash_span: int = HASH_SPAN) -> None:
         self._blocks, self._slots, self._caches = blocks, slots, caches
-        self.block_size, self.max_slots = block_size, max_slots
+        self.block_size, self.max_slots, self.hash_span = block_size, max_slots, hash_span
         self._held: dict[int, _Checkpoint] = {}  # slot -> every checkpoint owning a slot
         self._lru: OrderedDict[int, _Checkpoint] = OrderedDict()  # slot -> servable ones, oldest first
-        self._by_key: dict[int, list[_Checkpoint]] = {}  # chain hash of the last full block -> checkpoints
+        self._by_key: dict[int, list[_Checkpoint]] = {}  # chain hash of the last full span -> checkpoints
         self._on_path: Counter[int] = Counter()  # chain hashes leading to a checkpoint: where lookups stop
+        self._last: _Checkpoint | None = None  # the last one inserted (or refreshed): its chain may go on
         self._hits = self._misses = self._hit_tokens = self._evictions = 0
 
-    def insert(self, tokens: Sequence[int], salt: str | None, provenance: Provenance,
+    def insert(self, tokens: bytes, salt: str | None, provenance: Provenance,
                block_ids: Sequence[int], state_slot: int) -> bool:
-        """Keep the state of `state_slot` as the checkpoint of `tokens`; False if no slot can be had."""
-        tokens = tuple(tokens)
-        if not tokens:
+        """Keep the state of `state_slot` as the checkpoint of `tokens` (token_bytes of the ids);
+        False if no slot can be had."""
+        num_tokens = len(tokens) // TOKEN_SIZE
+        if not num_tokens:
             return False
-        num_blocks = -(-len(tokens) // self.block_size)
+        num_blocks = -(-num_tokens // self.block_size)
         if len(block_ids) < num_blocks:
-            raise ValueError(f"{len(tokens)} tokens need {num_blocks} blocks, got {len(block_ids)}")
+            raise ValueError(f"{num_tokens} tokens need {num_blocks} blocks, got {len(block_ids)}")
         chain = self._chain(tokens, salt, provenance)
         if (old := self._find(chain[-1], tokens, salt, provenance)) is not None:
             self._lru.move_to_end(old.slot)
+            self._last = old
             return True
         if (slot := self._take_slot()) is None:
             return False
         self._caches.copy_slot(state_slot, slot)
         cp = _Checkpoint(tokens, salt, provenance, slot, tuple(block_ids[:num_blocks]), chain)
         self._blocks.ref(cp.block_ids)
-        self._held[slot] = self._lru[slot] = cp
+        self._held[slot] = self._lru[slot] = self._last = cp
         self._by_key.setdefault(chain[-1], []).append(cp)
         self._on_path.update(chain)
         return True
 
-    def lookup(self, tokens: Sequence[int], salt: str | None, accept: frozenset[Provenance], *,
+    def lookup(self, tokens: bytes, salt: str | None, accept: frozenset[Provenance], *,
                not_inside: Sequence[tuple[int, int]] = ()) -> PrefixHit | None:
         """Longest checkpoint of this salt, of an accepted provenance, whose tokens are a proper prefix
-        of `tokens` (one token at least is left to compute) and whose length is not strictly inside
-        one of the `not_inside` spans. Ties prefer an exact one."""
+        of `tokens` (token_bytes of the ids; one token at least is left to compute) and whose length
+        is not strictly inside one of the `not_inside` spans. Ties prefer an exact one."""
         if not accept:
             return None  # the request reads no cache: not a lookup
-        tokens = tuple(tokens)
         matches = [cp for p in accept for cp in self._matches(tokens, salt, p)
-                   if not any(start < len(cp.tokens) < end for start, end in not_inside)]
+                   if not any(start < cp.num_tokens < end for start, end in not_inside)]
         if not matches:
             self._misses += 1
             return None
-        best = max(matches, key=lambda cp: (len(cp.tokens), cp.provenance == EXACT))
+        best = max(matches, key=lambda cp: (cp.num_tokens, cp.provenance == EXACT))
         best.pins += 1
         self._lru.move_to_end(best.slot)
-        self._hits, self._hit_tokens = self._hits + 1, self._hit_tokens + len(best.tokens)
-        n = len(best.tokens)
+        n = best.num_tokens
+        self._hits, self._hit_tokens = self._hits + 1, self._hit_tokens + n
         return PrefixHit(n, best.provenance, best.block_ids, best.slot, n % self.block_size != 0)
 
     def attach(self, hit: PrefixHit) -> list[int]:
@@ -200,29 +214,39 @@ class PrefixCache:
         return PrefixCacheStats(len(self._lru), len(self._held), len(blocks), self._hits, self._misses,
                                 self._hit_tokens, self._evictions)
 
-    def _chain(self, tokens: tuple[int, ...], salt: str | None, provenance: Provenance) -> tuple[int, ...]:
-        width, data, hashes = 8 * self.block_size, token_bytes(tokens), [root_hash(salt, provenance)]
-        for start in range(0, len(data) - width + 1, width):
-            hashes.append(chain_hash(hashes[-1], data[start:start + width]))
+    def _chain(self, tokens: bytes, salt: str | None, provenance: Provenance) -> tuple[int, ...]:
+        """The root hash, then the chain hash after each full span of `tokens`."""
+        width = TOKEN_SIZE * self.hash_span
+        hashes = self._continued_chain(tokens, salt, provenance) or [root_hash(salt, provenance)]
+        for start in range(width * (len(hashes) - 1), len(tokens) - width + 1, width):
+            hashes.append(chain_hash(hashes[-1], tokens[start:start + width]))
         return tuple(hashes)
 
-    def _find(self, key: int, tokens: tuple[int, ...], salt: str | None,
-              provenance: Provenance) -> _Checkpoint | None:
+    def _continued_chain(self, tokens: bytes, salt: str | None, provenance: Provenance) -> list[int]:
+        """The last insert's chain when its full spans start `tokens` (else none): a request
+        checkpoints its prompt but the last token, then the whole prompt, and the second insert
+        then hashes one span at most."""
+        last = self._last
+        if last is None or last.salt != salt or last.provenance != provenance:
+            return []
+        hashed = TOKEN_SIZE * self.hash_span * (len(last.chain) - 1)
+        return list(last.chain) if tokens[:hashed] == last.tokens[:hashed] else []
+
+    def _find(self, key: int, tokens: bytes, salt: str | None, provenance: Provenance) -> _Checkpoint | None:
         return next((cp for cp in self._by_key.get(key, ())
                      if cp.tokens == tokens and cp.salt == salt and cp.provenance == provenance), None)
 
-    def _matches(self, tokens: tuple[int, ...], salt: str | None, provenance: Provenance) -> list[_Checkpoint]:
+    def _matches(self, tokens: bytes, salt: str | None, provenance: Provenance) -> list[_Checkpoint]:
         """Checkpoints of this salt and provenance whose tokens are a proper prefix of `tokens`."""
-        bs, start, key, found = self.block_size, 0, root_hash(salt, provenance), []
-        data = token_bytes(tokens)
-        while key in self._on_path:  # key: chain hash of tokens[:start]
+        width, start, key, found = TOKEN_SIZE * self.hash_span, 0, root_hash(salt, provenance), []
+        while key in self._on_path:  # key: chain hash of the first `start` bytes
             for cp in self._by_key.get(key, ()):
                 if _serves(cp, tokens, salt, provenance):
                     found.append(cp)
-            start += bs
+            start += width
             if start >= len(tokens):
                 break
-            key = chain_hash(key, data[8 * (start - bs): 8 * start])
+            key = chain_hash(key, tokens[start - width: start])
         return found
 
     def _take_slot(self) -> int | None:
@@ -238,10 +262,13 @@ class PrefixCache:
         self._by_key[cp.chain[-1]].remove(cp)
         if not self._by_key[cp.chain[-1]]:
             del self._by_key[cp.chain[-1]]
+        on_path = self._on_path
         for h in cp.chain:
-            self._on_path[h] -= 1
-            if self._on_path[h] == 0:
-                del self._on_path[h]
+            count = on_path[h]
+            if count > 1:
+                on_path[h] = count - 1
+            else:  # pop, not del: Counter's __delitem__ is Python code (1.2 ms for a 16k-token chain)
+                on_path.pop(h)
         cp.dropped = True
         if cp.pins == 0:
             self._free(cp)

@@ -14,11 +14,12 @@ evicted nor overwritten. Single-threaded (the engine loop owns it).
 """
 from __future__ import annotations
 
-import array
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import xxhash
@@ -38,12 +39,14 @@ class SegmentKey:
     salt: str | None  # kept in the clear so `flush(salt)` can find a tenant's entries
 
     @classmethod
-    def of(cls, fingerprint: str, seam_width: int, salt: str | None, token_ids: Sequence[int]) -> SegmentKey:
+    def of(cls, fingerprint: str, seam_width: int, salt: str | None, token_bytes: bytes) -> SegmentKey:
+        """The key of a segment whose ids are `token_bytes` (hypic.cache.prefix_cache.token_bytes:
+        a prompt converts its ids once, `SegmentedPrompt.segment_bytes`)."""
         h = xxhash.xxh3_128()
         for part in (fingerprint, str(seam_width), "" if salt is None else "=" + salt):
             h.update(part.encode())
             h.update(b"\x00")
-        h.update(array.array("q", token_ids).tobytes())
+        h.update(token_bytes)
         return cls(h.digest(), salt)
 
 
@@ -160,8 +163,11 @@ class SegmentEntry:
     def interior_len(self) -> int:
         return self.interior[1] - self.interior[0]
 
-    def _block(self, index: int) -> int:
-        return self.offset + sum(self.layout.block_bytes(self.interior_len)[:index])
+    @cached_property
+    def _block_starts(self) -> tuple[int, ...]:
+        """Arena byte offsets of the T, S0, conv and KV blocks. An entry never moves, and a step
+        asks for them for every piece it composes: computed once."""
+        return tuple(itertools.accumulate(self.layout.block_bytes(self.interior_len)[:-1], initial=self.offset))
 
     def _view(self, byte_offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         size = math.prod(shape) * dtype.itemsize
@@ -169,38 +175,38 @@ class SegmentEntry:
 
     def t_offset(self, linear_index: int) -> int:
         """Element offset of linear layer `linear_index`'s T block in `SegmentStore.t_src`."""
-        return self._block(0) // self.layout.t_dtype.itemsize + linear_index * self.layout.t_layer_stride
+        return self._block_starts[0] // self.layout.t_dtype.itemsize + linear_index * self.layout.t_layer_stride
 
     def s0_offset(self, linear_index: int) -> int:
         """Element offset of linear layer `linear_index`'s S0 in `SegmentStore.s0_src`."""
-        return self._block(1) // self.layout.state_dtype.itemsize + linear_index * self.layout.s0_layer_stride
+        return self._block_starts[1] // self.layout.state_dtype.itemsize + linear_index * self.layout.s0_layer_stride
 
     def conv_offset(self, linear_index: int) -> int:
         """Element offset of linear layer `linear_index`'s conv tail [conv_dim, W-1] in `SegmentStore.model_src`."""
-        return self._block(2) // self.layout.model_dtype.itemsize + linear_index * self.layout.conv_layer_stride
+        return self._block_starts[2] // self.layout.model_dtype.itemsize + linear_index * self.layout.conv_layer_stride
 
     def kv_offset(self, full_index: int, token: int = 0) -> int:
         """Element offset of interior token `token`'s K block of full layer `full_index` in
         `SegmentStore.model_src` (its V block follows right after, as `scatter_kv` expects)."""
-        base = self._block(3) // self.layout.model_dtype.itemsize
+        base = self._block_starts[3] // self.layout.model_dtype.itemsize
         return base + token * self.layout.kv_token_stride + full_index * self.layout.kv_layer_stride
 
     def T(self, linear_index: int) -> torch.Tensor:
         n_lin = self.layout.num_linear
-        return self._view(self._block(0), self.layout.t_dtype, (n_lin, *self.layout.t_shape))[linear_index]
+        return self._view(self._block_starts[0], self.layout.t_dtype, (n_lin, *self.layout.t_shape))[linear_index]
 
     def S0(self, linear_index: int) -> torch.Tensor:
         n_lin = self.layout.num_linear
-        return self._view(self._block(1), self.layout.state_dtype, (n_lin, *self.layout.s0_shape))[linear_index]
+        return self._view(self._block_starts[1], self.layout.state_dtype, (n_lin, *self.layout.s0_shape))[linear_index]
 
     def conv_tail(self, linear_index: int) -> torch.Tensor:
-        n_lin = self.layout.num_linear
-        return self._view(self._block(2), self.layout.model_dtype, (n_lin, *self.layout.conv_shape))[linear_index]
+        lay = self.layout
+        return self._view(self._block_starts[2], lay.model_dtype, (lay.num_linear, *lay.conv_shape))[linear_index]
 
     def _kv(self) -> torch.Tensor:
         lay = self.layout
         shape = (self.interior_len, lay.num_full, 2, lay.kv_heads, lay.head_dim)
-        return self._view(self._block(3), lay.model_dtype, shape)
+        return self._view(self._block_starts[3], lay.model_dtype, shape)
 
     def K(self, full_index: int) -> torch.Tensor:
         """[L_int, Hkv, D] before RoPE (a strided view)."""

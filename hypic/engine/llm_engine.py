@@ -260,8 +260,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"a segment has {longest} tokens; segments are prefilled in one step, so at most "
                 f"max_num_batched_tokens={self.config.max_num_batched_tokens}: split it or raise that limit")
-        return RequestInfo(request_id, params, tuple(tokens), prompt.boundaries[1:], cache_salt, mode,
-                           self.config.seam_width)
+        return RequestInfo(request_id, params, prompt, cache_salt, mode, self.config.seam_width)
 
     def _plan_memory(self) -> tuple[CachePlan, int, int]:
         shape = self.model_config.cache_shape()

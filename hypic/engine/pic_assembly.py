@@ -129,25 +129,38 @@ class PicAssembler:
         seq.cached = sorted([*seq.cached, Cached(start, end, entry, from_pool)], key=lambda p: p.start)
 
     def _job_sequence(self, job: SegmentJob) -> Sequence:
-        job_info = RequestInfo(f"segment-{job.key.digest.hex()[:16]}", _PREFILL_ONLY, job.token_ids,
-                               (len(job.token_ids),), job.key.salt, "none", self.seam_width)
+        job_info = RequestInfo(f"segment-{job.key.digest.hex()[:16]}", _PREFILL_ONLY,
+                               SegmentedPrompt((job.token_ids,)), job.key.salt, "none", self.seam_width)
         seq = Sequence(job_info, 0)
         seq.segment_job = job
         return seq
 
     def _scatter_pieces(self, seq: Sequence) -> None:
-        """Every piece of `seq` in one launch per full layer (offsets built once on the host)."""
-        bs, stride = self.caches.block_size, self.store.layout.kv_token_stride
-        positions = torch.cat([torch.arange(p.start, p.end) for p in seq.cached])
-        src = torch.cat([p.entry.kv_offset(0) + torch.arange(p.entry.interior_len) * stride for p in seq.cached])
-        device = self.store.model_src.device
-        positions, src, table = (host_to_device(t, torch.long, device) for t in (positions, src, seq.block_ids))
+        """Every piece of `seq` in one launch per full layer (per-token offsets expanded on the device)."""
+        bs, device = self.caches.block_size, self.store.model_src.device
+        positions, src = piece_token_offsets(seq.cached, self.store.layout.kv_token_stride, device)
+        table = host_to_device(seq.block_ids, torch.long, device)
         dst = table[positions // bs] * bs + positions % bs  # on the device: the host gather took ~1.7 ms at 16k
         layer_stride = self.store.layout.kv_layer_stride
         for full_index, layer_id in enumerate(self.caches.shape.full_layers):
             k_cache, v_cache = self.caches.kv(layer_id)
             scatter_kv(self.store.model_src, src + full_index * layer_stride, positions, k_cache, v_cache, dst,
                        self.inv_freq)
+
+
+def piece_token_offsets(pieces: list[Cached], kv_token_stride: int,
+                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M] global position and [M] store offset (K of full layer 0) of every interior token of
+    `pieces`, in order. The host sends one row per piece, not per token: building and copying
+    16k-token index tensors on the host grew its time with every cached segment."""
+    lengths = [p.end - p.start for p in pieces]
+    firsts = host_to_device([[p.start, p.entry.kv_offset(0), start] for p, start
+                             in zip(pieces, itertools.accumulate(lengths, initial=0))], torch.long, device)
+    total = sum(lengths)
+    piece = torch.repeat_interleave(host_to_device(lengths, torch.long, device), output_size=total)
+    first_position, first_src, first_row = firsts[piece].unbind(1)
+    within = torch.arange(total, device=device) - first_row  # token index inside its piece
+    return first_position + within, first_src + within * kv_token_stride
 
 
 def _tuple_of(capture: Capture, j: int, job: SegmentJob, start: int) -> SegmentTuple:

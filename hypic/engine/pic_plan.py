@@ -58,7 +58,7 @@ def plan_segments(prompt: SegmentedPrompt, policy: PicPolicy, fingerprint: str,
         interior = policy.interior(len(tokens))
         if interior is None:
             continue
-        key = SegmentKey.of(fingerprint, policy.key_seam, salt, tokens)
+        key = SegmentKey.of(fingerprint, policy.key_seam, salt, prompt.segment_bytes(index))
         job = SegmentJob(key, tokens, interior, identity_T=policy.mode == "naive")
         planned.append(PlannedSegment(prompt.boundaries[index], job))
     return planned

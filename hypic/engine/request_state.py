@@ -18,7 +18,7 @@ class Completion:
     def __init__(self, seq: Sequence, tokenizer: Tokenizer, generator: torch.Generator | None) -> None:
         params = seq.info.params
         self.seq, self.generator = seq, generator
-        self.detok = IncrementalDetokenizer(tokenizer, list(seq.info.prompt_ids),
+        self.detok = IncrementalDetokenizer(tokenizer, seq.info.prompt_ids,
                                             skip_special_tokens=params.skip_special_tokens)
         self.stop = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.stopped_by_text = False

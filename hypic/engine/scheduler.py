@@ -239,7 +239,7 @@ class Scheduler:
             return
         # A hit may end before, at or past a cached interior (a conversation's next turn resumes
         # after its documents), never inside one.
-        hit = self.prefix.lookup(seq.token_ids, seq.info.cache_salt, accept,
+        hit = self.prefix.lookup(seq.token_bytes(len(seq.token_ids)), seq.info.cache_salt, accept,
                                  not_inside=[(p.start, p.end) for p in seq.cached])
         if hit is None:
             return
@@ -283,5 +283,5 @@ class Scheduler:
     def _checkpoint(self, seq: Sequence, length: int, state_slot: int | None = None) -> None:
         """Keep the state after `length` tokens: seq's own slot unless the step left it in `state_slot`."""
         if seq.info.cache_mode != "none" and seq.segment_job is None:
-            self.prefix.insert(seq.token_ids[:length], seq.info.cache_salt, seq.provenance(length),
+            self.prefix.insert(seq.token_bytes(length), seq.info.cache_salt, seq.provenance(length),
                                seq.block_ids, seq.slot if state_slot is None else state_slot)

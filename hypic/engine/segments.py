@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from hypic.cache import prefix_cache
 from hypic.engine.tokenizer import Tokenizer
 from hypic.errors import InvalidRequestError
 
@@ -69,6 +70,17 @@ class SegmentedPrompt:
     def token_ids(self) -> tuple[int, ...]:
         """The model's input: every segment's ids, concatenated."""
         return tuple(itertools.chain.from_iterable(self.segments))  # 3-4x a generator's speed on 16k tokens
+
+    @cached_property
+    def token_bytes(self) -> bytes:
+        """token_ids as `prefix_cache.token_bytes`, converted once per prompt (the costly step,
+        ~20-40 ns a token): the prefix cache hashes and compares them, segment keys hash slices."""
+        return prefix_cache.token_bytes(self.token_ids)
+
+    def segment_bytes(self, index: int) -> bytes:
+        """Segment `index`'s ids as token bytes (a slice of `token_bytes`)."""
+        start, end = self.boundaries[index], self.boundaries[index + 1]
+        return self.token_bytes[prefix_cache.TOKEN_SIZE * start: prefix_cache.TOKEN_SIZE * end]
 
     @cached_property
     def boundaries(self) -> tuple[int, ...]:

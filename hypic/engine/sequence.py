@@ -5,7 +5,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from hypic.cache import prefix_cache
 from hypic.engine.pieces import Cached, Chunk, cut_chunk
+from hypic.engine.segments import SegmentedPrompt
 from hypic.sampling_params import SamplingParams
 
 
@@ -21,8 +23,7 @@ class RequestInfo:
 
     request_id: str
     params: SamplingParams
-    prompt_ids: tuple[int, ...]
-    segment_ends: tuple[int, ...]  # token offsets where each prompt segment ends
+    prompt: SegmentedPrompt
     cache_salt: str | None
     cache_mode: str
     seam_width: int = 8
@@ -30,6 +31,15 @@ class RequestInfo:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     cached_tokens_by_kind: dict[str, int] = field(default_factory=dict)  # "prefix", "pic"
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return self.prompt.token_ids
+
+    @property
+    def segment_ends(self) -> tuple[int, ...]:
+        """Token offsets where each prompt segment ends."""
+        return self.prompt.boundaries[1:]
 
     @property
     def cached_tokens(self) -> int:
@@ -46,7 +56,7 @@ class Sequence:
     def __init__(self, info: RequestInfo, index: int, output_ids: list[int] | None = None) -> None:
         self.info, self.index = info, index
         self.output_ids: list[int] = list(output_ids or [])
-        self.token_ids: list[int] = list(info.prompt_ids) + self.output_ids
+        self.token_ids: list[int] = [*info.prompt_ids, *self.output_ids]
         self.num_computed = 0
         self.block_ids: list[int] = []
         self.slot: int | None = None
@@ -78,6 +88,15 @@ class Sequence:
             return "exact"
         mode = self.info.cache_mode
         return "naive" if mode == "naive" else f"hypic:{self.info.seam_width}"
+
+    def token_bytes(self, length: int) -> bytes:
+        """The first `length` token ids as `token_bytes` (prefix-cache keys): the prompt's part is
+        sliced from the bytes its request converted once, only output ids are converted here."""
+        prompt = self.info.prompt.token_bytes
+        extra = length - len(self.info.prompt_ids)
+        if extra <= 0:
+            return prompt[:prefix_cache.TOKEN_SIZE * length]
+        return prompt + prefix_cache.token_bytes(self.output_ids[:extra])
 
     @property
     def finished(self) -> bool:
