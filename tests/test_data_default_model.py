@@ -78,8 +78,8 @@ async def _answers(prompts: list, mode: str) -> list[str]:
 def test_bundled_model_answers_held_out_lookups_and_two_hops_in_none_and_hypic() -> None:
     """The trained checkpoint binds people and cities to values: held-out lookups and two-hop questions
     of the benchmark (4-8 notes, invented multi-token names) in none and hypic (125 prompts a kind on the
-    CPU: lookup and two-hop 98.4 % in none and hypic w=8, bench/results/quality_cpu_step21146.md; these 8 a kind:
-    lookup 7, two-hop 6 in both modes)."""
+    CPU: lookup 92.8 %, two-hop 100 % in none and hypic w=8, bench/results/quality_cpu_step22243.md; these 8 a
+    kind: all 8 in both modes)."""
     import asyncio
 
     from hypic.data import is_correct
