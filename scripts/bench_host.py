@@ -29,14 +29,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench_pic import QUERY_TOKENS, SYSTEM_TOKENS, rag_prompt, random_tokens
 
 from hypic import EngineConfig, SamplingParams
 from hypic.engine import pic_assembly
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.segments import SegmentedPrompt
 from hypic.engine.setup import BUNDLED_MODEL
-
-SYSTEM_TOKENS, QUERY_TOKENS = 64, 64
 
 
 class HostClock:
@@ -92,10 +91,6 @@ def instrument(engine: LLMEngine, clock: HostClock) -> None:
     pic_assembly.scatter_kv = clock.device_work(pic_assembly.scatter_kv)
 
 
-def random_tokens(n: int, rng: random.Random, vocab: int) -> tuple[int, ...]:
-    return tuple(rng.randrange(3, vocab) for _ in range(n))
-
-
 def run_request(engine: LLMEngine, prompt: SegmentedPrompt) -> float:
     """Wall seconds of one request, end to end (gc off: its pauses are noise here)."""
     gc.collect()
@@ -117,10 +112,10 @@ def measure(engine: LLMEngine, clock: HostClock, num_docs: int, doc_len: int, re
     vocab = engine.tokenizer.vocab_size
     system = random_tokens(SYSTEM_TOKENS, rng, vocab)
     docs = [random_tokens(doc_len, rng, vocab) for _ in range(num_docs)]
-    run_request(engine, SegmentedPrompt((system, *docs, random_tokens(QUERY_TOKENS, rng, vocab))))
+    run_request(engine, rag_prompt(docs, system, random_tokens(QUERY_TOKENS, rng, vocab)))
     samples: list[dict[str, float]] = []
     for _ in range(repeats):
-        prompt = SegmentedPrompt((system, *rng.sample(docs, num_docs), random_tokens(QUERY_TOKENS, rng, vocab)))
+        prompt = rag_prompt(rng.sample(docs, num_docs), system, random_tokens(QUERY_TOKENS, rng, vocab))
         clock.reset()
         host = run_request(engine, prompt) - clock.device
         samples.append({"host": host, **clock.stages, "other": host - sum(clock.stages.values())})

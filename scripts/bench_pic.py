@@ -34,8 +34,8 @@ def rag_prompt(docs: list[tuple[int, ...]], system: tuple[int, ...], query: tupl
     return SegmentedPrompt((system, *docs, query))
 
 
-def random_tokens(n: int, rng: random.Random) -> tuple[int, ...]:
-    return tuple(rng.randrange(3, 3000) for _ in range(n))
+def random_tokens(n: int, rng: random.Random, vocab: int = 3000) -> tuple[int, ...]:
+    return tuple(rng.randrange(3, vocab) for _ in range(n))
 
 
 def sync() -> None:

@@ -208,10 +208,9 @@ def with_mix(stages: tuple[Stage, ...], stage: int, practice: float | None = Non
         changes["min_note_tokens"], changes["max_note_tokens"] = practice_note_tokens
     if (practice is not None or changes) and not s.extra:
         raise ValueError(f"stage {stage} has no extra (practice) spec")
-    if changes:
-        s = replace(s, extra=((replace(s.extra[0][0], **changes), s.extra[0][1]),) + s.extra[1:])
-    if practice is not None:
-        s = replace(s, extra=((s.extra[0][0], practice),) + s.extra[1:])
+    if changes or practice is not None:
+        spec, share = s.extra[0]
+        s = replace(s, extra=((replace(spec, **changes), share if practice is None else practice),) + s.extra[1:])
     if replay is not None:
         s = replace(s, replay=replay)
     if not 0.0 <= s.replay <= 1.0 or not 0.0 <= sum(share for _, share in s.extra) <= 1.0:

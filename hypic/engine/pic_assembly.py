@@ -154,11 +154,11 @@ def piece_token_offsets(pieces: list[Cached], kv_token_stride: int,
     `pieces`, in order. The host sends one row per piece, not per token: building and copying
     16k-token index tensors on the host grew its time with every cached segment."""
     lengths = [p.end - p.start for p in pieces]
-    firsts = host_to_device([[p.start, p.entry.kv_offset(0), start] for p, start
-                             in zip(pieces, itertools.accumulate(lengths, initial=0))], torch.long, device)
+    rows = host_to_device([[p.start, p.entry.kv_offset(0), start, length] for p, start, length
+                           in zip(pieces, itertools.accumulate(lengths, initial=0), lengths)], torch.long, device)
     total = sum(lengths)
-    piece = torch.repeat_interleave(host_to_device(lengths, torch.long, device), output_size=total)
-    first_position, first_src, first_row = firsts[piece].unbind(1)
+    piece = torch.repeat_interleave(rows[:, 3], output_size=total)
+    first_position, first_src, first_row, _ = rows[piece].unbind(1)
     within = torch.arange(total, device=device) - first_row  # token index inside its piece
     return first_position + within, first_src + within * kv_token_stride
 
