@@ -37,14 +37,16 @@ from hypic.data.tasks import EVAL_SPEC, eval_prompts, make_prompts  # noqa: E402
 MODEL_DIR = Path(__file__).resolve().parents[1] / "hypic" / "assets" / "default_model"
 RELATION_PATTERNS = {  # regex counting the facts of a relation in the context
     "lives": r" lives in ", "job": r" works as an? ", "code": r"'s locker code is ",
-    "long": r"Their locker code is ", "linked": r"The person above works at ", "based": r" hosts ",
+    "linked": r"The person above works at ", "based": r" hosts ",
 }
 
 
 def relation(kind: str, question: str) -> str:
-    if kind != "lookup":
-        return {"two_hop": "based", "linked": "linked", "long": "long"}[kind]
-    found = lookup_relation(question)
+    if kind == "two_hop":
+        return "based"
+    if kind == "linked":
+        return "linked"
+    found = lookup_relation(question)  # a long question asks a lookup fact, cut between two segments
     return "based" if found == "hosts" else found  # a hosts lookup counts " hosts " facts, as two-hop does
 
 

@@ -64,11 +64,10 @@ def check_answerable(notes: tuple[str, ...], qa) -> None:
         home = next(i for i, n in enumerate(notes) if f"{person} lives in " in n)
         city = notes[home].split(f"{person} lives in ")[1].split(".")[0]
         assert any(based_sentence(city, qa.answer) in n for j, n in enumerate(notes) if j != home)
-    if qa.kind == "long":  # "the person above" opens the note right after the one signed by the person
-        person = qa.question.removeprefix("What is ").removesuffix("'s locker code?")
-        i = next(i for i in holding if f"Their locker code is {qa.answer}." in notes[i])
-        assert notes[i].startswith("Note: This note is about the person above.")
-        assert i > 0 and notes[i - 1].endswith(f" Filed by {person}.\n")
+    if qa.kind == "long":  # a long note cut right before the value: the head ends one segment, the value opens the next
+        i = next(i for i in holding if notes[i].startswith(f" {qa.answer}. "))
+        assert i > 0 and notes[i - 1].startswith("Note: ")
+        assert notes[i - 1].endswith(qa.evidence.removesuffix(f" {qa.answer}."))
 
 
 def test_pool_requests_share_notes() -> None:
@@ -90,7 +89,11 @@ def test_benchmark_pools_vary_the_facts() -> None:
     assert later and not later & {note for p in one for note in p.notes}
 
 
-RIVAL_SENTENCES = {"linked": "The person above works at", "long": "Their locker code is"}
+def units_of(kind: str, notes: tuple[str, ...]) -> int:
+    """Linked pairs ("works at" notes) or cut long notes (second segments, which open inside a sentence)."""
+    if kind == "linked":
+        return sum(note.count("The person above works at") for note in notes)
+    return sum(not note.startswith("Note: ") for note in notes)
 
 
 @pytest.mark.parametrize("spec", [SMALL, EVAL_SPEC])
@@ -99,13 +102,13 @@ def test_linked_and_long_questions_have_rivals(spec: TaskSpec) -> None:
     "works at" sentence would answer without reading who is above), in the benchmark's pool requests
     and in training prompts."""
     wide = replace(spec, min_notes=max(spec.min_notes, 6), max_notes=max(spec.max_notes, 6), questions=1)
-    for kind, sentence in RIVAL_SENTENCES.items():
+    for kind in ("linked", "long"):
         requests = [p for p in eval_prompts(12, "validation", spec) if p.kind == kind]
         weights = tuple(float(k == kind) for k in KINDS)
         trained = make_prompts(replace(wide, kind_weights=weights), "train", 12)
         for p, most in [(p, spec.max_notes) for p in requests] + [(p, wide.max_notes) for p in trained]:
             assert len(p.notes) <= most
-            seen = sum(note.count(sentence) for note in p.notes)
+            seen = units_of(kind, p.notes)
             room = 1 + (most - 2) // 2  # pairs beside two fact-like notes
             assert seen >= min(3, room), (kind, seen, len(p.notes))  # the asked one and RIVAL_UNITS = 2 more
 
@@ -116,8 +119,8 @@ def test_strict_rivals_hold_in_crowded_prompts() -> None:
     crowded = TaskSpec(3, 8, 24, 48, (1.0, 0.5, 3.0, 1.5), questions=6, strict_rivals=True)
 
     def rivals_of_asked(spec: TaskSpec) -> list[int]:
-        return [sum(note.count(RIVAL_SENTENCES[qa.kind]) for note in p.notes)
-                for p in make_prompts(spec, "train", 60) for qa in p.qas if qa.kind in RIVAL_SENTENCES]
+        return [units_of(qa.kind, p.notes) for p in make_prompts(spec, "train", 60) for qa in p.qas
+                if qa.kind in ("linked", "long")]
 
     strict = rivals_of_asked(crowded)
     assert len(strict) > 40 and min(strict) >= 1 + RIVAL_UNITS
@@ -161,7 +164,8 @@ def test_note_lengths_follow_the_spec_in_tokens() -> None:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
-    lengths = [len(tokenizer.encode(n).ids) for p in make_prompts(EVAL_SPEC, "test", 30) for n in p.notes]
+    whole = ["".join(p.notes).replace("\nNote: ", "\n\0Note: ").split("\0") for p in make_prompts(EVAL_SPEC, "test", 30)]
+    lengths = [len(tokenizer.encode(n).ids) for notes in whole for n in notes]  # a cut long note counts whole
     assert min(lengths) >= 0.8 * EVAL_SPEC.min_note_tokens and max(lengths) <= 1.2 * EVAL_SPEC.max_note_tokens
 
 

@@ -1,9 +1,9 @@
 """A consistent little world (people, cities, companies) written out as notes of filler and facts.
 
 Every fact is stated once, so any subset of the notes, in any order, never contradicts itself.
-Notes come in units: a unit is one note, or an (anchor, dependent) pair whose second note says
-"The person above ..." (a linked note) or "This note is about the person above." (a long note) and is
-only meaningful right after its anchor, so pairs are never split.
+Notes come in units: a unit is one note, an (anchor, dependent) pair whose second note says "The person
+above ..." (a linked note) and is only meaningful right after its anchor, or the two segments of a long
+note cut inside a fact; units are never split.
 """
 from __future__ import annotations
 
@@ -172,14 +172,24 @@ def dependent_note(world: World, index: int, anchor: int, notes: list[Note], tar
     return _finish(note, [opening] + _fill(world, [], target_tokens, 60), world.person())
 
 
-def long_note(world: World, index: int, anchor: int, notes: list[Note], target_tokens: int) -> Note:
-    """A long note about the signer of notes[anchor] ("This note is about the person above.") whose locker
-    code sits at a random depth: who it is about crosses the boundary, then the note's length."""
-    note, code = Note(), world.code()
-    person = signer_of(notes[anchor])
-    opening, buried = "This note is about the person above.", f"Their locker code is {code}."
-    note.candidates.append(Candidate("long", f"What is {person}'s locker code?", code, (anchor, index),
-                                     f"Filed by {person}. {opening} {buried}"))
-    body = _fill(world, [], target_tokens, 80)
-    body.insert(world.rng.randint(len(body) // 4, len(body)), buried)
-    return _finish(note, [opening] + body, world.person())
+def long_note(world: World, index: int, target_tokens: int) -> tuple[Note, Note]:
+    """A long note cut into two segments inside a fact, right before its value ("Derek's locker code is" |
+    " 4821. ..."), as a chunker cuts a document at a size, not at a sentence: the value's meaning sits in
+    the segment before it, so a value prefilled in isolation is nobody's. The cut falls at a random depth."""
+    first, second = Note(), Note()  # the question rests on both: its candidate sits on the second
+    person, relation = world.person(), world.rng.choice(("lives", "job", "code"))
+    if relation == "lives":
+        question, value, head = f"Where does {person} live?", world.city(), f"{person} lives in"
+    elif relation == "job":
+        job = world.job()
+        question, value, head = f"What is {person}'s job?", job, f"{person} works as {_article(job).removesuffix(' ' + job)}"
+    else:
+        question, value, head = f"What is {person}'s locker code?", world.code(), f"{person}'s locker code is"
+    fact = f"{head} {value}."
+    body = _fill(world, [], target_tokens, 30 + len(fact))
+    body.insert(world.rng.randint(len(body) // 4, (3 * len(body)) // 4), fact)
+    text = _finish(Note(), body, world.person()).text
+    cut = text.index(fact) + len(head)
+    first.text, second.text = text[:cut], text[cut:]
+    second.candidates.append(Candidate("long", question, value, (index, index + 1), fact))
+    return first, second

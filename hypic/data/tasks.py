@@ -13,12 +13,13 @@ Question kinds, reported separately:
 - two_hop: "Derek lives in Oslo." and "Oslo hosts Acme." in two notes, any order.
 - linked:  a note says "The person above works at Acme."; the person is the signer of the note
            placed right before it, so isolated prefill of the second note cannot resolve it.
-- long:    a long note says "This note is about the person above." (the signer of the note before it)
-           and buries the locker code deep inside: the reference crosses the boundary, the code is far
-           from it, so isolated prefill loses whose code it is and the seam repairs only the opening.
+- long:    a long note (the longest of the prompt) cut into two segments inside a fact, right before its
+           value ("Derek's locker code is" | " 4821. ..."), as a size-based chunker cuts a document: in
+           full recompute it is an ordinary lookup; a value prefilled in isolation belongs to nobody,
+           and a seam window of a few tokens repairs it.
 A linked or long question comes with RIVAL_UNITS other pairs or long notes where the notes allow (with
-`TaskSpec.strict_rivals`, always), so that the answer is never the only "works at" (or locker code)
-sentence in sight.
+`TaskSpec.strict_rivals`, always), so that the answer is never the only "works at" sentence (or cut
+note) in sight.
 
 Everything is a pure function of (spec, split, seed, index): the same call gives the same prompt
 in any process. Splits draw from disjoint seed streams.
@@ -34,7 +35,7 @@ from hypic.data.notes import (PRACTICE_RELATIONS, RELATIONS, Candidate, Note, Wo
                               dependent_note, fact_note, long_note)
 
 KINDS: tuple[str, ...] = ("lookup", "two_hop", "linked", "long")
-RIVAL_KINDS: tuple[str, ...] = ("linked", "long")  # kinds whose own structure (an anchored pair) gets rivals
+RIVAL_KINDS: tuple[str, ...] = ("linked", "long")  # kinds whose own structure (a two-note unit) gets rivals
 RIVAL_UNITS = 2  # other pairs / long notes beside such a question's own
 POOL_REQUESTS = 5  # benchmark requests of each kind per note pool (see eval_prompts)
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
@@ -169,7 +170,7 @@ def _rng(split: str, seed: int, index: int, stream: str) -> random.Random:
 @dataclass(frozen=True)
 class _Plan:
     pairs: int  # (anchor, linked note) pairs
-    longs: int  # (anchor, long note) pairs
+    longs: int  # long notes, two segments each
     chains: int
     facts: int  # stand-alone fact notes (pair anchors are fact notes too)
 
@@ -185,9 +186,9 @@ def _plan(rng: random.Random, spec: TaskSpec, n: int, wanted: Counter) -> _Plan:
     else:
         pairs = min(wanted["linked"] + extra["linked"], n // 2)
         longs = min(wanted["long"] + extra["long"], (n - 2 * pairs) // 2)
-    while n - pairs - longs < 2 and longs + pairs > 1:  # keep two fact-like notes (anchors count) if possible
+    while n - pairs - longs < 2 and longs + pairs > 1:  # keep two notes beside the units' second notes
         longs, pairs = (longs - 1, pairs) if longs else (longs, pairs - 1)
-    fact_like = n - pairs - longs
+    fact_like = n - pairs - 2 * longs  # fact notes and anchors: where two-hop facts can land
     chains = wanted["two_hop"] + (on["two_hop"] and rng.random() < 0.6) if fact_like >= 2 else 0
     return _Plan(pairs, longs, chains, n - 2 * pairs - 2 * longs)
 
@@ -213,7 +214,7 @@ def _lengths(rng: random.Random, spec: TaskSpec) -> tuple[int, int]:
 
 def _build(world: World, spec: TaskSpec, plan: _Plan) -> tuple[list[Note], list[tuple[int, ...]]]:
     """All notes (indexed) and their units; fact notes first, so chain hops land in fact notes."""
-    rng, n_fact_like = world.rng, plan.facts + plan.pairs + plan.longs
+    rng, n_fact_like = world.rng, plan.facts + plan.pairs
     chains: dict[int, list] = {i: [] for i in range(n_fact_like)}
     bases: dict[int, list] = {i: [] for i in range(n_fact_like)}
     for _ in range(plan.chains):
@@ -225,11 +226,11 @@ def _build(world: World, spec: TaskSpec, plan: _Plan) -> tuple[list[Note], list[
                        spec.relations) for i in range(n_fact_like)]
     units: list[tuple[int, ...]] = [(i,) for i in range(plan.facts)]
     for anchor in range(plan.facts, n_fact_like):
-        if anchor < plan.facts + plan.pairs:
-            notes.append(dependent_note(world, len(notes), anchor, notes, _lengths(rng, spec)[0]))
-        else:
-            notes.append(long_note(world, len(notes), anchor, notes, _lengths(rng, spec)[1]))
+        notes.append(dependent_note(world, len(notes), anchor, notes, _lengths(rng, spec)[0]))
         units.append((anchor, len(notes) - 1))
+    for _ in range(plan.longs):
+        notes += long_note(world, len(notes), _lengths(rng, spec)[1])
+        units.append((len(notes) - 2, len(notes) - 1))
     return notes, units
 
 
@@ -320,7 +321,7 @@ class NotePool:
         return _assemble(rng, self.notes, chosen, [_qa(target, self.spec.restate)])
 
     def _structure(self, unit: tuple[int, ...]) -> str:
-        """The kind its dependent note answers ("linked" or "long") for a pair, "lookup" for one note."""
+        """The kind its second note answers ("linked" or "long") for a two-note unit, "lookup" for one note."""
         return self.notes[unit[1]].candidates[0].kind if len(unit) == 2 else "lookup"
 
     def requests(self, indices: range, kinds: tuple[str, ...] = KINDS) -> list[Prompt]:
