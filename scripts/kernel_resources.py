@@ -7,14 +7,21 @@ prints cuobjdump's resource line (REG = registers a thread, STACK = bytes spille
     python scripts/kernel_resources.py                       # Qwen3-Next / Qwen3.5 GDN heads
     python scripts/kernel_resources.py --family scalar --key-dim 64
     python scripts/kernel_resources.py --block-v 16 --num-warps 2   # another launch shape
+    python scripts/kernel_resources.py --tuple-dtype bfloat16       # bf16 cached tuples (the bf16 compose)
+    python scripts/kernel_resources.py --loops     # and the SASS's loops (a token, a compose step, ...)
 """
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import tempfile
+from collections import Counter
 from pathlib import Path
 
+import torch
+
+from hypic.config import SEGMENT_STATE_DTYPES
 from hypic.kernels import compose
 from hypic.kernels.linear_families import get_family
 from hypic.kernels.triton_lazy import bind_module
@@ -23,6 +30,9 @@ POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*bf
             "pool": "*fp32", "slots": "*i64", "has_state": "*i1", "cu_seqlens": "*i32", "ptr": "*i32",
             "at": "*i32", "t_off": "*i64", "s0_off": "*i64", "t_src": "*fp32", "s0_src": "*fp32", "scale": "fp32",
             "save_at": "*i64", "save_slots": "*i64"}
+TRITON_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16"}  # of the cached tuples' sources
+SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")  # address, opcode
+BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 
 
 def compile_walk(args: argparse.Namespace) -> bytes:
@@ -33,11 +43,13 @@ def compile_walk(args: argparse.Namespace) -> bytes:
 
     kernel = bind_module(vars(compose))["_compose_recur_kernel"]
     family = get_family(args.family)
+    tuple_dtype = getattr(torch, args.tuple_dtype)
     config = walk_config(args)
     constants = compose.launch_constants(family, args.key_heads, args.value_heads, args.key_dim, args.value_dim,
                                          config)
     constants["HAS_CHECKPOINTS"] = True  # the engine's walks always pass their (maybe empty) checkpoints
-    signature = {name: "constexpr" if name in constants else POINTERS[name] for name in kernel.arg_names}
+    pointers = dict(POINTERS, t_src=TRITON_TYPES[family.t_storage_dtype(tuple_dtype)], s0_src=TRITON_TYPES[tuple_dtype])
+    signature = {name: "constexpr" if name in constants else pointers[name] for name in kernel.arg_names}
     # pointers 16-byte aligned, as Triton's launcher specialises torch's allocations
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
                if POINTERS.get(name, "").startswith("*")}
@@ -53,15 +65,34 @@ def walk_config(args: argparse.Namespace) -> compose.WalkConfig:
     return compose.WalkConfig(block_v=args.block_v or default.block_v, num_warps=args.num_warps or default.num_warps)
 
 
-def resource_usage(cubin: bytes) -> str:
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """cuobjdump's report on a cubin (Triton ships the tool)."""
     import triton
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(cubin)
         file.flush()
-        report = subprocess.run([str(cuobjdump), "--dump-resource-usage", file.name],
-                                capture_output=True, text=True, check=True).stdout
-    return next(line.strip() for line in report.splitlines() if "REG:" in line)
+        return subprocess.run([str(tool), flag, file.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(cubin: bytes) -> str:
+    return next(line.strip() for line in cuobjdump(cubin, "--dump-resource-usage").splitlines() if "REG:" in line)
+
+
+def sass_loops(cubin: bytes) -> list[str]:
+    """The SASS's loops (backward branches), in program order: instructions from head to branch (an
+    outer loop's count includes its inner loops' bodies once) and the most frequent opcodes."""
+    code = [(int(m[1], 16), m[2], line) for line in cuobjdump(cubin, "-sass").splitlines()
+            if (m := SASS_LINE.search(line))]
+    start = {address: i for i, (address, _, _) in enumerate(code)}
+    loops = []
+    for end, (address, opcode, line) in enumerate(code):
+        target = BRANCH_TARGET.search(line) if opcode == "BRA" else None
+        if target and int(target[1], 16) < address:
+            body = Counter(op.split(".")[0] for _, op, _ in code[start[int(target[1], 16)]: end + 1])
+            top = ", ".join(f"{op} {n}" for op, n in body.most_common(8))
+            loops.append(f"loop {int(target[1], 16):#07x}-{address:#07x}: {body.total():5} instructions ({top})")
+    return loops
 
 
 def main() -> None:
@@ -73,8 +104,14 @@ def main() -> None:
     parser.add_argument("--value-dim", type=int, default=128)
     parser.add_argument("--block-v", type=int, help="value columns a program (default: the engine's)")
     parser.add_argument("--num-warps", type=int, help="warps a program (default: the engine's)")
+    parser.add_argument("--tuple-dtype", choices=SEGMENT_STATE_DTYPES, default="float32",
+                        help="storage of cached T and S0 (EngineConfig.segment_state_dtype)")
+    parser.add_argument("--loops", action="store_true", help="also list the SASS's loops and their instructions")
     args = parser.parse_args()
-    print(f"_compose_recur_kernel sm90 {vars(args)} {walk_config(args)}: {resource_usage(compile_walk(args))}")
+    cubin = compile_walk(args)
+    print(f"_compose_recur_kernel sm90 {vars(args)} {walk_config(args)}: {resource_usage(cubin)}")
+    if args.loops:
+        print("\n".join(sass_loops(cubin)))
 
 
 if __name__ == "__main__":

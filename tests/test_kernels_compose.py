@@ -21,7 +21,7 @@ from tests.test_pic_algebra_compose import Case, build_case, run, run_with_check
 
 tl: Any  # triton.language, bound by triton_lazy on first use
 
-HEADS, DIMS = (1, 2), (24, 20)  # K = 24: a full and a masked compose chunk of 16; V = 20: masked V tiles
+HEADS, DIMS = (1, 2), (40, 20)  # K = 40: a full and a masked compose chunk of 32; V = 20: masked V tiles
 
 
 def walk_with(config: WalkConfig):
@@ -50,6 +50,39 @@ def test_interpreted_chunked_compose_keeps_checkpoints(name: str, monkeypatch: p
     o_ref, states_ref, saved_ref = run_with_checkpoints(case, family, compose_and_recur_ref)
     assert rel_err(saved, saved_ref) <= 1e-5
     assert rel_err(o, o_ref) <= 1e-5 and rel_err(states, states_ref) <= 1e-5
+
+
+@pytest.fixture
+def interpreted_bf16_dot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter multiplies a bf16 dot operand's bit patterns (triton-lang/triton#11584, left
+    unsupported): widen bf16 operands to float32 first, exact, as a tensor core's products are."""
+    import triton.language as language
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    create_dot = InterpreterBuilder.create_dot
+
+    def widened(builder: InterpreterBuilder, a: Any, b: Any, *rest: Any) -> Any:
+        a, b = (builder.cast_impl(x, language.float32) if x.dtype == language.bfloat16 else x for x in (a, b))
+        return create_dot(builder, a, b, *rest)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_dot", widened)
+
+
+@interpreted
+@pytest.mark.parametrize("name", ["gdn", "kda"])
+def test_interpreted_bf16_tuples_match_reference(name: str, monkeypatch: pytest.MonkeyPatch,
+                                                 interpreted_bf16_dot: None) -> None:
+    """A bf16 T goes to the MMA as it is, against S in two bf16 parts. The interpreter's casts to bf16
+    truncate, so S's parts err ~1e-5 here (rounded to nearest as on a GPU, ~3e-6); S in one part
+    errs ~4e-3, in three (or T split as a float32 T is) ~2e-7."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    family = get_family(name)
+    case = build_case(family, torch.Generator().manual_seed(11), dtype=torch.float32, heads=HEADS, dims=DIMS,
+                      tuple_dtype=torch.bfloat16)
+    o, states, saved = run_with_checkpoints(case, family, walk_with(WalkConfig(block_v=8, num_warps=1)))
+    o_ref, states_ref, saved_ref = run_with_checkpoints(case, family, compose_and_recur_ref)
+    assert rel_err(saved, saved_ref) <= 3e-5
+    assert rel_err(o, o_ref) <= 3e-5 and rel_err(states, states_ref) <= 3e-5
 
 
 @triton_kernel

@@ -24,8 +24,13 @@ Flat input layout (a ForwardBatch plus a piece table; B requests, N tokens, P ca
   so a prefix-cache checkpoint one token short of the chunk's end costs no second step.
 - Tuples, read in place from the segment store's arena: piece p's T block [HV, *t_shape] is
   contiguous at t_src[t_off[p]] and its S0 [HV, K, V] at s0_src[s0_off[p]] (t_src, s0_src 1-D;
-  t_off, s0_off int64 [P], element offsets for *this layer*; see `CachedPieces.shifted`).
-  Log-gate T (scalar, diagonal) is float32; dense T and S0 are float32 or bfloat16.
+  t_off, s0_off int64 [P], element offsets for *this layer*; see `CachedPieces.shifted`). A dense T's
+  offset is a multiple of 16 elements where K is a multiple of 4 (the segment store aligns blocks at
+  256 bytes, and layers and heads are K x K apart); the kernel relies on it for 16-byte loads.
+  Log-gate T (scalar, diagonal) is float32; dense T and S0 are float32 or bfloat16. A bf16 dense T
+  goes to the tensor cores as stored, against the state in two bf16 parts; a float32 one is split
+  for three tf32 MMAs (a walk's state within ~3e-6 and ~2e-7 of the reference's, which composes
+  with T.float()).
 
 Returns o [N, HV, V] in v's dtype. cuda tensors run the Triton kernel (one program per request x
 value head x V tile walking compose -> seam tokens -> compose ...; compiled on first use, see
@@ -198,7 +203,8 @@ def launch_constants(family: LinearFamily, key_heads: int, value_heads: int, key
     """The kernel's compile-time constants (shared with scripts/kernel_resources.py)."""
     # KC: columns of T a compose step. Each step waits on its loads, so fewer steps win although 32 columns
     # spill 32 bytes a thread at K=128, BV 8, one warp: a 256-token, 16-piece walk 301 us against 324 at 16
-    # (bench/results/compose_kc_h200_experiment.txt)
+    # (bench/results/compose_kc_h200_experiment.txt). A bf16 T fits 64 without spilling but takes more
+    # instructions a compose (bench/results/compose_kernel_resources.txt)
     return dict(H=key_heads, HV=value_heads, K=key_dim, V=value_dim, BK=max(16, next_power_of_2(key_dim)),
                 BV=config.block_v, KC=32, FAMILY=FAMILY_CODES[family.name])
 
@@ -335,8 +341,9 @@ def _compose(S, p, t_off, s0_off, t_src, s0_src, home, i_hv, ok, ov, mk, mv,
     elif FAMILY == 1:
         T = tl.load(t_base + i_hv * K + ok, mask=mk, other=0.0).to(tl.float32)
         S = S * tl.exp(T)[:, None]
-    else:
-        S = _dense_apply(S, t_base + i_hv * K * K, home, ok, ov, mk, mv, K, V, KC)
+    else:  # a 16-element aligned block start lets T's rows load 16 bytes at a time, not element by element
+        T = t_src + tl.multiple_of(tl.load(t_off + p) + i_hv * K * K, 16 if K % 4 == 0 else 1)
+        S = _dense_apply(S, T, home, ok, ov, mk, mv, K, V, KC)
     return S + S0.to(tl.float32)
 
 
@@ -355,8 +362,27 @@ def _dense_apply(S, T, home, ok, ov, mk, mv, K: tl.constexpr, V: tl.constexpr, K
         mc = c + kc < K
         T_cols = tl.load(T + ok[:, None] * K + (c + kc)[None, :], mask=mk[:, None] & mc[None, :], other=0.0)
         S_rows = tl.load(home + (c + kc)[:, None] * V + ov[None, :], mask=mc[:, None] & mv[None, :], other=0.0)
-        acc = _dot_tf32x3(T_cols.to(tl.float32), S_rows, acc)
+        acc = _dot_t(T_cols, S_rows, acc)
     return acc
+
+
+@triton_kernel
+def _dot_t(T_cols, S_rows, acc):
+    """acc + T_cols . S_rows to float32 accuracy, by the dtype T is stored in (known at compile time)."""
+    if T_cols.dtype == tl.bfloat16:
+        return _dot_bf16x2(T_cols, S_rows, acc)
+    return _dot_tf32x3(T_cols.to(tl.float32), S_rows, acc)
+
+
+@triton_kernel
+def _dot_bf16x2(a, b, acc):
+    """acc + a . b for a bf16 `a`, exact as an MMA operand, and a float32 `b` in two bf16 parts: b's
+    residual after them is under 2^-16 of b (one part: 2^-8, ~1e-3 on a walk's state), far below the
+    2^-8 by which a stored bf16 T is off its float32 original. No split of `a`, two MMAs against
+    tf32x3's three, and a bf16 MMA takes 16 columns of `a` to tf32's 8."""
+    b_hi = b.to(tl.bfloat16)
+    acc = tl.dot(a, (b - b_hi.to(tl.float32)).to(tl.bfloat16), acc)
+    return tl.dot(a, b_hi, acc)
 
 
 @triton_kernel
