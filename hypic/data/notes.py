@@ -80,13 +80,24 @@ class World:
 
 
 def _article(word: str) -> str:
-    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
+    return "an" if word[0] in "aeiou" else "a"
 
 
 def _lookup(note: Note, index: int, question: str, answer: str, sentence: str) -> str:
     """Records `sentence` as the evidence of a lookup candidate on `note` and returns it."""
     note.candidates.append(Candidate("lookup", question, answer, (index,), sentence))
     return sentence
+
+
+def _lookup_fact(world: World, relation: str, person: str, city: str | None = None) -> tuple[str, str, str]:
+    """(question, answer, head) of a "lives", "job" or "code" fact about `person`, written f"{head} {answer}."
+    ("lives" takes `city` where a two-hop chain planted it, or draws one)."""
+    if relation == "lives":
+        return f"Where does {person} live?", city or world.city(), f"{person} lives in"
+    if relation == "job":
+        job = world.job()
+        return f"What is {person}'s job?", job, f"{person} works as {_article(job)}"
+    return f"What is {person}'s locker code?", world.code(), f"{person}'s locker code is"
 
 
 def _fact(world: World, note: Note, index: int, relations: tuple[str, ...],
@@ -98,13 +109,11 @@ def _fact(world: World, note: Note, index: int, relations: tuple[str, ...],
     if chain is not None:  # a planted chain is the first hop of a two-hop: its city is stated in another note
         person, city = chain
         note.lives[person] = city
-        return _lookup(note, index, f"Where does {person} live?", city, f"{person} lives in {city}.")
-    if relation == "job":
-        job = world.job()
-        return _lookup(note, index, f"What is {person}'s job?", job, f"{person} works as {_article(job)}.")
-    if relation == "code":
-        code = world.code()
-        return _lookup(note, index, f"What is {person}'s locker code?", code, f"{person}'s locker code is {code}.")
+        question, answer, head = _lookup_fact(world, "lives", person, city)
+        return _lookup(note, index, question, answer, f"{head} {answer}.")
+    if relation in ("job", "code"):
+        question, answer, head = _lookup_fact(world, relation, person)
+        return _lookup(note, index, question, answer, f"{head} {answer}.")
     city, company = world.city(), world.company()
     note.based[city] = company
     if relation == "hosts":
@@ -177,14 +186,8 @@ def long_note(world: World, index: int, target_tokens: int) -> tuple[Note, Note]
     " 4821. ..."), as a chunker cuts a document at a size, not at a sentence: the value's meaning sits in
     the segment before it, so a value prefilled in isolation is nobody's. The cut falls at a random depth."""
     first, second = Note(), Note()  # the question rests on both: its candidate sits on the second
-    person, relation = world.person(), world.rng.choice(("lives", "job", "code"))
-    if relation == "lives":
-        question, value, head = f"Where does {person} live?", world.city(), f"{person} lives in"
-    elif relation == "job":
-        job = world.job()
-        question, value, head = f"What is {person}'s job?", job, f"{person} works as {_article(job).removesuffix(' ' + job)}"
-    else:
-        question, value, head = f"What is {person}'s locker code?", world.code(), f"{person}'s locker code is"
+    person = world.person()
+    question, value, head = _lookup_fact(world, world.rng.choice(("lives", "job", "code")), person)
     fact = f"{head} {value}."
     body = _fill(world, [], target_tokens, 30 + len(fact))
     body.insert(world.rng.randint(len(body) // 4, (3 * len(body)) // 4), fact)
