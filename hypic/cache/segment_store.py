@@ -175,15 +175,15 @@ class SegmentEntry:
 
     def t_offset(self, linear_index: int) -> int:
         """Element offset of linear layer `linear_index`'s T block in `SegmentStore.t_src`."""
-        return self._block_starts[0] // self.layout.t_dtype.itemsize + linear_index * self.layout.t_layer_stride
+        return self._layer_offset(0, self.layout.t_dtype, self.layout.t_layer_stride, linear_index)
 
     def s0_offset(self, linear_index: int) -> int:
         """Element offset of linear layer `linear_index`'s S0 in `SegmentStore.s0_src`."""
-        return self._block_starts[1] // self.layout.state_dtype.itemsize + linear_index * self.layout.s0_layer_stride
+        return self._layer_offset(1, self.layout.state_dtype, self.layout.s0_layer_stride, linear_index)
 
     def conv_offset(self, linear_index: int) -> int:
         """Element offset of linear layer `linear_index`'s conv tail [conv_dim, W-1] in `SegmentStore.model_src`."""
-        return self._block_starts[2] // self.layout.model_dtype.itemsize + linear_index * self.layout.conv_layer_stride
+        return self._layer_offset(2, self.layout.model_dtype, self.layout.conv_layer_stride, linear_index)
 
     def kv_offset(self, full_index: int, token: int = 0) -> int:
         """Element offset of interior token `token`'s K block of full layer `full_index` in
@@ -192,16 +192,21 @@ class SegmentEntry:
         return base + token * self.layout.kv_token_stride + full_index * self.layout.kv_layer_stride
 
     def T(self, linear_index: int) -> torch.Tensor:
-        n_lin = self.layout.num_linear
-        return self._view(self._block_starts[0], self.layout.t_dtype, (n_lin, *self.layout.t_shape))[linear_index]
+        return self._layer_view(0, self.layout.t_dtype, self.layout.t_shape, linear_index)
 
     def S0(self, linear_index: int) -> torch.Tensor:
-        n_lin = self.layout.num_linear
-        return self._view(self._block_starts[1], self.layout.state_dtype, (n_lin, *self.layout.s0_shape))[linear_index]
+        return self._layer_view(1, self.layout.state_dtype, self.layout.s0_shape, linear_index)
 
     def conv_tail(self, linear_index: int) -> torch.Tensor:
-        lay = self.layout
-        return self._view(self._block_starts[2], lay.model_dtype, (lay.num_linear, *lay.conv_shape))[linear_index]
+        return self._layer_view(2, self.layout.model_dtype, self.layout.conv_shape, linear_index)
+
+    def _layer_offset(self, block: int, dtype: torch.dtype, layer_stride: int, linear_index: int) -> int:
+        """Element offset of one linear layer's part of a per-linear-layer block (T, S0 or conv tails)."""
+        return self._block_starts[block] // dtype.itemsize + linear_index * layer_stride
+
+    def _layer_view(self, block: int, dtype: torch.dtype, shape: tuple[int, ...], linear_index: int) -> torch.Tensor:
+        """One linear layer's part of a per-linear-layer block, as a tensor of `shape`."""
+        return self._view(self._block_starts[block], dtype, (self.layout.num_linear, *shape))[linear_index]
 
     def _kv(self) -> torch.Tensor:
         lay = self.layout
