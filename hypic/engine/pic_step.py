@@ -11,6 +11,7 @@ Sequences without pieces in the same step take the ordinary kernels.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ class Assembly:
 
     walk_seq_index: torch.Tensor  # [A] batch indices of the assembling sequences
     walk_rows: torch.Tensor  # [R] their walk tokens' rows in the flat batch, in order
+    walks_every_row: bool  # walk_rows is every row of the step (a warm request alone): no gathers
     walk_cu_seqlens: torch.Tensor  # [A+1] int32, offsets into walk_rows
     pieces: CachedPieces  # `at` indexes walk_rows; offsets of linear layer 0
     rest_seq_index: torch.Tensor  # batch indices of the other sequences, then of the non-empty tails
@@ -103,13 +105,17 @@ class PicStep:
         a = self.assembly
         if a is None:
             return layer.recur(q, k, v, g, beta, ssm_pool, batch)
-        o = torch.empty_like(v)
-        r = a.walk_rows
         layout = self.store.layout
         pieces = a.pieces.shifted(linear_index * layout.t_layer_stride, linear_index * layout.s0_layer_stride)
-        o[r] = compose_and_recur(q[r], k[r], v[r], g[r], beta[r], ssm_pool, batch.slots[a.walk_seq_index],
-                                 batch.has_state[a.walk_seq_index], a.walk_cu_seqlens, pieces, self.store.t_src,
-                                 self.store.s0_src, family=self.family, scale=layer.scale, checkpoints=a.saves)
+        walk = functools.partial(compose_and_recur, ssm_pool=ssm_pool, slots=batch.slots[a.walk_seq_index],
+                                 has_state=batch.has_state[a.walk_seq_index], cu_seqlens=a.walk_cu_seqlens,
+                                 pieces=pieces, t_src=self.store.t_src, s0_src=self.store.s0_src,
+                                 family=self.family, scale=layer.scale, checkpoints=a.saves)
+        if a.walks_every_row:
+            return walk(q, k, v, g, beta)
+        o = torch.empty_like(v)
+        r = a.walk_rows
+        o[r] = walk(q[r], k[r], v[r], g[r], beta[r])
         if a.rest_rows.numel():  # after the walk: the tails read the composed states from the slots
             r = a.rest_rows
             o[r] = gated_delta_rule(q[r], k[r], v[r], g[r], beta[r], ssm_pool, batch.slots[a.rest_seq_index],
@@ -173,6 +179,7 @@ def build_assembly(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, co
     return Assembly(
         walk_seq_index=_long(composing, device),
         walk_rows=_long([r for i in composing for r in range(cu[i], cu[i] + walk_len[i])], device),
+        walks_every_row=not others and not tails,
         walk_cu_seqlens=_cumsum([walk_len[i] for i in composing], device),
         pieces=CachedPieces.build(piece_rows, device),
         rest_seq_index=_long(others + tails, device),
