@@ -44,8 +44,10 @@ class EngineConfig:
     """Tokens recomputed on each side of a segment boundary (w)."""
     segment_pool_bytes: int | None = None
     """Byte budget of the public segment pool; None: a quarter of the cache budget."""
-    segment_state_dtype: str = "float32"
-    """Storage dtype of cached T and S0: "float32" or "bfloat16"."""
+    segment_state_dtype: str | None = None
+    """Storage dtype of cached T and S0: "float32" or "bfloat16"; None means the model's precision:
+    float32 for a float32 model, else bfloat16 (half the pool bytes; its cost in fidelity is in the
+    README's Quality section)."""
     max_segments: int = 256
     """Most segments in one prompt."""
     prefix_cache_fraction: float = 0.5
@@ -71,7 +73,7 @@ class EngineConfig:
             raise InvalidRequestError("prefix_cache_fraction must be in [0, 1)")
         if self.seam_width < 0:
             raise InvalidRequestError(f"seam_width must be >= 0, got {self.seam_width}")
-        if self.segment_state_dtype not in SEGMENT_STATE_DTYPES:
+        if self.segment_state_dtype not in (None, *SEGMENT_STATE_DTYPES):
             raise InvalidRequestError(f"segment_state_dtype must be one of {SEGMENT_STATE_DTYPES}, "
                                       f"got {self.segment_state_dtype!r}")
         if self.segment_pool_bytes is not None and self.segment_pool_bytes < 0:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from hypic import EngineConfig, SamplingParams
+from hypic.config import SEGMENT_STATE_DTYPES
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.segments import SegmentedPrompt
 
@@ -64,7 +65,8 @@ def slow_down(model: torch.nn.Module) -> None:
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
-    common = dict(seam_width=args.seam_width, max_model_len=16384, max_num_batched_tokens=16384)
+    common = dict(seam_width=args.seam_width, segment_state_dtype=args.segment_state_dtype, max_model_len=16384,
+                  max_num_batched_tokens=16384)
     if args.shape is None:
         return LLMEngine(EngineConfig(model=args.model, device="cpu", cpu_cache_bytes=1 << 30, **common))
     from bench_engine import model_dir, random_weights, shape_config
@@ -79,6 +81,8 @@ def main() -> None:
     parser.add_argument("--shape", default=None, help="a released shape with random weights (GPU)")
     parser.add_argument("--segment-len", type=int, default=512)
     parser.add_argument("--seam-width", type=int, default=8)
+    parser.add_argument("--segment-state-dtype", choices=SEGMENT_STATE_DTYPES,
+                        help="storage of cached T and S0 (default: EngineConfig.segment_state_dtype's)")
     parser.add_argument("--slow-decay", action="store_true",
                         help="set every linear layer's decay slow (A_log=-4, dt_bias=-2): random weights "
                              "otherwise forget within a few tokens, which hides composition errors")
@@ -91,7 +95,9 @@ def main() -> None:
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "device": torch.cuda.get_device_name() if args.shape else "cpu",
               "model": args.shape or engine.model_dir.name, "segment_len": args.segment_len,
-              "seam_width": args.seam_width, "slow_decay": args.slow_decay,
+              "seam_width": args.seam_width,
+              "segment_state_dtype": str(engine.store.layout.state_dtype).removeprefix("torch."),
+              "slow_decay": args.slow_decay,
               "segments": {n: measure(engine, n, args.segment_len, rng) for n in (2, 4)}}
     for n, modes in result["segments"].items():
         for mode, layers in modes.items():

@@ -105,8 +105,9 @@ def main() -> None:
     parser.add_argument("--counts", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seam-width", type=int, default=8)
-    parser.add_argument("--segment-state-dtype", choices=SEGMENT_STATE_DTYPES, default="float32",
-                        help="storage of cached T and S0 (bfloat16 halves what each compose reads)")
+    parser.add_argument("--segment-state-dtype", choices=SEGMENT_STATE_DTYPES,
+                        help="storage of cached T and S0 (default: EngineConfig.segment_state_dtype's; bfloat16 "
+                             "halves what each compose reads)")
     parser.add_argument("--profile", type=lambda s: [tuple(map(int, x.split("x"))) for x in s.split(",")], default=[],
                         metavar="NxLEN,...", help="print profiles of a warm request of each prompt shape (and a "
                         "cold one of the first), e.g. 4x1024,16x1024")
@@ -120,7 +121,7 @@ def main() -> None:
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "shape": args.model or args.shape, "seam_width": args.seam_width,
-              "segment_state_dtype": args.segment_state_dtype,
+              "segment_state_dtype": str(engine.store.layout.state_dtype).removeprefix("torch."),
               "by_length": {}, "by_count": {}}
     for doc_len in args.lengths:
         result["by_length"][f"4x{doc_len}"] = measure(engine, 4, doc_len, rng, args.repeats)

@@ -193,7 +193,8 @@ def run_header(engine: AsyncEngine) -> dict:
     for path in sorted(model_dir.glob("*.safetensors")):
         digest.update(path.read_bytes())
     return {"device": name, "model": engine.model_name, "model_dir": str(model_dir),
-            "weights_xxh64": digest.hexdigest(), "dtype": str(engine.core.dtype).removeprefix("torch.")}
+            "weights_xxh64": digest.hexdigest(), "dtype": str(engine.core.dtype).removeprefix("torch."),
+            "segment_state_dtype": str(engine.core.store.layout.state_dtype).removeprefix("torch.")}
 
 
 def release_device_memory() -> None:
@@ -226,7 +227,7 @@ async def evaluate(args: argparse.Namespace, save: Callable[[dict], None]) -> di
 def assemble(args: argparse.Namespace, header: dict, num_prompts: int, samples: int,
              done: list[tuple[Setting, dict]]) -> dict:
     run = {"split": args.split, "names": args.names, "restate": EVAL_SPEC.restate, "per_kind": args.per_kind,
-           "num_prompts": num_prompts, "segment_state_dtype": args.segment_state_dtype,
+           "num_prompts": num_prompts,
            "kinds": list(KINDS), "max_tokens": args.max_tokens, "concurrency": args.concurrency,
            "ttft_samples": samples, "state_drift": "scripts/bench_fidelity.py"}
     entries = [{"label": s.label, "mode": s.mode, "seam_width": s.seam_width, **found} for s, found in done]
@@ -273,8 +274,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "or single-token common names (the same spec otherwise)")
     parser.add_argument("--max-tokens", type=_positive, default=48, help="tokens generated per answer")
     parser.add_argument("--concurrency", type=_positive, default=32, help="accuracy requests in flight")
-    parser.add_argument("--segment-state-dtype", choices=SEGMENT_STATE_DTYPES, default="float32",
-                        help="storage of cached T and S0 (EngineConfig.segment_state_dtype)")
+    parser.add_argument("--segment-state-dtype", choices=SEGMENT_STATE_DTYPES,
+                        help="storage of cached T and S0 (default: EngineConfig.segment_state_dtype's)")
     parser.add_argument("--ttft-samples", type=_positive, default=20,
                         help="prompts per setting timed one at a time, cold then warm")
     parser.add_argument("--out-prefix", type=Path, default=None,

@@ -24,8 +24,8 @@ from hypic.engine.sampler import Sampler, SamplingRow, make_generator, validate_
 from hypic.engine.scheduler import ScheduledBatch, ScheduledChunk, Scheduler, SchedulerLimits
 from hypic.engine.segments import SegmentedPrompt
 from hypic.engine.sequence import RequestInfo, Sequence
-from hypic.engine.setup import (cache_budget_bytes, resolve_device, resolve_dtype,
-                                resolve_model_dir)
+from hypic.engine.setup import (cache_budget_bytes, resolve_device, resolve_dtype, resolve_model_dir,
+                                resolve_segment_state_dtype)
 from hypic.engine.tokenizer import Tokenizer
 from hypic.errors import InvalidRequestError, PromptTooLongError
 from hypic.kernels.host_copy import host_to_device
@@ -292,7 +292,7 @@ class LLMEngine:
         settings = RunnerSettings(bs, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                   self.max_model_len, self.tokenizer.vocab_size,
                                   not self.config.enforce_eager and self.device.type == "cuda")
-        state_dtype = torch.float32 if self.config.segment_state_dtype == "float32" else torch.bfloat16
+        state_dtype = resolve_segment_state_dtype(self.config.segment_state_dtype, self.dtype)
         layout = SegmentLayout.from_cache_shape(shape, self.family, state_dtype, self.dtype)
         self.store = SegmentStore(layout, pool_bytes, self.device)
         c = self.model_config

@@ -36,6 +36,13 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_segment_state_dtype(name: str | None, model_dtype: torch.dtype) -> torch.dtype:
+    """Storage of cached T and S0 (EngineConfig.segment_state_dtype, validated there)."""
+    if name is None:
+        return torch.float32 if model_dtype == torch.float32 else torch.bfloat16
+    return _DTYPES[name]
+
+
 def resolve_model_dir(model: str | None) -> Path:
     path = BUNDLED_MODEL if model is None else Path(model).expanduser()
     if not (path / "config.json").is_file():

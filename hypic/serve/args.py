@@ -55,7 +55,8 @@ def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--segment-pool-bytes", type=_size, metavar="SIZE",
                        help="budget of the shared segment cache (default: a quarter of the cache budget)")
     group.add_argument("--segment-state-dtype", choices=SEGMENT_STATE_DTYPES, default=_DEFAULTS.segment_state_dtype,
-                       help="storage of cached segment states (default: %(default)s)")
+                       help="storage of cached segment states (default: the model's precision: float32 for a "
+                            "float32 model, else bfloat16)")
     group.add_argument("--max-segments", type=_positive_int, default=_DEFAULTS.max_segments, metavar="N",
                        help="most segments in one prompt (default: %(default)s)")
     group.add_argument("--segment-separator", default=_DEFAULTS.segment_separator, metavar="TEXT",
