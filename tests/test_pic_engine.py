@@ -12,6 +12,7 @@ from hypic import AsyncEngine
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pieces import TAIL_WALK_MAX
 from hypic.engine.segments import SegmentedPrompt
+from hypic.engine.setup import resolve_segment_state_dtype
 
 SEP = "<|segment|>"
 SYSTEM = "Position-independent caching reuses documents at any position in the prompt."
@@ -252,3 +253,13 @@ def test_scattered_interior_kv_equals_full_recompute(attention_first_model):
     warm = _state_after_prefill(pic_config(attention_first_model), p, 0, warm_first=True)
     assert _rel(warm["k"], full["k"]) <= 1e-5
     assert _rel(warm["v"], full["v"]) <= 1e-5
+
+
+def test_cached_tuples_default_to_the_models_precision(tiny_model_dir):
+    """None stores T and S0 as the model computes: float32 stays exact, half precision halves the pool."""
+    assert LLMEngine(pic_config(tiny_model_dir)).store.layout.state_dtype == torch.float32
+    assert LLMEngine(pic_config(tiny_model_dir, segment_state_dtype="bfloat16")).store.layout.state_dtype \
+        == torch.bfloat16
+    expected = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, torch.float16: torch.bfloat16}
+    assert {dtype: resolve_segment_state_dtype(None, dtype) for dtype in expected} == expected
+    assert resolve_segment_state_dtype("float32", torch.bfloat16) == torch.float32
