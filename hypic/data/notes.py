@@ -104,15 +104,13 @@ def _fact(world: World, note: Note, index: int, relations: tuple[str, ...],
           chain: tuple[str, str] | None = None) -> str:
     """One fact sentence of a random relation about a fresh entity, recorded as a lookup candidate on `note`."""
     person, relation = world.person(), world.rng.choice(relations)
-    if chain is None and relation == "lives":
-        chain = (person, world.city())
+    city = None
     if chain is not None:  # a planted chain is the first hop of a two-hop: its city is stated in another note
-        person, city = chain
-        note.lives[person] = city
-        question, answer, head = _lookup_fact(world, "lives", person, city)
-        return _lookup(note, index, question, answer, f"{head} {answer}.")
-    if relation in ("job", "code"):
-        question, answer, head = _lookup_fact(world, relation, person)
+        (person, city), relation = chain, "lives"
+    if relation in ("lives", "job", "code"):
+        question, answer, head = _lookup_fact(world, relation, person, city)
+        if relation == "lives":
+            note.lives[person] = answer
         return _lookup(note, index, question, answer, f"{head} {answer}.")
     city, company = world.city(), world.company()
     note.based[city] = company
