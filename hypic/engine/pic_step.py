@@ -35,12 +35,13 @@ class Assembly:
     continue from the composed state through the ordinary chunked kernel, with the sequences that
     compose nothing)."""
 
-    walk_seq_index: torch.Tensor  # [A] batch indices of the assembling sequences
+    walk_slots: torch.Tensor  # [A] state slots of the assembling sequences
+    walk_has_state: torch.Tensor  # [A] whether each starts from its slot's state (else zeros)
     walk_rows: torch.Tensor  # [R] their walk tokens' rows in the flat batch, in order
     walks_every_row: bool  # walk_rows is every row of the step (a warm request alone): no gathers
     walk_cu_seqlens: torch.Tensor  # [A+1] int32, offsets into walk_rows
     pieces: CachedPieces  # `at` indexes walk_rows; offsets of linear layer 0
-    rest_seq_index: torch.Tensor  # batch indices of the other sequences, then of the non-empty tails
+    rest_slots: torch.Tensor  # state slots of the other sequences, then of the non-empty tails
     rest_rows: torch.Tensor
     rest_has_state: torch.Tensor  # tails continue from the composed state in their slot
     rest_cu_seqlens: torch.Tensor
@@ -107,8 +108,8 @@ class PicStep:
             return layer.recur(q, k, v, g, beta, ssm_pool, batch)
         layout = self.store.layout
         pieces = a.pieces.shifted(linear_index * layout.t_layer_stride, linear_index * layout.s0_layer_stride)
-        walk = functools.partial(compose_and_recur, ssm_pool=ssm_pool, slots=batch.slots[a.walk_seq_index],
-                                 has_state=batch.has_state[a.walk_seq_index], cu_seqlens=a.walk_cu_seqlens,
+        walk = functools.partial(compose_and_recur, ssm_pool=ssm_pool, slots=a.walk_slots,
+                                 has_state=a.walk_has_state, cu_seqlens=a.walk_cu_seqlens,
                                  pieces=pieces, t_src=self.store.t_src, s0_src=self.store.s0_src,
                                  family=self.family, scale=layer.scale, checkpoints=a.saves)
         if a.walks_every_row:
@@ -118,7 +119,7 @@ class PicStep:
         o[r] = walk(q[r], k[r], v[r], g[r], beta[r])
         if a.rest_rows.numel():  # after the walk: the tails read the composed states from the slots
             r = a.rest_rows
-            o[r] = gated_delta_rule(q[r], k[r], v[r], g[r], beta[r], ssm_pool, batch.slots[a.rest_seq_index],
+            o[r] = gated_delta_rule(q[r], k[r], v[r], g[r], beta[r], ssm_pool, a.rest_slots,
                                     a.rest_has_state, a.rest_cu_seqlens, scale=layer.scale,
                                     num_decodes=a.rest_decodes, seq_lens_cpu=a.rest_lens)
         return o
@@ -177,12 +178,13 @@ def build_assembly(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, co
     conv_index, conv_keep, conv_lens = _splice(chunks, cu, seq_lens, conv_width)
     saves, save_conv_rows = _saves(chunks, composing, walk_len, conv_keep, conv_lens, cu, conv_width, device)
     return Assembly(
-        walk_seq_index=_long(composing, device),
+        walk_slots=_long([chunks[i].seq.slot for i in composing], device),
+        walk_has_state=host_to_device([chunks[i].chunk.start > 0 for i in composing], torch.bool, device),
         walk_rows=_long([r for i in composing for r in range(cu[i], cu[i] + walk_len[i])], device),
         walks_every_row=not others and not tails,
         walk_cu_seqlens=_cumsum([walk_len[i] for i in composing], device),
         pieces=CachedPieces.build(piece_rows, device),
-        rest_seq_index=_long(others + tails, device),
+        rest_slots=_long([chunks[i].seq.slot for i in others + tails], device),
         rest_rows=_long([r for start, end in rest_spans for r in range(start, end)], device),
         rest_has_state=host_to_device([chunks[i].chunk.start > 0 for i in others] + [True] * len(tails),
                                       torch.bool, device),
