@@ -38,7 +38,7 @@ from bench_engine import model_dir, random_weights, shape_config
 from hypic import EngineConfig, SamplingParams
 from hypic.dist.config import DistConfig
 from hypic.dist.launch import start_cluster
-from hypic.engine.tokenizer import Tokenizer
+from hypic.engine.text.tokenizer import Tokenizer
 from hypic.serve.engine_client import EngineClient, GenerateRequest, InProcessEngineClient
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)

@@ -21,7 +21,7 @@ import torch
 
 from hypic import EngineConfig, SamplingParams
 from hypic.engine.llm_engine import LLMEngine
-from hypic.engine.segments import SegmentedPrompt
+from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.setup import BUNDLED_MODEL
 from hypic.models.config import HybridConfig
 from hypic.models.random_weights import random_state_dict

@@ -32,9 +32,9 @@ import torch
 from bench_pic import QUERY_TOKENS, SYSTEM_TOKENS, rag_prompt, random_tokens
 
 from hypic import EngineConfig, SamplingParams
-from hypic.engine import pic_assembly
+from hypic.engine.pic import assembly as pic_assembly
 from hypic.engine.llm_engine import LLMEngine
-from hypic.engine.segments import SegmentedPrompt
+from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.setup import BUNDLED_MODEL
 
 

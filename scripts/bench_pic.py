@@ -25,7 +25,7 @@ from bench_engine import model_dir, random_weights, shape_config
 from hypic import EngineConfig, SamplingParams
 from hypic.config import SEGMENT_STATE_DTYPES
 from hypic.engine.llm_engine import LLMEngine
-from hypic.engine.segments import SegmentedPrompt
+from hypic.engine.pic.segments import SegmentedPrompt
 
 SYSTEM_TOKENS, QUERY_TOKENS = 64, 64
 

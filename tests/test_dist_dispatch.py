@@ -16,7 +16,7 @@ from hypic.dist.dispatch import CombineLost, Dispatch
 from hypic.dist.messages import Arrived, Build, Cancel, Expect, Hello, Progress, Pull
 from hypic.dist.router import Router
 from hypic.dist.segment_wire import key_of
-from hypic.engine.pic_plan import SegmentJob
+from hypic.engine.pic.plan import SegmentJob
 
 
 class FakeLink:

@@ -7,7 +7,7 @@ from hypic.dist.affinity import AffinityMap, prefix_hashes
 from hypic.dist.config import DistConfig
 from hypic.dist.directory import SegmentDirectory
 from hypic.dist.router import NodeLoad, Router
-from hypic.engine.pic_plan import SegmentJob
+from hypic.engine.pic.plan import SegmentJob
 
 
 def seg(name: str, tokens: int) -> SegmentJob:

@@ -8,8 +8,8 @@ from engine_util import collect, cpu_config, greedy
 
 from hypic import AsyncEngine, SamplingParams
 from hypic.engine.llm_engine import LLMEngine
-from hypic.engine.segments import SegmentedPrompt
-from hypic.engine.tokenizer import Tokenizer
+from hypic.engine.pic.segments import SegmentedPrompt
+from hypic.engine.text.tokenizer import Tokenizer
 
 SEP = "<|segment|>"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from engine_util import cpu_config, greedy, hf_greedy, run_engine
 
-from hypic.engine.tokenizer import Tokenizer
+from hypic.engine.text.tokenizer import Tokenizer
 
 STEPS = 6
 

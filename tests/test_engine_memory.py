@@ -8,7 +8,7 @@ from engine_util import cpu_config, greedy, hf_greedy, run_engine
 
 from hypic import AsyncEngine
 from hypic.engine.llm_engine import LLMEngine
-from hypic.engine.segments import SegmentedPrompt
+from hypic.engine.pic.segments import SegmentedPrompt
 
 
 def ids(n: int, seed: int) -> list[int]:

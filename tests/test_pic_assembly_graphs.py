@@ -6,9 +6,9 @@ import pytest
 from engine_util import greedy
 from test_pic_engine import DOCS, SEP, pic_config, prompt
 
-from hypic.engine.assembly_graphs import MAX_PIECES, AssemblyGraphs
+from hypic.engine.pic.graphs import MAX_PIECES, AssemblyGraphs
 from hypic.engine.llm_engine import LLMEngine
-from hypic.engine.segments import SegmentedPrompt
+from hypic.engine.pic.segments import SegmentedPrompt
 
 
 def padded_engine(config, sizes: tuple[int, ...]) -> tuple[LLMEngine, list[int]]:

@@ -10,8 +10,8 @@ from engine_util import collect, cpu_config, greedy
 
 from hypic import AsyncEngine
 from hypic.engine.llm_engine import LLMEngine
-from hypic.engine.pieces import TAIL_WALK_MAX
-from hypic.engine.segments import SegmentedPrompt
+from hypic.engine.pic.pieces import TAIL_WALK_MAX
+from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.setup import resolve_segment_state_dtype
 
 SEP = "<|segment|>"
@@ -57,7 +57,7 @@ def test_cold_then_warm_hypic_gives_the_same_tokens_and_counts_interiors(tiny_mo
 def test_long_query_after_the_last_segment_matches_a_short_walk(slow_decay_model_dir):
     """A query longer than TAIL_WALK_MAX continues from the composed state through the chunked
     kernel in the same step; the first linear layer's state must still equal full recompute."""
-    from hypic.engine.pieces import TAIL_WALK_MAX
+    from hypic.engine.pic.pieces import TAIL_WALK_MAX
     long_query = "the quick brown fox jumps over the lazy dog. " * 9
     p = prompt(DOCS[2], query=long_query)
     assert len(_tokenizer(slow_decay_model_dir).encode(long_query)) > TAIL_WALK_MAX
@@ -197,7 +197,7 @@ def test_naive_mode_runs_and_differs_from_hypic(tiny_model_dir):
 # -- exactness where the algebra is exact --------------------------------------------------------
 
 def _tokenizer(model_dir):
-    from hypic.engine.tokenizer import Tokenizer
+    from hypic.engine.text.tokenizer import Tokenizer
     return Tokenizer.from_dir(model_dir)
 
 

@@ -10,8 +10,8 @@ import xxhash
 
 from hypic.cache.prefix_cache import token_bytes
 from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentStore, SegmentTuple
-from hypic.engine.pic_assembly import piece_token_offsets
-from hypic.engine.pieces import Cached
+from hypic.engine.pic.assembly import piece_token_offsets
+from hypic.engine.pic.pieces import Cached
 from hypic.kernels.compose import CachedPieces, compose_and_recur, compose_and_recur_ref
 from hypic.kernels.linear_families import get_family
 from hypic.kernels.scatter_kv import apply_rope, rope_inv_freq, scatter_kv_ref

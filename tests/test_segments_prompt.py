@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from hypic.config import PIC_SEPARATOR
-from hypic.engine.segments import LMCACHE_SEPARATOR, SegmentedPrompt, encode_segments, split_segments
+from hypic.engine.pic.segments import LMCACHE_SEPARATOR, SegmentedPrompt, encode_segments, split_segments
 from hypic.engine.sequence import RequestInfo, Sequence
-from hypic.engine.tokenizer import Tokenizer
+from hypic.engine.text.tokenizer import Tokenizer
 from hypic.errors import InvalidRequestError
 from hypic.sampling_params import SamplingParams
 from tokenizer_util import write_byte_level, write_metaspace

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from hypic.engine.tokenizer import Tokenizer
+from hypic.engine.text.tokenizer import Tokenizer
 from hypic.errors import UnsupportedModelError
 from tokenizer_util import CORPUS, write_byte_level, write_metaspace
 

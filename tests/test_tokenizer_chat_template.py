@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from hypic.engine.tokenizer import Tokenizer
+from hypic.engine.text.tokenizer import Tokenizer
 from hypic.errors import InvalidRequestError, UnsupportedModelError
 from tokenizer_util import write_byte_level
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from hypic.engine.detokenizer import IncrementalDetokenizer
-from hypic.engine.tokenizer import Tokenizer
+from hypic.engine.text.detokenizer import IncrementalDetokenizer
+from hypic.engine.text.tokenizer import Tokenizer
 from tokenizer_util import CORPUS, write_byte_level, write_metaspace
 
 ALPHABET = "ab é世界🙂👍🏽ü\n.Ωж日本"

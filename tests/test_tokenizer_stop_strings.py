@@ -4,9 +4,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from hypic.engine.detokenizer import IncrementalDetokenizer
-from hypic.engine.stop import StopStringMatcher
-from hypic.engine.tokenizer import Tokenizer
+from hypic.engine.text.detokenizer import IncrementalDetokenizer
+from hypic.engine.text.stop import StopStringMatcher
+from hypic.engine.text.tokenizer import Tokenizer
 from tokenizer_util import write_byte_level
 
 

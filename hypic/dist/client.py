@@ -33,15 +33,15 @@ from hypic.dist.router import Placement, Router
 from hypic.dist.segment_wire import key_of, segment_job
 from hypic.dist.stats import (ClusterStats, DistRequestMetrics, DistStats, DistTimings, cluster_stats,
                               merge_engine_stats, sum_counters)
-from hypic.engine.pic_plan import SegmentJob
-from hypic.engine.segments import SegmentedPrompt
+from hypic.engine.pic.plan import SegmentJob
+from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.errors import EngineDeadError, InvalidRequestError
 from hypic.outputs import CompletionDelta, RequestOutput
 from hypic.serve.engine_client import EngineInfo, GenerateRequest
 
 if TYPE_CHECKING:
     from hypic.dist.launch import LocalNodes
-    from hypic.engine.tokenizer import Tokenizer
+    from hypic.engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger("hypic.dist")
 _DOWN = object()  # event: the request's node went down
@@ -114,7 +114,7 @@ class DistributedEngineClient:
 
     async def start(self) -> None:
         from hypic.engine.setup import resolve_model_dir
-        from hypic.engine.tokenizer import Tokenizer
+        from hypic.engine.text.tokenizer import Tokenizer
 
         self.cluster = Cluster(self.dist, self)
         address = await self.cluster.start()

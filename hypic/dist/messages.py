@@ -36,7 +36,7 @@ class KeyRef(msgspec.Struct, frozen=True, array_like=True):
 
 
 class PlannedJob(msgspec.Struct, frozen=True, array_like=True):
-    """A PIC segment of a prompt (hypic.engine.pic_plan.SegmentJob on the wire)."""
+    """A PIC segment of a prompt (hypic.engine.pic.plan.SegmentJob on the wire)."""
 
     key: KeyRef
     token_ids: tuple[int, ...]

@@ -17,7 +17,7 @@ from hypic.dist.affinity import AffinityMap
 from hypic.dist.config import DistConfig
 from hypic.dist.directory import SegmentDirectory
 from hypic.dist.lpt import lpt_assign
-from hypic.engine.pic_plan import SegmentJob
+from hypic.engine.pic.plan import SegmentJob
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch
 
 from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentTuple
 from hypic.dist.messages import KeyRef, PlannedJob, TensorSpec
-from hypic.engine.pic_plan import SegmentJob
+from hypic.engine.pic.plan import SegmentJob
 
 
 class TupleMeta(msgspec.Struct, frozen=True, array_like=True):

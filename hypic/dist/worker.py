@@ -36,7 +36,7 @@ from hypic.dist.segment_wire import planned_job
 from hypic.dist.segment_work import SegmentWork
 from hypic.dist.transport import TensorTransport
 from hypic.engine.async_engine import AsyncEngine
-from hypic.engine.segments import SegmentedPrompt
+from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.errors import HypicError, PromptTooLongError
 
 log = logging.getLogger("hypic.dist")

@@ -19,9 +19,9 @@ import torch
 from hypic.config import EngineConfig
 from hypic.cache.segment_store import SegmentKey, SegmentTuple
 from hypic.engine.llm_engine import EngineStats, LLMEngine
-from hypic.engine.pic_plan import SegmentJob
-from hypic.engine.segments import SegmentedPrompt
-from hypic.engine.tokenizer import Tokenizer
+from hypic.engine.pic.plan import SegmentJob
+from hypic.engine.pic.segments import SegmentedPrompt
+from hypic.engine.text.tokenizer import Tokenizer
 from hypic.errors import EngineDeadError, EngineOverloadedError, HypicError
 from hypic.outputs import RequestOutput
 from hypic.sampling_params import SamplingParams

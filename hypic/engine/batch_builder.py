@@ -6,7 +6,7 @@ import itertools
 import torch
 
 from hypic.engine.forward_batch import ForwardBatch
-from hypic.engine.pic_step import build_pic_step
+from hypic.engine.pic.step import build_pic_step
 from hypic.engine.scheduler import ScheduledBatch
 from hypic.kernels.host_copy import host_to_device
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from hypic.engine.pic_step import PicStep
+    from hypic.engine.pic.step import PicStep
 
 
 @dataclass

@@ -16,17 +16,17 @@ from hypic.cache.prefix_cache import PrefixCache, PrefixCacheStats
 from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentStore, SegmentStoreStats, SegmentTuple
 from hypic.cache.slot_pool import SlotPool
 from hypic.config import CACHE_MODES, EngineConfig
-from hypic.engine.pic_assembly import PicAssembler
-from hypic.engine.pic_plan import SegmentJob
+from hypic.engine.pic.assembly import PicAssembler
+from hypic.engine.pic.plan import SegmentJob
 from hypic.engine.request_state import Completion, RequestState
 from hypic.engine.runner import ModelRunner, RunnerSettings
 from hypic.engine.sampler import Sampler, SamplingRow, make_generator, validate_for_vocab
 from hypic.engine.scheduler import ScheduledBatch, ScheduledChunk, Scheduler, SchedulerLimits
-from hypic.engine.segments import SegmentedPrompt
+from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.sequence import RequestInfo, Sequence
 from hypic.engine.setup import (cache_budget_bytes, resolve_device, resolve_dtype, resolve_model_dir,
                                 resolve_segment_state_dtype)
-from hypic.engine.tokenizer import Tokenizer
+from hypic.engine.text.tokenizer import Tokenizer
 from hypic.errors import InvalidRequestError, PromptTooLongError
 from hypic.kernels.host_copy import host_to_device
 from hypic.kernels.linear_families import get_family

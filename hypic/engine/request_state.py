@@ -5,10 +5,10 @@ import time
 
 import torch
 
-from hypic.engine.detokenizer import IncrementalDetokenizer
+from hypic.engine.text.detokenizer import IncrementalDetokenizer
 from hypic.engine.sequence import RequestInfo, Sequence
-from hypic.engine.stop import StopStringMatcher
-from hypic.engine.tokenizer import Tokenizer
+from hypic.engine.text.stop import StopStringMatcher
+from hypic.engine.text.tokenizer import Tokenizer
 from hypic.outputs import CompletionDelta, RequestMetrics, RequestOutput, TokenLogprob
 
 

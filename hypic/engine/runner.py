@@ -7,11 +7,11 @@ import torch
 
 from hypic.cache.model_caches import ModelCaches
 from hypic.cache.segment_store import SegmentStore
-from hypic.engine.assembly_graphs import AssemblyGraphs
+from hypic.engine.pic.graphs import AssemblyGraphs
 from hypic.engine.batch_builder import build_step
 from hypic.engine.cuda_graphs import DecodeGraphs
 from hypic.engine.forward_batch import ForwardBatch
-from hypic.engine.pic_step import Capture
+from hypic.engine.pic.step import Capture
 from hypic.engine.scheduler import ScheduledBatch
 from hypic.kernels.linear_families import LinearFamily
 

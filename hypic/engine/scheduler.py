@@ -14,7 +14,7 @@ from hypic.cache.block_pool import BlockPool, NoFreeBlocks
 from hypic.cache.model_caches import ModelCaches
 from hypic.cache.prefix_cache import PrefixCache, accepted_provenances, share_pages
 from hypic.cache.slot_pool import SlotPool
-from hypic.engine.pieces import TAIL_WALK_MAX, Chunk, walk_length
+from hypic.engine.pic.pieces import TAIL_WALK_MAX, Chunk, walk_length
 from hypic.engine.sequence import Sequence, SequenceStatus
 
 

@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass, field
 
 from hypic.cache import prefix_cache
-from hypic.engine.pieces import Cached, Chunk, cut_chunk
-from hypic.engine.segments import SegmentedPrompt
+from hypic.engine.pic.pieces import Cached, Chunk, cut_chunk
+from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.sampling_params import SamplingParams
 
 

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from hypic.config import EngineConfig
-from hypic.engine.segments import SegmentedPrompt
+from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.outputs import RequestOutput
 from hypic.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from hypic.engine.async_engine import AsyncEngine
     from hypic.engine.llm_engine import EngineStats
-    from hypic.engine.tokenizer import Tokenizer
+    from hypic.engine.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypic.engine.tokenizer import Tokenizer
+from hypic.engine.text.tokenizer import Tokenizer
 from hypic.errors import InvalidRequestError
 from hypic.serve.http_errors import bad_request
 from hypic.serve.protocol import ChatMessage

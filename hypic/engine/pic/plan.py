@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hypic.cache.segment_store import SegmentKey
-from hypic.engine.segments import SegmentedPrompt
+from hypic.engine.pic.segments import SegmentedPrompt
 
 NAIVE_SEAM = -1  # naive tuples cover whole segments with T = I: a key space of their own
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from hypic.cache import prefix_cache
-from hypic.engine.tokenizer import Tokenizer
+from hypic.engine.text.tokenizer import Tokenizer
 from hypic.errors import InvalidRequestError
 
 LMCACHE_SEPARATOR = " # # "  # LMCache's CacheBlend convention; pass it as the separator to use it

@@ -20,7 +20,7 @@ from hypic.cache.model_caches import ModelCaches
 from hypic.cache.segment_store import SegmentStore
 from hypic.engine.batch_builder import TENSOR_FIELDS, build_step
 from hypic.engine.forward_batch import ForwardBatch
-from hypic.engine.pieces import Cached, Chunk, walk_length
+from hypic.engine.pic.pieces import Cached, Chunk, walk_length
 from hypic.engine.scheduler import ScheduledBatch, ScheduledChunk
 from hypic.kernels.linear_families import LinearFamily
 

@@ -19,8 +19,8 @@ import torch
 
 from hypic.cache.segment_store import SegmentStore
 from hypic.engine.forward_batch import ForwardBatch
-from hypic.engine.pic_plan import SegmentJob
-from hypic.engine.pieces import walk_length
+from hypic.engine.pic.plan import SegmentJob
+from hypic.engine.pic.pieces import walk_length
 from hypic.kernels.compose import CachedPieces, StateCheckpoints, compose_and_recur
 from hypic.kernels.conv1d import causal_conv1d
 from hypic.kernels.gdn import gated_delta_rule

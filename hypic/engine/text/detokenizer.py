@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from hypic.engine.tokenizer import Tokenizer
+from hypic.engine.text.tokenizer import Tokenizer
 
 _PROMPT_CONTEXT = 5  # prompt tokens decoded before the output, so its first token gets its leading space right
 _MAX_WINDOW = 32  # ids past the context; a character spans at most 4 tokens, so beyond this it is garbage

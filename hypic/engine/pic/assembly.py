@@ -15,11 +15,11 @@ from collections import defaultdict
 import torch
 
 from hypic.cache.segment_store import SegmentKey, SegmentStore, SegmentTuple
-from hypic.engine.pic_plan import PicPolicy, PlannedSegment, SegmentJob, plan_segments
-from hypic.engine.pic_step import Capture
-from hypic.engine.pieces import Cached
+from hypic.engine.pic.plan import PicPolicy, PlannedSegment, SegmentJob, plan_segments
+from hypic.engine.pic.step import Capture
+from hypic.engine.pic.pieces import Cached
 from hypic.engine.scheduler import ScheduledBatch
-from hypic.engine.segments import SegmentedPrompt
+from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.sequence import RequestInfo, Sequence
 from hypic.kernels.host_copy import host_to_device
 from hypic.kernels.scatter_kv import scatter_kv

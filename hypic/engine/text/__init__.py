@@ -1,0 +1,1 @@
+"""Text handling: tokenization, chat templates, incremental detokenization, stop strings."""
