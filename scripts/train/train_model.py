@@ -1,16 +1,16 @@
 """Trains the bundled Qwen3.5 text model on the notes task, in resumable time-limited runs.
 
-    python scripts/probe_lookup.py ... --save runs/notes                    # first: a model that binds (README)
-    python scripts/train_model.py --ckpt runs/notes --time-limit 540        # one GPU run (resumes)
-    python scripts/train_model.py --ckpt /tmp/smoke --smoke                 # CPU, under a minute
-    torchrun --standalone --nproc_per_node 2 scripts/train_model.py --ckpt runs/notes --stage 1  # 2 GPUs
-    python scripts/make_default_model.py --out hypic/assets/default_model --weights runs/notes/weights.safetensors
+    python scripts/train/probe_lookup.py ... --save runs/notes                    # first: a model that binds (README)
+    python scripts/train/train_model.py --ckpt runs/notes --time-limit 540        # one GPU run (resumes)
+    python scripts/train/train_model.py --ckpt /tmp/smoke --smoke                 # CPU, under a minute
+    torchrun --standalone --nproc_per_node 2 scripts/train/train_model.py --ckpt runs/notes --stage 1  # 2 GPUs
+    python scripts/train/make_default_model.py --out hypic/assets/default_model --weights runs/notes/weights.safetensors
 
 Loss is on reply tokens only ("Note: <evidence> Answer: X<|im_end|>", several questions per
-context). A curriculum (scripts/train_data.py STAGES) opens on short notes of several same-relation
+context). A curriculum (scripts/train/train_data.py STAGES) opens on short notes of several same-relation
 facts (binding names to values), then moves to longer notes, more question kinds and invented
 names when the running exact match of a stage passes its gate. From a fresh model, binding may not
-appear in this loop's data stream; start from `probe_lookup.py --save` (.notes/TRAINING.md).
+appear in this loop's data stream; start from `probe_lookup.py --save` (docs/training.md).
 The learning rate follows the cumulative training time: warm-up, constant, then linear decay over
 the last `--decay-frac` of `--budget-s`.
 
@@ -46,7 +46,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_data import (  # noqa: E402
@@ -65,7 +65,7 @@ from train_net import Qwen35ForTraining, cap_mlp_neurons, deviation_norm, mlp_ne
 
 from hypic.data.tasks import EVAL_SPEC, KINDS, eval_prompts, make_prompts  # noqa: E402
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "hypic" / "assets" / "default_model"
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "hypic" / "assets" / "default_model"
 SMOKE_DIMS = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "head_dim": 16,
               "linear_key_head_dim": 16, "linear_value_head_dim": 16,
               "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
@@ -284,7 +284,7 @@ class MlpCap:
     the gradient that reaches them, by ~60; the lives loss reached q/k/v/o of the attention layers 100-1000x
     weaker than the job loss and cities were never copied. Capping these neurons (train_net.cap_mlp_neurons)
     restored that gradient to 1/6-1/2 of the jobs' and left every other answer's exact match unchanged (CPU,
-    .notes/TRAINING.md, 2026-11-29 run-8 diagnosis). Peaks are measured on the answer positions of fixed
+    2026-11-29, run 8). Peaks are measured on the answer positions of fixed
     validation prompts (the stage's practice and own spec, earlier stages' specs), the maximum over ranks."""
 
     def __init__(self, args: argparse.Namespace, tokenizer: Tokenizer, ranks: Ranks) -> None:
@@ -343,7 +343,7 @@ def answer_loss(net: torch.nn.Module, b: dict[str, torch.Tensor],
     """Mean cross-entropy over supervised tokens, and per-answer correctness (all tokens argmax). In full fp32:
     on the H200 the same model and data bound names to values (EM 1.0 by step 750) in fp32 and never (chance
     after 4.6k steps) under bf16 autocast; the trainer with fp32 weights but tf32 matmuls stayed at chance
-    too (3.9k steps). .notes/TRAINING.md, 2026-11-30 (session 6)."""
+    too (3.9k steps; 2026-11-30, docs/training.md)."""
     logits = net(b["ids"], b["positions"])
     loss = F.cross_entropy(logits, b["targets"])
     wrong = torch.zeros(len(b["kinds"]), device=device).index_add_(

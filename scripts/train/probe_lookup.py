@@ -1,11 +1,11 @@
 """Small CPU probe: how fast does single-hop lookup (or two-hop) emerge in a shrunken model of the bundled layout?
 
-    python3 scripts/probe_lookup.py --layers LLLF --hidden 64 --minutes 4
-    python3 scripts/probe_lookup.py --value-weight 0.0 --lr 1e-3 --minutes 4   # variants
-    python3 scripts/probe_lookup.py --kind two_hop --evidence --minutes 20      # two-hop questions only
+    python3 scripts/train/probe_lookup.py --layers LLLF --hidden 64 --minutes 4
+    python3 scripts/train/probe_lookup.py --value-weight 0.0 --lr 1e-3 --minutes 4   # variants
+    python3 scripts/train/probe_lookup.py --kind two_hop --evidence --minutes 20      # two-hop questions only
 
 Trains a fresh Qwen3.5-layout model (L = Gated DeltaNet layer, F = full attention) on prompts of one
-question kind (scripts/train_data.py encoding and collation, the trainer's loss) and prints first-turn
+question kind (scripts/train/train_data.py encoding and collation, the trainer's loss) and prints first-turn
 teacher-forced exact match per relation (lives / job / code, or two_hop) on validation prompts as it
 goes, so training-setup hypotheses can be compared in minutes instead of GPU runs.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_data import Batch, class_token_ids, collate, encode  # noqa: E402

@@ -1,8 +1,8 @@
 """Where does a training checkpoint fail? Teacher-forced exact match on CPU, broken down by answer features.
 
-    python3 scripts/diagnose_model.py --ckpt runs/notes --stage 1 --prompts 60
-    python3 scripts/diagnose_model.py --ckpt runs/notes --stage 1 --extra --first-only --prompts 200
-    python3 scripts/diagnose_model.py --ckpt runs/notes --eval-spec --prompts 100 --wrong 8
+    python3 scripts/train/diagnose_model.py --ckpt runs/notes --stage 1 --prompts 60
+    python3 scripts/train/diagnose_model.py --ckpt runs/notes --stage 1 --extra --first-only --prompts 200
+    python3 scripts/train/diagnose_model.py --ckpt runs/notes --eval-spec --prompts 100 --wrong 8
 
 Every answer of every prompt is scored (all chat turns, as in training; `--first-only` keeps the
 query segment's answer, as in the final evaluation). Each answer is tagged with: kind, relation
@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_data import STAGES, VALUE_CLASSES, class_token_ids, encode  # noqa: E402
@@ -34,7 +34,7 @@ from train_net import Qwen35ForTraining, cap_mlp_neurons, deviation_norm, mlp_ne
 from hypic.data.notes import lookup_relation  # noqa: E402
 from hypic.data.tasks import EVAL_SPEC, eval_prompts, make_prompts  # noqa: E402
 
-MODEL_DIR = Path(__file__).resolve().parents[1] / "hypic" / "assets" / "default_model"
+MODEL_DIR = Path(__file__).resolve().parents[2] / "hypic" / "assets" / "default_model"
 RELATION_PATTERNS = {  # regex counting the facts of a relation in the context
     "lives": r" lives in ", "job": r" works as an? ", "code": r"'s locker code is ",
     "linked": r"The person above works at ", "based": r" hosts ",

@@ -1,4 +1,4 @@
-"""Training batches for scripts/train_model.py: curriculum stages, tokenization, answer-only labels.
+"""Training batches for scripts/train/train_model.py: curriculum stages, tokenization, answer-only labels.
 
 A batch is a function of (stage, seed, group): worker processes build groups of prompts, sort them
 by length and cut them into padded batches of about `token_budget` tokens each.
@@ -40,7 +40,7 @@ class Stage:
 
 
 # Every reply restates its evidence ("Derek lives in Oslo. Answer: Oslo"): on CPU probes of pure binding
-# (`python scripts/probe_lookup.py --layers LF --hidden 64 --notes 2 3 --note-tokens 8 16 --facts 2 3
+# (`python scripts/train/probe_lookup.py --layers LF --hidden 64 --notes 2 3 --note-tokens 8 16 --facts 2 3
 # --relations lives --restate`; .notes/TRAINING.md) first-turn EM at 4-9 same-relation facts rose from chance
 # (0.165) to 0.855 / 0.995 (two seeds) in ~2.4k steps, where bare "Answer: Oslo" replies stayed at chance for
 # 4.9k steps, as every GPU model before did on cities. Binding appears only when the data needs it (on mixed

@@ -1,6 +1,6 @@
 """Trains the bundled model's byte-level BPE tokenizer on the notes task's own text.
 
-    python scripts/train_tokenizer.py --out hypic/assets/default_model --vocab-size 3072
+    python scripts/train/train_tokenizer.py --out hypic/assets/default_model --vocab-size 3072
 
 Writes tokenizer.json and tokenizer_config.json (ChatML chat template, eos <|im_end|>, pad
 <|endoftext|>). Pre-tokenization follows Qwen2/3 (single digits, words keep their leading space),
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 

@@ -1,12 +1,12 @@
 """Writes the model bundled in hypic (hypic/assets/default_model): a small Qwen3.5 text checkpoint.
 
-    python scripts/make_default_model.py --out hypic/assets/default_model                 # random init
-    python scripts/make_default_model.py --out hypic/assets/default_model --weights CKPT  # trained
+    python scripts/train/make_default_model.py --out hypic/assets/default_model                 # random init
+    python scripts/train/make_default_model.py --out hypic/assets/default_model --weights CKPT  # trained
 
 The format is exactly a released Qwen3.5 text model's: config.json (model_type "qwen3_5_text",
 Gated DeltaNet layers with full attention every 4th layer), model.safetensors in bf16 with names
 `model.*` (embeddings tied to the LM head, so no `lm_head.weight`), generation_config.json, and the
-tokenizer files (made by scripts/train_tokenizer.py) that must already sit in --out.
+tokenizer files (made by scripts/train/train_tokenizer.py) that must already sit in --out.
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-EOS_TOKEN_ID, PAD_TOKEN_ID = 2, 0  # <|im_end|>, <|endoftext|> (see scripts/train_tokenizer.py)
+EOS_TOKEN_ID, PAD_TOKEN_ID = 2, 0  # <|im_end|>, <|endoftext|> (see scripts/train/train_tokenizer.py)
 
 
 def model_config(vocab_size: int) -> dict:
