@@ -4,12 +4,11 @@ Both run the same random bf16 weights (built on the GPU from a seed, in the chec
 naming) of a released shape (default: the Qwen3.5-35B-A3B text model). Prints a table and writes
 JSON under bench/results/.
 
-    python scripts/bench_engine.py --out bench/results/engine_h200.json
+    python scripts/bench_engine.py
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import shutil
@@ -25,6 +24,7 @@ from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.setup import BUNDLED_MODEL
 from hypic.models.config import HybridConfig
 from hypic.models.random_weights import random_state_dict
+from results import device_label, result_path, run_record
 
 H200_BF16_FLOPS = 790e12  # measured dense bf16 matmul rate on this workplace's H200 (KINDS.md)
 
@@ -205,12 +205,13 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's top kernels of hypic")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for hypic's decode")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/engine_h200.json"))
+    parser.add_argument("--out", type=Path, help="default: bench/results/engine_<device>_<shape>.json")
     args = parser.parse_args()
+    args.out = args.out or result_path("engine", device_label(torch.cuda.get_device_name()), args.shape)
     config = shape_config(args.shape, max(max(args.lengths) + 64, 32768))
     weights = random_weights(config, args.seed)
     path = model_dir(config)
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    result = {**run_record(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
               "params_b": sum(w.numel() for w in weights.values()) / 1e9, "chunk": args.chunk,
               "cuda_graphs": not args.enforce_eager,
