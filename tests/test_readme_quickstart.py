@@ -1,4 +1,5 @@
-"""The README's quick start, run as written (on a free port): the server comes up, the first request is answered."""
+"""The README's examples, run as written: the quick start (on a free port) serves and answers its first request,
+and the Python example prints the expected answer."""
 from __future__ import annotations
 
 import json
@@ -46,3 +47,11 @@ def test_quick_start_serves_and_answers_the_first_request() -> None:
     expected = re.search(r"Linda Gruzeifei's locker code is (\d+)\.", quick_start()).group(1)
     assert extract_answer(body["choices"][0]["text"]) == expected
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_python_example_prints_the_expected_answer() -> None:
+    example = next(b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "AsyncEngine" in b)
+    done = run_shell(f"python3 - <<'PY'\n{example}PY\n", timeout_s=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    answer = re.search(r"expected: (.+)$", done.stdout.strip()).group(1)
+    assert extract_answer(done.stdout.strip().splitlines()[0]) == answer
