@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hypic.cache.model_caches import ModelCaches
-from hypic.engine.forward_batch import ForwardBatch
+from hypic.models.batch import ForwardBatch
 from hypic.models.config import HybridConfig
 
 TOKENIZER_VOCAB = 300  # ids the tests feed; the model's vocab_size (320) is padded past it

@@ -5,6 +5,29 @@ from dataclasses import dataclass
 
 import torch
 
+from hypic.kernels.linear_families import LinearFamily
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """What one linear-attention layer keeps per state slot and per cached segment: its family, its
+    state [HV, K, V] and the window of its causal conv1d ([conv_dim, W-1] pre-conv inputs)."""
+
+    family: LinearFamily
+    value_heads: int  # HV
+    key_dim: int  # K
+    value_dim: int  # V
+    conv_dim: int  # channels the conv runs over
+    conv_kernel: int  # W
+
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        return (self.value_heads, self.key_dim, self.value_dim)
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel - 1)
+
 
 @dataclass(frozen=True)
 class CacheShape:

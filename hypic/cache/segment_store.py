@@ -25,6 +25,7 @@ import torch
 import xxhash
 
 from hypic.cache.model_caches import CacheShape
+from hypic.kernels.compose import CachedPieces
 from hypic.kernels.linear_families import LinearFamily
 
 ALIGN = 256  # bytes: every entry and block starts here, so any dtype view of the arena is aligned
@@ -264,6 +265,17 @@ class SegmentStore:
     def model_src(self) -> torch.Tensor:
         """Conv tails and K/V (both in the model dtype)."""
         return self._arena.view(self.layout.model_dtype)
+
+    def layer_pieces(self, pieces: CachedPieces, linear_index: int) -> CachedPieces:
+        """A step's piece table (offsets of linear layer 0) at linear layer `linear_index`."""
+        lay = self.layout
+        return pieces.shifted(linear_index * lay.t_layer_stride, linear_index * lay.s0_layer_stride)
+
+    def conv_tails(self, tail_offsets: torch.Tensor, linear_index: int) -> torch.Tensor:
+        """[P*(W-1), conv_dim]: the stored conv-tail rows at `tail_offsets` (of linear layer 0, one
+        per (piece, tap)) at linear layer `linear_index`, gathered in place."""
+        rows = tail_offsets + linear_index * self.layout.conv_layer_stride
+        return self.model_src[rows[:, None] + self.conv_channels[None, :]]
 
     def __contains__(self, key: SegmentKey) -> bool:
         return key in self._index

@@ -300,7 +300,7 @@ class LLMEngine:
         self.pic = PicAssembler(self.store, self.caches, inv_freq, self._fingerprint(),
                                 shape.conv_kernel, self.config.seam_width)
         self.runner = ModelRunner(self.model, self.caches, settings, scratch_slot=plan.num_slots,
-                                  scratch_block=plan.num_blocks, store=self.store, family=self.family)
+                                  scratch_block=plan.num_blocks, store=self.store)
         self.runner.capture_graphs()
 
     def _fingerprint(self) -> str:

@@ -31,6 +31,7 @@ from hypic.kernels.host_copy import host_to_device
 from hypic.errors import UnsupportedModelError
 from hypic.kernels.gdn import gated_delta_rule
 from hypic.kernels.scatter_kv import apply_rope
+from hypic.kernels.varlen import Operands, StateSpans
 
 
 class LinearFamily(ABC):
@@ -104,6 +105,19 @@ class LinearFamily(ABC):
             g: torch.Tensor, beta: torch.Tensor | None, *, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Same contract as `recur` by the fastest exact path: here the token loop itself."""
         return self.recur(state, q, k, v, g, beta, scale=scale)
+
+    def recur_spans(self, x: Operands, pool: torch.Tensor, spans: StateSpans, *, scale: float) -> torch.Tensor:
+        """The varlen path a mixer's layer runs: span b from pool[slots[b]] (zeros without state),
+        its end state written back there; returns o [N, HV, V] in v's dtype. Here span by span
+        through `run` (a family with a chunked kernel overrides it)."""
+        o = torch.empty_like(x.v)
+        slots, has_state = spans.slots.tolist(), spans.has_state.tolist()
+        for b, (start, end) in enumerate(_spans(spans.seq_lens)):
+            state = pool[slots[b]] if has_state[b] else torch.zeros_like(pool[0])
+            rows = slice(start, end)
+            beta = None if x.beta is None else x.beta[rows]
+            o[rows], pool[slots[b]] = self.run(state, x.q[rows], x.k[rows], x.v[rows], x.g[rows], beta, scale=scale)
+        return o
 
     def final_states(self, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor | None, initial: torch.Tensor,
@@ -259,14 +273,16 @@ class GatedDeltaFamily(DenseFamily):
         self._kernel(k, k, v, g, beta, pool, cu_seqlens, seq_lens, 1.0)
         return pool
 
-    @staticmethod
-    def _kernel(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, cu_seqlens: Tensor,
+    def recur_spans(self, x: Operands, pool: Tensor, spans: StateSpans, *, scale: float) -> Tensor:
+        return gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, pool, spans.slots, spans.has_state, spans.cu_seqlens,
+                                scale=scale, num_decodes=spans.num_decodes, seq_lens_cpu=spans.seq_lens)
+
+    def _kernel(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, cu_seqlens: Tensor,
                 seq_lens: tuple[int, ...], scale: float) -> Tensor:
         """Sequence b of the varlen batch runs from pool[b] and leaves its end state there."""
-        num, device = pool.shape[0], pool.device
-        return gated_delta_rule(q, k, v, g.float(), beta, pool, torch.arange(num, device=device),
-                                torch.ones(num, dtype=torch.bool, device=device),
-                                cu_seqlens.to(device, torch.int32), scale=scale, num_decodes=0, seq_lens_cpu=seq_lens)
+        return self.recur_spans(Operands(q, k, v, g.float(), beta), pool,
+                                pool_spans(pool.shape[0], cu_seqlens.to(pool.device, torch.int32), seq_lens),
+                                scale=scale)
 
 
 class KimiDeltaFamily(DenseFamily):
@@ -291,6 +307,13 @@ def get_family(name: str) -> LinearFamily:
     if name not in FAMILIES:
         raise UnsupportedModelError(f"linear family {name!r} is unknown; hypic knows {', '.join(FAMILIES)}")
     return FAMILIES[name]
+
+
+def pool_spans(num: int, cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> StateSpans:
+    """Spans of a varlen batch over a pool of their own: span b over slot b, from its state there."""
+    device = cu_seqlens.device
+    return StateSpans(torch.arange(num, device=device), torch.ones(num, dtype=torch.bool, device=device),
+                      cu_seqlens, 0, seq_lens)
 
 
 def expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:

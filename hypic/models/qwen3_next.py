@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from hypic.cache.model_caches import ModelCaches
-from hypic.engine.forward_batch import ForwardBatch
 from hypic.models.attention import GatedAttention
+from hypic.models.batch import ForwardBatch
 from hypic.models.config import HybridConfig
 from hypic.models.gated_deltanet import GatedDeltaNet
 from hypic.models.layers import RMSNorm, SparseMoeBlock, SwiGLUMLP
