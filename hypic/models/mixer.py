@@ -88,7 +88,7 @@ class LinearMixer(nn.Module, ABC):
         return pic_layer.assembled_recurrence(
             x, ssm_pool, family=self.shape.family, scale=self.scale, walk=a.walk, walk_rows=a.walk_rows,
             walks_every_row=a.walks_every_row, pieces=store.layer_pieces(a.pieces, linear_index),
-            t_src=store.t_src, s0_src=store.s0_src, saves=a.saves, rest=a.rest, rest_rows=a.rest_rows,
+            t_src=store.t_src(linear_index), s0_src=store.s0_src, saves=a.saves, rest=a.rest, rest_rows=a.rest_rows,
             chunked=self.recur)
 
     def _capture(self, pic: PicStep, conv_in: torch.Tensor, x: Operands) -> None:
