@@ -178,6 +178,35 @@ class ScalarFamily(LinearFamily):
     def as_matrix(self, T: Tensor, key_dim: int) -> Tensor:
         return T.exp()[..., None, None] * torch.eye(key_dim, dtype=T.dtype, device=T.device)
 
+    # Spans run chunk by chunk (SSD form, Mamba2's "state space duality"): inside a chunk the outputs are
+    # a decay-masked attention plus the decayed carried-in state, and the state moves once per chunk.
+
+    def run(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, *,
+            scale: float) -> tuple[Tensor, Tensor]:
+        q, k, v, g, state = self._operands(state, q, k, v, g)
+        outputs = []
+        for c in _chunks(v.shape[0]):
+            o, state = _scalar_chunk(state, q[c], k[c], v[c], g[c], scale)
+            outputs.append(o)
+        return (torch.cat(outputs) if outputs else v.new_zeros(v.shape)), state
+
+    def final_states(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor,
+                     cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> Tensor:
+        ends = []
+        for b, (start, end) in enumerate(_spans(seq_lens)):
+            _, k_b, v_b, g_b, state = self._operands(initial[b], None, k[start:end], v[start:end], g[start:end])
+            for c in _chunks(end - start):
+                state = _scalar_chunk_end(state, k_b[c], v_b[c], g_b[c])
+            ends.append(state)
+        return torch.stack(ends)
+
+    @staticmethod
+    def _operands(state: Tensor, q: Tensor | None, k: Tensor, v: Tensor, g: Tensor) -> tuple[Tensor | None, ...]:
+        """Key heads expanded to the value heads, everything in the math dtype (at least float32)."""
+        dtype, heads = torch.promote_types(state.dtype, torch.float32), v.shape[1]
+        q = None if q is None else expand_heads(q, heads)
+        return _cast(dtype, q, expand_heads(k, heads), v, g, state)
+
     def rotate_state(self, state: torch.Tensor, delta: torch.Tensor | int,
                      inv_freq: torch.Tensor) -> torch.Tensor:
         """S_C|b = R(b - a) S_C|a (paper eq. 7) for RoPE applied to k inside the layer: rotates the
@@ -328,6 +357,31 @@ def segment_sum(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     span_of_token = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths,
                                             output_size=x.shape[0])  # sized on the host: no sync
     return x.new_zeros(lengths.numel(), *x.shape[1:]).index_add_(0, span_of_token, x)
+
+
+SCALAR_CHUNK = 64  # tokens per chunk of the scalar family's chunked paths
+
+
+def _chunks(length: int) -> list[slice]:
+    return [slice(start, min(start + SCALAR_CHUNK, length)) for start in range(0, length, SCALAR_CHUNK)]
+
+
+def _scalar_chunk(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
+                  scale: float) -> tuple[Tensor, Tensor]:
+    """One chunk of C tokens from `state` [HV, K, V] (q, k [C, HV, K], v [C, HV, V], g [C, HV]):
+    o_t = scale (exp(b_t) q_t^T S + sum_{s<=t} exp(b_t - b_s) (q_t . k_s) v_s), b the running gate sum."""
+    b = g.cumsum(0)
+    causal = torch.ones(len(g), len(g), dtype=torch.bool, device=g.device).tril()
+    decay = torch.where(causal[:, :, None], b[:, None, :] - b[None, :, :], -math.inf).exp()  # [t, s, HV]
+    scores = torch.einsum("thk,shk->tsh", q, k) * decay
+    o = torch.einsum("tsh,shv->thv", scores, v) + b.exp()[:, :, None] * torch.einsum("thk,hkv->thv", q, state)
+    return o * scale, _scalar_chunk_end(state, k, v, g, b)
+
+
+def _scalar_chunk_end(state: Tensor, k: Tensor, v: Tensor, g: Tensor, b: Tensor | None = None) -> Tensor:
+    """The state after a chunk: exp(b_C) S + sum_s exp(b_C - b_s) k_s v_s^T."""
+    b = g.cumsum(0) if b is None else b
+    return b[-1].exp()[:, None, None] * state + torch.einsum("sh,shk,shv->hkv", (b[-1] - b).exp(), k, v)
 
 
 def _cast(dtype: torch.dtype, *xs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
