@@ -193,6 +193,17 @@ class SegmentEntry:
         base = self._block_starts[3] // self.layout.model_dtype.itemsize
         return base + token * self.layout.kv_token_stride + full_index * self.layout.kv_layer_stride
 
+    def tail_offsets(self) -> list[int]:
+        """Element offsets in `SegmentStore.model_src` of linear layer 0's conv-tail taps (W-1 of them),
+        the rows `SegmentStore.conv_tails` gathers at any layer."""
+        return [self.conv_offset(0) + tap for tap in range(self.layout.conv_kernel - 1)]
+
+    def views(self) -> SegmentTuple:
+        """The stored tuple as views into the arena (valid while the entry is pinned)."""
+        lin, full = range(self.layout.num_linear), range(self.layout.num_full)
+        return SegmentTuple(self.interior, [self.T(i) for i in lin], [self.S0(i) for i in lin],
+                            [self.conv_tail(i) for i in lin], [self.K(j) for j in full], [self.V(j) for j in full])
+
     def T(self, linear_index: int) -> torch.Tensor:
         return self._part(0, linear_index)
 
@@ -374,14 +385,12 @@ class SegmentStore:
         self._evictions += 1
         return True
 
-    def _write(self, entry: SegmentEntry, tup: SegmentTuple) -> None:
-        for i in range(self.layout.num_linear):
-            entry.T(i).copy_(tup.T[i])
-            entry.S0(i).copy_(tup.S0[i])
-            entry.conv_tail(i).copy_(tup.conv_tail[i])
-        for j in range(self.layout.num_full):
-            entry.K(j).copy_(tup.K[j])
-            entry.V(j).copy_(tup.V[j])
+    @staticmethod
+    def _write(entry: SegmentEntry, tup: SegmentTuple) -> None:
+        stored = entry.views()
+        for name in ("T", "S0", "conv_tail", "K", "V"):
+            for dst, src in zip(getattr(stored, name), getattr(tup, name)):
+                dst.copy_(src)
 
     def _check(self, tup: SegmentTuple) -> None:
         lay = self.layout

@@ -144,7 +144,7 @@ class LLMEngine:
         self.finished_segments = []  # (key, stored) of the cold segments this step finished
         for job, stored in self.pic.after_step(batch, capture):
             self.scheduler.finish(job, "stop")
-            self.finished_segments.append((job.segment_job.key, stored))
+            self.finished_segments.append((job.pic.job.key, stored))
         rows = self._sampling_rows(batch)
         deltas: dict[str, list[CompletionDelta]] = {}
         if rows:
