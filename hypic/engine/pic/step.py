@@ -15,8 +15,6 @@ from hypic.kernels.varlen import StateSpans
 from hypic.models.batch import Assembly, Capture, PicStep
 
 
-# -- building a step's PIC part on the host --------------------------------------------------------
-
 def build_pic_step(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, store: SegmentStore,
                    device: torch.device) -> PicStep | None:
     """The PIC part of a step over the segment store `store`; None when no chunk needs one."""
