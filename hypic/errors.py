@@ -58,10 +58,6 @@ class EngineDeadError(HypicError):
     """The engine loop died; every pending request fails with this error."""
 
 
-class RequestAbortedError(HypicError):
-    """The request was aborted before it finished."""
-
-
 class EngineOverloadedError(HypicError):
     """The waiting queue is full; retry after `retry_after` seconds."""
 
