@@ -4,8 +4,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from hypic import EngineConfig, SamplingParams
+from hypic.config import DTYPES
+from hypic.engine.setup import resolve_dtype
 from hypic.errors import FieldProblem, InvalidFieldsError, InvalidRequestError
 
 
@@ -75,3 +78,8 @@ def test_good_engine_values_pass(device: str) -> None:
     config = EngineConfig(device=device, dtype="bf16", max_model_len=64, gpu_memory_utilization=1,
                           cache_mode="naive", segment_pool_bytes=0, prefix_cache_fraction=0)
     assert dataclasses.replace(config, seed=3).device == device
+
+
+def test_every_accepted_dtype_name_resolves() -> None:
+    resolved = {resolve_dtype(EngineConfig(dtype=name).dtype, torch.device("cpu")) for name in DTYPES}
+    assert resolved == {torch.bfloat16, torch.float16, torch.float32}
