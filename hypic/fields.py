@@ -29,8 +29,7 @@ class Rule:
 
 def check_fields(obj: Any, rules: Mapping[str, Rule]) -> None:
     """Raises InvalidFieldsError naming each field of the dataclass `obj` that is wrong."""
-    hints = _hints(type(obj))
-    found = (_problem(f.name, getattr(obj, f.name), hints[f.name], rules.get(f.name)) for f in dataclasses.fields(obj))
+    found = (_problem(name, getattr(obj, name), hint, rules.get(name)) for name, hint in _hints(type(obj)))
     problems = [problem for problem in found if problem is not None]
     if problems:
         raise InvalidFieldsError(type(obj).__name__, problems)
@@ -43,25 +42,35 @@ def _problem(name: str, value: Any, hint: Any, rule: Rule | None) -> FieldProble
 
 
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _hints(cls: type) -> tuple[tuple[str, Any], ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
 
 
 def conforms(value: Any, hint: Any) -> bool:
+    return _checker(hint)(value)
+
+
+@functools.cache
+def _checker(hint: Any) -> Callable[[Any], bool]:
+    """A predicate for one annotation, built once (typing's introspection is slow per call)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        return any(conforms(value, arg) for arg in args)
+        options = tuple(map(_checker, args))
+        return lambda v: any(check(v) for check in options)
     if origin is typing.Literal:
-        return any(value == arg and type(value) is type(arg) for arg in args)
+        return lambda v: any(v == arg and type(v) is type(arg) for arg in args)
     if origin is tuple:
-        return isinstance(value, tuple) and all(conforms(item, args[0]) for item in value)
+        item = _checker(args[0])
+        return lambda v: isinstance(v, tuple) and all(map(item, v))
     if origin is dict:
-        return isinstance(value, dict) and all(conforms(k, args[0]) and conforms(v, args[1]) for k, v in value.items())
+        key, value = _checker(args[0]), _checker(args[1])
+        return lambda v: isinstance(v, dict) and all(key(k) and value(x) for k, x in v.items())
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return hint is Any or isinstance(value, hint)
+        return lambda v: isinstance(v, int) and not isinstance(v, bool)
+    return (lambda v: True) if hint is Any else (lambda v: isinstance(v, hint))
 
 
 def describe(hint: Any) -> str:
