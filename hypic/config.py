@@ -1,6 +1,7 @@
 """Engine configuration: one frozen dataclass, validated on construction."""
 from __future__ import annotations
 
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ class EngineConfig:
     """Everything the engine needs to start. Defaults serve the bundled model on the best device."""
 
     model: str | None = None
-    """Hugging Face model directory; None serves the model bundled in the package."""
+    """Hugging Face model directory (a path-like is taken as its string); None serves the bundled model."""
     device: str = "auto"
     """"auto" (cuda if present, else cpu), "cpu", "cuda" or "cuda:N"."""
     dtype: str | None = None
@@ -65,6 +66,8 @@ class EngineConfig:
     """In-memory weights (name -> tensor) used in place of the checkpoint's safetensors."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, os.PathLike):  # a pathlib.Path is a directory name too
+            object.__setattr__(self, "model", os.fspath(self.model))
         check_fields(self, _RULES)
 
 

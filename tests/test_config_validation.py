@@ -83,3 +83,7 @@ def test_good_engine_values_pass(device: str) -> None:
 def test_every_accepted_dtype_name_resolves() -> None:
     resolved = {resolve_dtype(EngineConfig(dtype=name).dtype, torch.device("cpu")) for name in DTYPES}
     assert resolved == {torch.bfloat16, torch.float16, torch.float32}
+
+
+def test_a_path_names_the_model_directory(tmp_path) -> None:
+    assert EngineConfig(model=tmp_path).model == str(tmp_path)
