@@ -4,6 +4,7 @@ dist never imports serve)."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,7 @@ def _absolute(node: ast.ImportFrom, package: str) -> str:
     return ".".join(parts + ([node.module] if node.module else []))
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     paths = {module_name(p): p for p in ROOT.rglob("*.py")}
     return {name: imported(path, set(paths)) - {name} for name, path in paths.items()}
