@@ -26,6 +26,7 @@ import xxhash
 
 from hypic.cache.model_caches import CacheShape, LinearShape
 from hypic.kernels.compose import CachedPieces
+from hypic.kernels.host_copy import host_to_device
 
 ALIGN = 256  # bytes: every entry and block starts here, so any dtype view of the arena is aligned
 STATE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
@@ -304,6 +305,25 @@ class SegmentStore:
         shift = self.layout.part_offset(2, linear_index) // self.layout.model_dtype.itemsize
         rows = tail_offsets + shift if shift else tail_offsets
         return self.model_src[rows[:, None] + self.conv_channels(linear_index)[None, :]]
+
+    def interior_kv_offsets(self, pieces: Sequence[tuple[int, SegmentEntry]],
+                            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """[M] global position and [M] `model_src` offset (K of full layer 0) of every interior token
+        of `pieces` ((global position of the first, entry) pairs), in order. The host sends one row
+        per piece, not per token: building and copying 16k-token index tensors on the host grew its
+        time with every cached segment."""
+        lengths = [entry.interior_len for _, entry in pieces]
+        rows = host_to_device([[first, entry.kv_offset(0), start, length] for (first, entry), start, length
+                               in zip(pieces, itertools.accumulate(lengths, initial=0), lengths)], torch.long, device)
+        total = sum(lengths)
+        piece = torch.repeat_interleave(rows[:, 3], output_size=total)
+        first_position, first_src, first_row, _ = rows[piece].unbind(1)
+        within = torch.arange(total, device=device) - first_row  # token index inside its piece
+        return first_position + within, first_src + within * self.layout.kv_token_stride
+
+    def kv_at_layer(self, offsets: torch.Tensor, full_index: int) -> torch.Tensor:
+        """`model_src` offsets of full layer 0's K blocks moved to full layer `full_index`'s."""
+        return offsets + full_index * self.layout.kv_layer_stride
 
     def conv_channels(self, linear_index: int) -> torch.Tensor:
         """[conv_dim] element offset of each channel within a stored conv tail of that layer."""

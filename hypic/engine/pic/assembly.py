@@ -137,29 +137,13 @@ class PicAssembler:
     def _scatter_pieces(self, seq: Sequence) -> None:
         """Every piece of `seq` in one launch per full layer (per-token offsets expanded on the device)."""
         bs, device = self.caches.block_size, self.store.model_src.device
-        positions, src = piece_token_offsets(seq.pic.cached, self.store.layout.kv_token_stride, device)
+        positions, src = self.store.interior_kv_offsets([(p.start, p.entry) for p in seq.pic.cached], device)
         table = host_to_device(seq.block_ids, torch.long, device)
         dst = table[positions // bs] * bs + positions % bs  # on the device: the host gather took ~1.7 ms at 16k
-        layer_stride = self.store.layout.kv_layer_stride
         for full_index, layer_id in enumerate(self.caches.shape.full_layers):
             k_cache, v_cache = self.caches.kv(layer_id)
-            scatter_kv(self.store.model_src, src + full_index * layer_stride, positions, k_cache, v_cache, dst,
-                       self.inv_freq)
-
-
-def piece_token_offsets(pieces: list[Cached], kv_token_stride: int,
-                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M] global position and [M] store offset (K of full layer 0) of every interior token of
-    `pieces`, in order. The host sends one row per piece, not per token: building and copying
-    16k-token index tensors on the host grew its time with every cached segment."""
-    lengths = [p.end - p.start for p in pieces]
-    rows = host_to_device([[p.start, p.entry.kv_offset(0), start, length] for p, start, length
-                           in zip(pieces, itertools.accumulate(lengths, initial=0), lengths)], torch.long, device)
-    total = sum(lengths)
-    piece = torch.repeat_interleave(rows[:, 3], output_size=total)
-    first_position, first_src, first_row, _ = rows[piece].unbind(1)
-    within = torch.arange(total, device=device) - first_row  # token index inside its piece
-    return first_position + within, first_src + within * kv_token_stride
+            scatter_kv(self.store.model_src, self.store.kv_at_layer(src, full_index), positions, k_cache, v_cache,
+                       dst, self.inv_freq)
 
 
 def _tuple_of(capture: Capture, j: int, job: SegmentJob, start: int) -> SegmentTuple:
