@@ -6,9 +6,8 @@ free whitespace (compact separators), so a weak model cannot loop on blanks.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import llguidance
 
@@ -35,10 +34,6 @@ class StructuredOutputs:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(self.grammar())
         if is_error:
             raise InvalidRequestError(f"structured output: the {self.kind} constraint does not compile: {messages[0]}")
-
-    @classmethod
-    def json_schema(cls, schema: dict[str, Any] | bool, *, lenient: bool = False) -> StructuredOutputs:
-        return cls("json", json.dumps(schema), lenient)
 
     def grammar(self) -> str:
         """The llguidance grammar (a JSON text) this constraint compiles to."""

@@ -7,12 +7,14 @@ import math
 from hypic.sampling_params import SamplingParams
 from hypic.serve.http_errors import bad_request
 from hypic.serve.protocol import SamplingFields
+from hypic.structured_outputs import StructuredOutputs
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _SEED_LIMIT = 1 << 63  # completion i seeds with seed + i: stays inside what torch.Generator takes
 
 
-def sampling_params(body: SamplingFields, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                    structured: StructuredOutputs | None = None) -> SamplingParams:
     """Raises ApiError, or InvalidRequestError from SamplingParams."""
     _check_finite(body)
     if body.seed is not None and not -_SEED_LIMIT <= body.seed < _SEED_LIMIT:
@@ -35,6 +37,7 @@ def sampling_params(body: SamplingFields, *, max_tokens: int | None, logprobs: i
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        structured=structured,
     )
 
 

@@ -83,6 +83,10 @@ class Tokenizer:
         """What one token decodes to on its own (for logprobs); a partial UTF-8 byte reads as U+FFFD."""
         return self._backend.decode([token_id], skip_special_tokens=False)
 
+    def use_chat_template(self, text: str) -> None:
+        """Replaces the model's chat template(s) (a server's --chat-template)."""
+        self._templates = {"default": _compile_template("--chat-template", text)}
+
     @property
     def has_chat_template(self) -> bool:
         return bool(self._templates)
