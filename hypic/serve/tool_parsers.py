@@ -124,8 +124,10 @@ def blocks(text: str) -> list[tuple[str, bool]]:
 
 
 def _named_call_schema(tool: FunctionDefinition) -> dict[str, Any]:
+    # arguments without additionalProperties get none: a weak model would otherwise invent keys forever
+    arguments = {"type": "object", "additionalProperties": False, **(tool.parameters or {})}
     return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-            "properties": {"name": {"const": tool.name}, "arguments": tool.parameters or {"type": "object"}}}
+            "properties": {"name": {"const": tool.name}, "arguments": arguments}}
 
 
 def _coder_function_rules(i: int, tool: FunctionDefinition) -> list[str]:
@@ -139,14 +141,22 @@ def _coder_function_rules(i: int, tool: FunctionDefinition) -> list[str]:
 
 def _coder_value_rule(schema: dict[str, Any]) -> str:
     """Raw text for strings (no '<', so the closing tag is unambiguous), JSON for anything else."""
-    if schema.get("type") == "string" and not ({"enum", "const", "pattern", "format"} & set(schema)):
+    if _is_text(schema) and "enum" in schema:
+        return "(" + " | ".join(f'"{_lark(value)}"' for value in schema["enum"]) + ') "\\n"'
+    if _is_text(schema) and not ({"const", "pattern", "format"} & set(schema)):
         limit = schema.get("maxLength")
         return "/[^<]{0,%d}/" % limit if isinstance(limit, int) else "/[^<]*/"
     return f'%json {json.dumps({**schema, "x-guidance": _SEPARATORS})} "\\n"'
 
 
+def _is_text(schema: dict[str, Any]) -> bool:
+    """The value is written raw: a string, or one of string choices."""
+    enum = schema.get("enum")
+    return schema.get("type") == "string" or (bool(enum) and all(isinstance(value, str) for value in enum))
+
+
 def _coder_value(raw: str, schema: dict[str, Any]) -> Any:
-    if schema.get("type") == "string":
+    if _is_text(schema):
         return raw
     try:
         return json.loads(raw)
