@@ -147,3 +147,37 @@ def test_call_grammar_accepts_what_the_parser_reads(parser, text) -> None:
 def _byte_tokenizer_json() -> str:
     from hypic.engine.setup import BUNDLED_MODEL
     return (BUNDLED_MODEL / "tokenizer.json").read_text(encoding="utf-8")
+
+
+def _renderer(template: str):
+    from hypic.engine.setup import BUNDLED_MODEL
+    from hypic.engine.text.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_dir(BUNDLED_MODEL)
+    tokenizer.use_chat_template(template)
+    return lambda tools: tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=tools)
+
+
+def _tool(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
+def test_tools_become_segments_that_join_to_the_whole_prompt() -> None:
+    from pathlib import Path
+
+    from hypic.serve.tool_segments import prompt_segments, template_qualifies
+    render = _renderer((Path(__file__).parent / "assets" / "hermes_tools.jinja").read_text())
+    assert template_qualifies(render)
+    tools = [_tool("a"), _tool("bb"), _tool("a_c")]
+    segments = prompt_segments(True, render, tools, render(tools))
+    assert "".join(segments) == render(tools) and len(segments) == 5
+    assert [json.loads(piece)["function"]["name"] for piece in segments[1:-1]] == ["a", "bb", "a_c"]
+    reordered = prompt_segments(True, render, tools[::-1], render(tools[::-1]))
+    assert reordered[1:-1] == segments[1:-1][::-1] and reordered[0] == segments[0]  # same texts: reusable
+
+
+def test_a_template_that_does_not_list_tools_one_by_one_falls_back_to_one_segment() -> None:
+    from hypic.serve.tool_segments import prompt_segments, template_qualifies
+    render = _renderer("{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert not template_qualifies(render)
+    tools = [_tool("a"), _tool("b")]
+    assert prompt_segments(True, render, tools, render(tools)) == render(tools)

@@ -205,3 +205,25 @@ def test_langchain_bind_tools_and_structured_output(server) -> None:
     jsonschema.validate(called.tool_calls[0]["args"], WEATHER["function"]["parameters"])
     person = model.with_structured_output(Person).invoke("Invent a person.")
     assert isinstance(person, Person)
+
+
+def _described(name: str) -> dict:
+    description = f"{name}: " + " ".join(f"step {i} of what {name} does with its inputs;" for i in range(4))
+    return {"type": "function", "function": {"name": name, "description": description,
+                                             "parameters": {"type": "object", "properties": {"q": WORD}}}}
+
+
+def test_tool_definitions_as_segments_are_reused_in_any_subset_and_order(client) -> None:
+    from hypic.engine.setup import BUNDLED_MODEL
+    from hypic.engine.text.tokenizer import Tokenizer
+    a, b, c, d = (_described(name) for name in ("alpha", "beta", "gamma", "delta"))
+    extra = {"tool_segments": True, "cache_salt": "tool-segments-test"}
+
+    def cached(tools: list[dict]) -> int:
+        reply = client.chat.completions.create(model=NAME, messages=ASK, tools=tools, max_tokens=1, extra_body=extra)
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached([a, b, c]) == 0
+    tokenizer, seam = Tokenizer.from_dir(BUNDLED_MODEL), 8  # the engine's default seam_width
+    interiors = sum(len(tokenizer.encode(json.dumps(tool))) - 2 * seam for tool in (c, a))
+    assert cached([c, d, a]) >= interiors  # gamma and alpha come from the pool, at new positions

@@ -5,6 +5,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from functools import partial
 
 from aiohttp import web
 from msgspec.structs import replace
@@ -30,6 +31,7 @@ from hypic.serve.responses import DONE, event, json_response, start_events, stre
 from hypic.serve.sampling import sampling_params
 from hypic.serve.state import STATE
 from hypic.serve.template import render_chat
+from hypic.serve.tool_segments import prompt_segments
 from hypic.serve.tools import check_tools, template_tools
 
 log = logging.getLogger(__name__)
@@ -44,14 +46,17 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     reject_unsupported(unsupported_fields(body, UNSUPPORTED))
     check_stream_options(body.stream, body.stream_options)
     check_tools(body)
-    prompt = render_chat(state.client.tokenizer, body.messages, body.chat_template_kwargs, template_tools(body))
+    tools = template_tools(body)
+    prompt = render_chat(state.client.tokenizer, body.messages, body.chat_template_kwargs, tools)
     form, constraint = reply_format(state.settings, body, prompt)
+    wanted = state.settings.tool_segments if body.tool_segments is None else body.tool_segments
+    render = partial(render_chat, state.client.tokenizer, body.messages, body.chat_template_kwargs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     log.debug("%s: %d message(s), n=%d, user=%s", request_id, len(body.messages), body.n, body.user)
     with engine_errors(_PARAM_NAMES):
         params = sampling_params(body, max_tokens=_max_tokens(body), logprobs=_logprobs(body), structured=constraint)
         # the template wrote every special token the model expects: the engine adds none
-        job = GenerateRequest(prompt, params, request_id, body.cache_salt, body.cache_mode, add_special_tokens=False)
+        job = GenerateRequest(prompt_segments(wanted, render, tools, prompt), params, request_id, body.cache_salt, body.cache_mode, add_special_tokens=False)
         async with submitted(state.client, [job], state.metrics) as outputs:
             if body.stream:
                 head = ChatChunk(request_id, int(time.time()), state.model_name, [])

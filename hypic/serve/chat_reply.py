@@ -2,6 +2,7 @@
 then tool calls parsed from the rest (--tool-call-parser), whole or delta by delta, the same way."""
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass, replace
 
@@ -13,8 +14,13 @@ from hypic.serve.reasoning import END, ReasoningStream, Split, opens_in_reasonin
 from hypic.serve.state import ServerSettings
 from hypic.serve.structured import requested_constraint
 from hypic.serve.tool_parsers import ToolCallStream, ToolParser
+from hypic.serve.tool_segments import template_qualifies
 from hypic.serve.tools import call_constraint, parser_for, parses_calls, tool_parser_name
 from hypic.structured_outputs import StructuredOutputs
+
+
+logger = logging.getLogger(__name__)
+_PROBE_TURN = [{"role": "user", "content": "?"}]
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,13 @@ def agent_settings(tokenizer: Tokenizer, settings: ServerSettings) -> ServerSett
     """Installs --chat-template and settles the tool-call parser (from the template when not given)."""
     if settings.chat_template is not None:
         tokenizer.use_chat_template(settings.chat_template)
-    return replace(settings, tool_call_parser=tool_parser_name(settings.tool_call_parser, tokenizer))
+    segments = settings.tool_segments and template_qualifies(
+        lambda tools: tokenizer.apply_chat_template(_PROBE_TURN, tools=tools))
+    if settings.tool_segments and not segments:
+        logger.warning("--tool-segments: the chat template does not render tools one after another; "
+                       "tool definitions stay in one segment")
+    return replace(settings, tool_call_parser=tool_parser_name(settings.tool_call_parser, tokenizer),
+                   tool_segments=segments)
 
 
 def reply_format(settings: ServerSettings, body: ChatRequest, prompt: str) -> tuple[ReplyFormat, StructuredOutputs | None]:
