@@ -113,8 +113,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="best of this many runs per figure")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads on the CPU (default: %(default)s)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(args.cpu_threads)  # the mask filler's thread is left the other core
     engine = gpu_engine(args) if args.device == "cuda" else cpu_engine(args)
     device = torch.cuda.get_device_name().split()[-1].lower() if args.device == "cuda" else "cpu"
     shape = args.shape if args.device == "cuda" else "bundled"

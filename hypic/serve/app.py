@@ -24,6 +24,8 @@ def build_app(client: EngineClient, settings: ServerSettings) -> web.Application
     app.router.add_get("/v1/models", info_routes.list_models)
     app.router.add_get("/v1/models/{model}", info_routes.get_model)
     app.router.add_post("/tokenize", info_routes.tokenize)
+    app.router.add_post("/detokenize", info_routes.detokenize)
+    app.router.add_get("/version", info_routes.version)
     app.router.add_get("/health", info_routes.health)
     app.router.add_get("/metrics", info_routes.metrics)
     app.router.add_get("/admin/cache", admin_routes.cache_stats)

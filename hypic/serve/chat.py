@@ -28,7 +28,7 @@ from hypic.serve.protocol import (
 from hypic.serve.request_body import check_model, check_stream_options, read_body, reject_unsupported
 from hypic.serve.request_group import submitted
 from hypic.serve.responses import DONE, event, json_response, start_events, stream_errors
-from hypic.serve.sampling import sampling_params
+from hypic.serve.sampling import or_default, sampling_params
 from hypic.serve.state import STATE
 from hypic.serve.template import render_chat
 from hypic.serve.tool_segments import prompt_segments
@@ -54,7 +54,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     log.debug("%s: %d message(s), n=%d, user=%s", request_id, len(body.messages), body.n, body.user)
     with engine_errors(_PARAM_NAMES):
-        params = sampling_params(body, max_tokens=_max_tokens(body), logprobs=_logprobs(body), structured=constraint)
+        params = sampling_params(body, max_tokens=or_default(_max_tokens(body), state.settings),
+                                 logprobs=_logprobs(body), structured=constraint)
         # the template wrote every special token the model expects: the engine adds none
         job = GenerateRequest(prompt_segments(wanted, render, tools, prompt), params, request_id, body.cache_salt, body.cache_mode, add_special_tokens=False)
         async with submitted(state.client, [job], state.metrics) as outputs:

@@ -132,7 +132,7 @@ class SamplingFields(Struct, forbid_unknown_fields=True, kw_only=True):
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[PromptItem] | None = None  # text, batch of texts, token ids, batch of token ids
     segments: list[str] | None = None  # extension (DESIGN §7): prompt given as segments
-    max_tokens: TokenBudget | None = 16
+    max_tokens: TokenBudget | None = None  # None: the server's default (docs/agents.md)
     logprobs: TopLogprobs | None = None
     echo: bool = False  # unsupported when true
     suffix: str | None = None  # unsupported when set
@@ -154,7 +154,7 @@ class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
 
 class ChatRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_tokens: TokenBudget | None = None  # None: until the context is full
+    max_tokens: TokenBudget | None = None  # None: the server's default (docs/agents.md)
     max_completion_tokens: TokenBudget | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
@@ -173,6 +173,11 @@ class TokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -306,6 +311,14 @@ class TokenizeResponse(Struct):
     tokens: list[int]
     count: int
     max_model_len: int
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+class VersionResponse(Struct):
+    version: str
 
 
 class ErrorDetail(Struct):

@@ -7,6 +7,7 @@ import math
 from hypic.sampling_params import SamplingParams
 from hypic.serve.http_errors import bad_request
 from hypic.serve.protocol import SamplingFields
+from hypic.serve.state import ServerSettings
 from hypic.structured_outputs import StructuredOutputs
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -39,6 +40,11 @@ def sampling_params(body: SamplingFields, *, max_tokens: int | None, logprobs: i
         include_stop_str_in_output=body.include_stop_str_in_output,
         structured=structured,
     )
+
+
+def or_default(max_tokens: int | None, settings: ServerSettings) -> int | None:
+    """A request without max_tokens (or with null) gets the server's one default."""
+    return settings.max_tokens_default if max_tokens is None else max_tokens
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:

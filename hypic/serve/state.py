@@ -23,6 +23,7 @@ class ServerSettings:
     tool_call_parser: str | None = None  # hermes | qwen3_coder; None: what the chat template writes
     reasoning_parser: str | None = None  # qwen3; None: replies are all content
     tool_segments: bool = False  # each tool definition its own PIC segment (requests may override)
+    max_tokens_default: int | None = None  # a request without max_tokens; None: the rest of the context
 
 
 @dataclass
