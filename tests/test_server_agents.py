@@ -227,3 +227,33 @@ def test_tool_definitions_as_segments_are_reused_in_any_subset_and_order(client)
     tokenizer, seam = Tokenizer.from_dir(BUNDLED_MODEL), 8  # the engine's default seam_width
     interiors = sum(len(tokenizer.encode(json.dumps(tool))) - 2 * seam for tool in (c, a))
     assert cached([c, d, a]) >= interiors  # gamma and alpha come from the pool, at new positions
+
+
+def _post(server: str, path: str, body: dict) -> dict:
+    import urllib.request
+    request = urllib.request.Request(server + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def test_detokenize_inverts_tokenize_and_version_matches_the_cli(server) -> None:
+    import urllib.request
+    text = "Hello <|im_end|> world, 42!"
+    tokens = _post(server, "/tokenize", {"prompt": text})["tokens"]
+    assert _post(server, "/detokenize", {"tokens": tokens}) == {"prompt": text}
+    with urllib.request.urlopen(server + "/version", timeout=30) as response:
+        served = json.loads(response.read())["version"]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    printed = subprocess.run([sys.executable, "-c", "import sys; from hypic.cli import main; sys.exit(main())", "--version"], capture_output=True, text=True,
+                             env=env, check=True).stdout
+    assert printed.strip() == f"hypic {served}"
+
+
+def test_a_request_without_max_tokens_gets_the_generation_config_default(client) -> None:
+    from hypic.engine.setup import BUNDLED_MODEL
+    default = json.loads((BUNDLED_MODEL / "generation_config.json").read_text())["max_new_tokens"]
+    for max_tokens in (None, openai.NOT_GIVEN):
+        reply = client.completions.create(model=NAME, prompt="Once", max_tokens=max_tokens,
+                                          extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == default
