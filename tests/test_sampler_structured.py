@@ -52,9 +52,18 @@ def test_an_uncompilable_constraint_is_refused_when_built() -> None:
         StructuredOutputs("regex", "(unclosed")
 
 
-@pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(device="cpu", max_model_len=256, cpu_cache_bytes=32 << 20))
+@pytest.mark.gpu
+def test_token_mask_on_the_gpu_matches_the_cpu() -> None:
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(32, 5000, generator=generator)
+    words = torch.randint(-(2**31), 2**31 - 1, (32, 157), dtype=torch.int32, generator=generator)
+    on_gpu = apply_token_mask(logits.cuda().bfloat16(), words)
+    assert torch.equal(torch.isinf(on_gpu.cpu()), torch.isinf(apply_token_mask(logits, words)))
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def engine(request) -> LLMEngine:
+    return LLMEngine(EngineConfig(device=request.param, max_model_len=256, cpu_cache_bytes=32 << 20))
 
 
 def _prompt(engine: LLMEngine) -> SegmentedPrompt:

@@ -69,12 +69,11 @@ class StructuredDecoding:
             llguidance.LLTokenizer, tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_ids))
         self._executor = llguidance.LLExecutor()
         self._compiled: OrderedDict[str, Future] = OrderedDict()
-        self._requests: dict[str, dict[int, _Constrained]] = {}
+        self._requests: dict[str, tuple[Future, dict[int, _Constrained]]] = {}  # compiled, per completion
 
     def add(self, request_id: str, structured: StructuredOutputs | None) -> None:
         if structured is not None:
-            self._requests[request_id] = {}
-            self._compile(structured.grammar())
+            self._requests[request_id] = (self._compile(structured.grammar()), {})
 
     def release(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -104,11 +103,10 @@ class StructuredDecoding:
         return matcher.is_stopped()
 
     def _state(self, seq: Sequence) -> _Constrained:
-        states = self._requests[seq.info.request_id]
+        compiled, states = self._requests[seq.info.request_id]
         if seq.index not in states:
-            structured = seq.info.params.structured
-            after = structured.after.encode() if structured.after else None
-            states[seq.index] = _Constrained(self._compile(structured.grammar()), after)
+            after = seq.info.params.structured.after
+            states[seq.index] = _Constrained(compiled, after.encode() if after else None)
         return states[seq.index]
 
     def _watch_for_start(self, state: _Constrained, token: int) -> None:
