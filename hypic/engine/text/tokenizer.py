@@ -42,8 +42,6 @@ class Tokenizer:
         """Ids dropped by `skip_special_tokens`."""
         self.vocab_size: int = 1 + max(backend.get_vocab(with_added_tokens=True).values())
         """1 + the largest id the tokenizer knows (added tokens included); the model may have more rows."""
-        self.bos_token_id: int | None = self._token_id("bos_token")
-        self.pad_token_id: int | None = self._token_id("pad_token")
         eos = {self._token_id("eos_token"), *generation_eos_ids}
         self.eos_token_ids: frozenset[int] = frozenset(i for i in eos if i is not None)
         self.special_prefix, self.special_suffix = _special_affixes(backend)
@@ -86,10 +84,6 @@ class Tokenizer:
     def use_chat_template(self, text: str) -> None:
         """Replaces the model's chat template(s) (a server's --chat-template)."""
         self._templates = {"default": _compile_template("--chat-template", text)}
-
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(self._templates)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, **kwargs: Any) -> str:
