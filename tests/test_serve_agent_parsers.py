@@ -69,6 +69,15 @@ def _pieces(text: str, cuts: list[int]) -> list[str]:
     return [text[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
+def test_arguments_stream_in_fragments_as_they_become_final() -> None:
+    for parser_name, text in (("hermes", QWEN3_ONE), ("qwen3_coder", CODER_ONE)):
+        stream = ToolCallStream(PARSERS[parser_name](TOOLS), lambda: "call_x")
+        fragments = [d.function.arguments for ch in text for d in stream.push(ch, final=False)[1]
+                     if d.function.arguments]
+        fragments += [d.function.arguments for d in stream.push("", final=True)[1] if d.function.arguments]
+        assert len(fragments) >= 2 and "".join(fragments) == PARSERS[parser_name](TOOLS).parse(text)[1][0].arguments
+
+
 @settings(max_examples=40, deadline=None)
 @given(case=st.sampled_from(CASES), cuts=st.lists(st.integers(0, 10_000), max_size=12))
 def test_streamed_calls_reassemble_to_the_whole_parse(case, cuts) -> None:
@@ -84,6 +93,8 @@ def test_streamed_calls_reassemble_to_the_whole_parse(case, cuts) -> None:
     names = [d.function.name for d in deltas if d.id is not None]
     arguments = ["".join(d.function.arguments or "" for d in deltas if d.index == i) for i in range(len(names))]
     assert list(zip(names, map(json.loads, arguments))) == calls
+    whole = PARSERS[parser_name](TOOLS).parse(text)[1]
+    assert [(c.name, c.arguments) for c in whole] == list(zip(names, arguments))  # the very same text
     first_seen = {}
     for d in deltas:
         first_seen.setdefault(d.index, d)

@@ -21,6 +21,8 @@ from hypic.serve.reasoning import partial_tag
 
 START, END = "<tool_call>", "</tool_call>"
 _HERMES_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_HERMES_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+_CLOSED_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 _CODER_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
 _CODER_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.S)
 _SEPARATORS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}  # what tojson writes
@@ -54,6 +56,11 @@ class ToolParser(ABC):
         """The text between the tags -> the call; None when malformed."""
 
     @abstractmethod
+    def arguments_so_far(self, inner: str) -> str:
+        """The part of a partial block's arguments text that will not change (a prefix of the call's
+        arguments once the block is complete)."""
+
+    @abstractmethod
     def grammar(self, tools: list[FunctionDefinition], parallel: bool) -> str:
         """Lark (llguidance) for one call of one of `tools`, or several calls when parallel."""
 
@@ -73,7 +80,14 @@ class HermesParser(ToolParser):
         arguments = value.get("arguments", value.get("parameters", {})) if isinstance(value, dict) else None
         if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(arguments, dict):
             return None
-        return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+        raw = _hermes_raw_arguments(inner)  # the model's own text, as streamed, when it is the arguments
+        return ParsedCall(value["name"], raw if _loads(raw) == arguments else json.dumps(arguments, ensure_ascii=False))
+
+    def arguments_so_far(self, inner: str) -> str:
+        name, arguments = _HERMES_NAME.search(inner), _HERMES_ARGUMENTS.search(inner)
+        if name is None or arguments is None or arguments.start() < name.start():
+            return ""  # arguments before the name: sent whole once the call is closed
+        return _hermes_raw_arguments(inner)
 
     def grammar(self, tools: list[FunctionDefinition], parallel: bool) -> str:
         one_of = [_named_call_schema(tool) for tool in tools]
@@ -99,6 +113,16 @@ class Qwen3CoderParser(ToolParser):
                      for key, raw in _CODER_PARAMETER.findall(body)}
         return ParsedCall(name, json.dumps(arguments, ensure_ascii=False))
 
+    def arguments_so_far(self, inner: str) -> str:
+        """'{"p": value' for each closed parameter: the same text json.dumps writes for the whole call."""
+        match = _CODER_FUNCTION.search(inner)
+        if match is None:
+            return ""
+        properties = _properties(self.tools.get(match.group(1)))
+        closed = {key: _coder_value(_strip_newline(raw), properties.get(key, {}))
+                  for key, raw in _CLOSED_PARAMETER.findall(match.group(2))}
+        return json.dumps(closed, ensure_ascii=False)[:-1] if closed else ""
+
     def grammar(self, tools: list[FunctionDefinition], parallel: bool) -> str:
         rules = ["start: call" + (' ("\\n" call)*' if parallel else "")]
         rules.append(f'call: "{_lark(START)}\\n" (' + " | ".join(f"fn_{i}" for i in range(len(tools))) + f') "{_lark(END)}"')
@@ -121,6 +145,20 @@ def blocks(text: str) -> list[tuple[str, bool]]:
         found.append((text[body:end], True))
         position = text.find(START, end + len(END))
     return found
+
+
+def _hermes_raw_arguments(inner: str) -> str:
+    """The text after '"arguments":' up to the object's closing brace (dropped, with the blanks around it)."""
+    match = _HERMES_ARGUMENTS.search(inner)
+    text = inner[match.end():].rstrip() if match else ""
+    return text[:-1].rstrip() if text.endswith("}") else text
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
 
 
 def _named_call_schema(tool: FunctionDefinition) -> dict[str, Any]:
@@ -179,12 +217,13 @@ def _lark(text: str) -> str:
 
 class ToolCallStream:
     """The same parse, delta by delta: content until the first call (a possible tag held back),
-    then for each call a delta with its id and name as soon as the name is complete, and one with
-    its arguments once the call is closed (or the reply ended)."""
+    then for each call a delta with its id and name as soon as the name is complete, then fragments
+    of its arguments as they become final, the last when the call is closed (or the reply ended)."""
 
     def __init__(self, parser: ToolParser, new_id: Callable[[], str]) -> None:
         self.parser, self._new_id = parser, new_id
         self._text, self._content_sent, self._named, self._argued = "", 0, 0, 0
+        self._arguments_sent = ""  # of the call being streamed (index self._argued)
 
     @property
     def called(self) -> bool:
@@ -209,8 +248,18 @@ class ToolCallStream:
             if index == self._named and (name := self.parser.name_of(inner)) is not None:
                 deltas.append(ToolCallDelta(index, FunctionDelta(name, ""), self._new_id(), "function"))
                 self._named += 1
-            if index == self._argued < self._named and (closed or final):
-                call = self.parser.call(inner)
-                deltas.append(ToolCallDelta(index, FunctionDelta(arguments=call.arguments if call else "{}")))
-                self._argued += 1
+            if index == self._argued < self._named:
+                deltas += self._arguments(index, inner, closed or final)
         return deltas
+
+    def _arguments(self, index: int, inner: str, done: bool) -> list[ToolCallDelta]:
+        if done:
+            call = self.parser.call(inner)
+            text, self._argued = call.arguments if call else "{}", self._argued + 1
+        else:  # what may be the start of the closing tag is not arguments
+            text = self.parser.arguments_so_far(inner[: len(inner) - partial_tag(inner, END)])
+        if not text.startswith(self._arguments_sent) or text == self._arguments_sent:
+            self._arguments_sent = "" if done else self._arguments_sent
+            return []
+        fragment, self._arguments_sent = text[len(self._arguments_sent):], "" if done else text
+        return [ToolCallDelta(index, FunctionDelta(arguments=fragment))]
