@@ -143,6 +143,15 @@ def test_reasoning_then_calls_stream_like_the_whole_reply(cuts) -> None:
     assert [c.function.name for c in streamed] == [c.function.name for c in message.tool_calls]
 
 
+def test_without_parallel_calls_only_the_first_counts_whole_and_streamed() -> None:
+    form = ReplyFormat(reasoning=False, prompt_opened=False, tools=PARSERS["hermes"](TOOLS), parallel=False)
+    message, _ = whole_reply(QWEN3_TWO, "stop", form)
+    stream = ReplyStream(form)
+    deltas = [stream.push(ch, None)[0] for ch in QWEN3_TWO] + [stream.push("", "stop")[0]]
+    streamed = {c.index for d in deltas if d is not None for c in d.tool_calls or ()}
+    assert [c.function.name for c in message.tool_calls] == ["get_weather"] and streamed == {0}
+
+
 @pytest.mark.parametrize(("parser", "text"), [("hermes", QWEN3_TWO.split("\n\n", 1)[1]),
                                               ("qwen3_coder", CODER_ONE + "\n" + CODER_TWO.split("\n", 1)[1].replace("<b> ", ""))])
 def test_call_grammar_accepts_what_the_parser_reads(parser, text) -> None:

@@ -28,6 +28,7 @@ class ReplyFormat:
     reasoning: bool  # a reasoning parser is on
     prompt_opened: bool  # the prompt ends inside a reasoning block
     tools: ToolParser | None  # None: tool calls are not parsed
+    parallel: bool = True  # False: only the first call counts (parallel_tool_calls: false)
 
 
 def new_call_id() -> str:
@@ -39,6 +40,7 @@ def whole_reply(text: str, finish_reason: str | None, form: ReplyFormat) -> tupl
     content, calls = split.content, []
     if form.tools is not None and content:
         content, parsed = form.tools.parse(content)
+        parsed = parsed if form.parallel else parsed[:1]
         calls = [ToolCall(id=new_call_id(), function=FunctionCall(c.name, c.arguments)) for c in parsed]
     message = AssistantMessage(content if form.reasoning or form.tools else text, reasoning_content=split.reasoning,
                                tool_calls=calls)
@@ -50,7 +52,7 @@ class ReplyStream:
 
     def __init__(self, form: ReplyFormat) -> None:
         self._reasoning = ReasoningStream(form.prompt_opened) if form.reasoning else None
-        self._tools = ToolCallStream(form.tools, new_call_id) if form.tools is not None else None
+        self._tools = ToolCallStream(form.tools, new_call_id, form.parallel) if form.tools is not None else None
 
     def push(self, text: str, finish_reason: str | None) -> tuple[ChatDelta | None, str | None]:
         final = finish_reason is not None
@@ -95,7 +97,7 @@ def reply_format(settings: ServerSettings, body: ChatRequest, prompt: str) -> tu
     constraint = call or constraint
     if constraint is not None and opened:
         constraint = replace(constraint, after=END)
-    return ReplyFormat(reasoning, opened, tools), constraint
+    return ReplyFormat(reasoning, opened, tools, body.parallel_tool_calls), constraint
 
 
 def _call_constraint(body: ChatRequest, tools: ToolParser | None) -> StructuredOutputs | None:

@@ -220,8 +220,8 @@ class ToolCallStream:
     then for each call a delta with its id and name as soon as the name is complete, then fragments
     of its arguments as they become final, the last when the call is closed (or the reply ended)."""
 
-    def __init__(self, parser: ToolParser, new_id: Callable[[], str]) -> None:
-        self.parser, self._new_id = parser, new_id
+    def __init__(self, parser: ToolParser, new_id: Callable[[], str], parallel: bool = True) -> None:
+        self.parser, self._new_id, self._most = parser, new_id, None if parallel else 1
         self._text, self._content_sent, self._named, self._argued = "", 0, 0, 0
         self._arguments_sent = ""  # of the call being streamed (index self._argued)
 
@@ -244,7 +244,7 @@ class ToolCallStream:
 
     def _call_deltas(self, final: bool) -> list[ToolCallDelta]:
         deltas = []
-        for index, (inner, closed) in enumerate(blocks(self._text)):
+        for index, (inner, closed) in enumerate(blocks(self._text)[: self._most]):
             if index == self._named and (name := self.parser.name_of(inner)) is not None:
                 deltas.append(ToolCallDelta(index, FunctionDelta(name, ""), self._new_id(), "function"))
                 self._named += 1
