@@ -5,7 +5,7 @@ import argparse
 import asyncio
 from dataclasses import dataclass
 
-from hypic import AsyncEngine, EngineConfig, SamplingParams
+from hypic import AsyncEngine, EngineConfig, SamplingParams, __version__
 from hypic.data import eval_prompts
 from hypic.data.tasks import is_correct
 from hypic.serve.args import add_serve_arguments
@@ -27,6 +27,7 @@ class DemoRun:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hypic", description="hypic: serving hybrid-attention LLMs.")
+    parser.add_argument("--version", action="version", version=f"hypic {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server", description=DESCRIPTION)
     add_serve_arguments(serve)
