@@ -39,7 +39,7 @@ from hypic import EngineConfig, SamplingParams
 from hypic.dist.config import DistConfig
 from hypic.dist.launch import start_cluster
 from hypic.engine.text.tokenizer import Tokenizer
-from hypic.serve.engine_client import EngineClient, GenerateRequest, InProcessEngineClient
+from hypic.engine.client import EngineClient, GenerateRequest, InProcessEngineClient
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
 

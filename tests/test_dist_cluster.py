@@ -25,7 +25,7 @@ from hypic.dist.client import DistributedEngineClient
 from hypic.dist.config import DistConfig
 from hypic.dist.launch import start_cluster
 from hypic.dist.messages import Build
-from hypic.serve.engine_client import GenerateRequest
+from hypic.engine.client import GenerateRequest
 
 pytestmark = pytest.mark.timeout(600)
 

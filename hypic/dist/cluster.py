@@ -60,6 +60,14 @@ class NodeHandle:
     def load(self) -> NodeLoad:
         return NodeLoad(self.node_id, self.pending_tokens, self.running)
 
+    async def send(self, message: Any) -> bool:
+        """False when the node's connection is gone (its death is handled where it is noticed)."""
+        try:
+            await self.link.send(message)
+            return True
+        except ConnectionError:
+            return False
+
 
 class Cluster:
     def __init__(self, config: DistConfig, listener: ClusterListener) -> None:
