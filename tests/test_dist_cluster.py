@@ -1,6 +1,7 @@
 """Segment parallelism across processes (CPU): three engine nodes joined by the TCP transport give the
 single-process `hypic` engine's greedy tokens and logprobs for cold, warm and mixed requests, and
-survive a worker killed or frozen in the middle of a request.
+survive a worker killed or frozen in the middle of a request, the generating node killed mid-stream
+included (`--workers 3` behind the HTTP server).
 
 One cluster serves the whole module (starting engine processes is the expensive part); the tests
 run in file order and each builds on the state the previous ones left.
@@ -8,6 +9,7 @@ run in file order and each builds on the state the previous ones left.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
@@ -16,7 +18,9 @@ from contextlib import aclosing
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 from engine_util import Finished, collect, greedy
 from test_pic_engine import SEP, SYSTEM, pic_config
 
@@ -26,6 +30,8 @@ from hypic.dist.config import DistConfig
 from hypic.dist.launch import start_cluster
 from hypic.dist.messages import Build
 from hypic.engine.client import GenerateRequest
+from hypic.serve.app import build_app, runner_for
+from hypic.serve.state import ServerSettings
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -243,3 +249,50 @@ def test_flush_reaches_every_node_and_the_directory(cluster):
     assert loop.run(client.flush_cache(None)) > 0  # the earlier tests left segments on the nodes
     assert len(client.router.directory) == 0
     assert loop.run(client.flush_cache(None)) == 0
+
+
+RESUMED = prompt([3, 5, 7], "name every street you know, one by one:")
+STREAMED = {"prompt": RESUMED, "n": 2, "max_tokens": 64, "temperature": 0, "ignore_eos": True, "stream": True,
+            "frequency_penalty": 0.6, "presence_penalty": 0.4, "repetition_penalty": 1.3}
+
+
+async def stream_texts(url: str, on_first_text: Callable[[], None] = lambda: None) -> dict[int, str]:
+    """The completions' texts as an SSE client reads them; `on_first_text` runs once text arrived."""
+    texts: dict[int, str] = {}
+    async with aiohttp.ClientSession() as session, session.post(url, json=STREAMED) as response:
+        assert response.status == 200
+        async for line in response.content:
+            if not line.startswith(b"data: {"):
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+            if any(texts.values()) and on_first_text is not None:
+                on_first_text()
+                on_first_text = None
+    return texts
+
+
+def kill_generating_node(client: DistributedEngineClient) -> None:
+    [node] = [n for n in client.cluster.nodes.values() if n.running]
+    os.kill(client.nodes.pid(node.node_id), signal.SIGKILL)
+
+
+def test_the_generating_node_killed_mid_stream_costs_the_stream_nothing(cluster):
+    loop, client = cluster
+    before = client.stats().dist
+
+    async def main() -> tuple[dict[int, str], dict[int, str]]:
+        runner = runner_for(build_app(client, ServerSettings()), access_log=False)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
+        try:
+            return await stream_texts(url), await stream_texts(url, lambda: kill_generating_node(client))
+        finally:
+            await runner.cleanup()
+    undisturbed, killed = loop.run(main())
+    assert killed == undisturbed and set(killed) == {0, 1} and all(killed.values())
+    after = client.stats().dist
+    assert after.requests_resumed == before.requests_resumed + 1
+    assert after.node_deaths == before.node_deaths + 1
+    loop.run(client.cluster.wait_until(settled(time.monotonic()), timeout=300), timeout=310)  # it restarted

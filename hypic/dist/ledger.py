@@ -21,6 +21,7 @@ class _Totals:
     requests_local: int = 0
     requests_distributed: int = 0
     combine_retries: int = 0
+    resumed: int = 0
     sums: dict[str, float] = field(default_factory=dict)  # DistTimings fields summed over requests
 
 
@@ -53,9 +54,10 @@ class Ledger:
     def rewrite(self, record: RequestRecord, output: RequestOutput) -> RequestOutput:
         """Times on the router's clock (arrival here, first token as seen here) + the breakdown."""
         now = time.monotonic()
+        if any(d.token_ids for d in output.deltas):
+            self._uncharge_prompt(record)  # also on the first output after a resume elsewhere
         if record.first_token is None and any(d.token_ids for d in output.deltas):
             record.first_token = now
-            self._uncharge_prompt(record)
             if record.timings is not None:
                 record.timings = dataclasses.replace(record.timings, combine_s=now - record.generate_sent)
         m = output.metrics
@@ -67,15 +69,20 @@ class Ledger:
         return RequestOutput(output.request_id, output.deltas, output.finished, DistRequestMetrics(**values))
 
     def abort_output(self, record: RequestRecord) -> RequestOutput:
-        deltas = tuple(CompletionDelta(i, "", (), None, "abort") for i in range(record.request.params.n))
+        deltas = tuple(CompletionDelta(i, "", (), None, "abort") for i in range(record.request.params.n)
+                       if i not in record.finished)
         record.done = True
         metrics = DistRequestMetrics(record.arrival, prompt_tokens=record.prompt_tokens, dist=record.timings)
         return RequestOutput(record.request.request_id, deltas, True, metrics)
 
     # -- totals -----------------------------------------------------------------------------------
 
-    def combine_retry(self) -> None:
-        self._totals.combine_retries += 1
+    def retried(self, record: RequestRecord) -> None:
+        """Its node went down under it: it starts again elsewhere, or resumes if it had output."""
+        if record.generated:
+            self._totals.resumed += 1
+        else:
+            self._totals.combine_retries += 1
 
     def count(self, record: RequestRecord) -> None:
         if record.timings is None:
@@ -97,7 +104,7 @@ class Ledger:
             segments_redispatched=int(s.get("segments_redispatched", 0)), node_deaths=cluster.deaths,
             node_hangs=cluster.hangs, node_restarts=node_restarts,
             segment_errors=int(s.get("segment_errors", 0)), segment_timeouts=int(s.get("segment_timeouts", 0)),
-            combine_retries=t.combine_retries, transfer_bytes=int(s.get("transfer_bytes", 0)),
+            combine_retries=t.combine_retries, requests_resumed=t.resumed, transfer_bytes=int(s.get("transfer_bytes", 0)),
             plan_seconds=s.get("plan_s", 0.0), dispatch_seconds=s.get("dispatch_s", 0.0),
             comm_seconds=s.get("comm_s", 0.0), combine_seconds=s.get("combine_s", 0.0),
             nodes=sum_counters([n.counters for n in cluster.alive()]))

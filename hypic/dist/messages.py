@@ -112,6 +112,7 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
     cache_salt: str | None = None
     cache_mode: str | None = None
     add_special_tokens: bool = True
+    resume: dict[int, list[int]] = {}  # completion -> ids it generated on a node that died
 
 
 class Output(msgspec.Struct, frozen=True, tag=True):

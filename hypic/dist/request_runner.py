@@ -8,7 +8,10 @@ outputs are relayed. With one usable node, or nothing to gather, the request goe
 node (the local path).
 
 Faults cost latency, never a request: a segment source that fails is replaced (`Dispatch`); a
-combine node lost before the first token is replaced by another (`max_attempts` in all).
+combine node that dies or hangs is replaced by another (`max_attempts` in all). Lost mid-stream, the
+request resumes there from what it had produced: the prompt and each unfinished completion's ids
+are prefilled, its engine rebuilds the output-side state from them (penalties, remaining
+max_tokens, stop strings and text, seeded generators), and the stream goes on where it stopped.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ DOWN = object()  # event: the request's node went down
 
 
 class _Retry(Exception):
-    """The request's node went down before its first output: run it elsewhere."""
+    """The request's node went down: run it elsewhere (resumed, if it had produced anything)."""
 
 
 class RequestRunner:
@@ -59,7 +62,7 @@ class RequestRunner:
                 return
             except _Retry:
                 excluded.add(node.node_id)
-                self.ledger.combine_retry()
+                self.ledger.retried(record)
                 record.node = None
                 await node.send(Abort(record.request.request_id))  # a hung node may wake up
         raise EngineDeadError(f"request {record.request.request_id}: {self.dist.max_attempts} engine nodes "
@@ -93,7 +96,7 @@ class RequestRunner:
             timings = await self._gather(record, combine, placements)
         except CombineLost:
             excluded.add(combine.node_id)
-            self.ledger.combine_retry()
+            self.ledger.retried(record)
             return None
         if timings is not None:
             record.timings = dataclasses.replace(timings, plan_s=plan_s, attempts=len(excluded) + 1)
@@ -136,7 +139,7 @@ class RequestRunner:
         record.node, record.generate_sent = node, time.monotonic()
         self.ledger.charge(record, node)
         if not await node.send(Generate(r.request_id, prompt, r.params, r.cache_salt, r.cache_mode,
-                                        r.add_special_tokens)):
+                                        r.add_special_tokens, record.resume())):
             raise _Retry()
 
     async def _relay(self, record: RequestRecord, node: NodeHandle) -> AsyncGenerator[RequestOutput, None]:
@@ -145,15 +148,11 @@ class RequestRunner:
             if node_id != node.node_id:
                 continue  # from a node this request left
             if item is DOWN:
-                if record.outputs == 0:
-                    raise _Retry()
-                if not node.alive:
-                    raise EngineDeadError(f"{node.name} died while generating request {record.request.request_id}")
-                continue  # hung mid-stream: wait for it (the stream cannot move elsewhere)
+                raise _Retry()
             if isinstance(item, Failed):
                 raise_remote(item.error, node.name)
             output = self.ledger.rewrite(record, item.output)
-            record.outputs += 1
+            record.took(output)
             record.done = output.finished
             yield output
             if output.finished:

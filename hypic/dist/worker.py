@@ -170,7 +170,8 @@ class EngineNode:
     async def _generate(self, message: Generate) -> None:
         outputs = self.engine.generate(message.prompt, message.params, request_id=message.request_id,
                                        cache_salt=message.cache_salt, cache_mode=message.cache_mode,
-                                       add_special_tokens=message.add_special_tokens)
+                                       add_special_tokens=message.add_special_tokens,
+                                       resume=message.resume or None)
         try:
             async with aclosing(outputs):  # leaving early (router gone) aborts the request here
                 async for output in outputs:
