@@ -1,7 +1,8 @@
 """Segment parallelism across processes (CPU): three engine nodes joined by the TCP transport give the
 single-process `hypic` engine's greedy tokens and logprobs for cold, warm and mixed requests, and
 survive a worker killed or frozen in the middle of a request, the generating node killed mid-stream
-included (`--workers 3` behind the HTTP server).
+included (`--workers 3` behind the HTTP server); a node busy for longer than the hang timeout is not
+declared hung.
 
 One cluster serves the whole module (starting engine processes is the expensive part); the tests
 run in file order and each builds on the state the previous ones left.
@@ -25,6 +26,7 @@ from engine_util import Finished, collect, greedy
 from test_pic_engine import SEP, SYSTEM, pic_config
 
 from hypic import AsyncEngine, PromptTooLongError
+from hypic.engine.text.tokenizer import Tokenizer
 from hypic.dist.client import DistributedEngineClient
 from hypic.dist.config import DistConfig
 from hypic.dist.launch import start_cluster
@@ -296,3 +298,53 @@ def test_the_generating_node_killed_mid_stream_costs_the_stream_nothing(cluster)
     assert after.requests_resumed == before.requests_resumed + 1
     assert after.node_deaths == before.node_deaths + 1
     loop.run(client.cluster.wait_until(settled(time.monotonic()), timeout=300), timeout=310)  # it restarted
+
+
+def huge_prompt(model_dir, seconds: float) -> str:
+    """A prompt that takes a node about `seconds` to tokenize (timed here on a small part)."""
+    part = " ".join(WORDS) + "; "
+    sample = part * 4000
+    start = time.monotonic()
+    Tokenizer.from_dir(model_dir).encode(sample)
+    return sample * max(1, int(seconds / (time.monotonic() - start)))
+
+
+def test_a_node_busy_tokenizing_a_huge_prompt_is_not_declared_hung(cluster, slow_decay_model_dir):
+    loop, client = cluster
+    timeout = client.dist.node_timeout_s
+    huge = huge_prompt(slow_decay_model_dir, 2 * timeout)
+    before = client.stats().dist
+
+    async def main() -> tuple[float, float, float, str]:
+        silences = [0.0]
+        big = asyncio.ensure_future(collect_error(client.stream(GenerateRequest(huge, greedy(4), "huge"))))
+        while not any(time.monotonic() - n.last_heartbeat > 1.0 for n in client.cluster.nodes.values()):
+            await asyncio.sleep(0.02)  # its planner is tokenizing: its event loop no longer heartbeats
+        small = generate_async(client, prompt([0]), "beside-huge")
+        small_done = asyncio.ensure_future(small)
+        while not big.done():
+            silences.append(max(time.monotonic() - n.last_heartbeat for n in client.cluster.nodes.values()))
+            await asyncio.sleep(0.05)
+        await small_done
+        return max(silences), small_done.result(), time.monotonic(), big.result()
+    longest_silence, small_finished, big_failed, error = loop.run(main())
+    assert longest_silence > timeout  # heartbeats alone would have called it hung
+    assert error == "PromptTooLongError"  # the request's own answer, not a 503 for a lost node
+    assert small_finished < big_failed  # the other request was served meanwhile, on another node
+    assert client.stats().dist.node_hangs == before.node_hangs
+
+
+async def collect_error(outputs) -> str:
+    try:
+        async for _ in outputs:
+            pass
+    except Exception as error:  # noqa: BLE001 - the test reads which error it was
+        return type(error).__name__
+    return "none"
+
+
+async def generate_async(client: DistributedEngineClient, text: str, request_id: str) -> float:
+    """Runs a short request; when it finished."""
+    async for out in client.stream(GenerateRequest(text, PARAMS, request_id)):
+        assert out.deltas
+    return time.monotonic()

@@ -76,7 +76,7 @@ class RequestRunner:
 
     async def _route(self, record: RequestRecord, excluded: set[int]) -> NodeHandle | None:
         """The node to run the request on, its segments gathered there; None if that node went."""
-        nodes = [n for n in self.cluster.usable() if n.node_id not in excluded]
+        nodes = self.cluster.responsive([n for n in self.cluster.usable() if n.node_id not in excluded])
         if not nodes:
             raise EngineDeadError("no engine node is up to serve the request")
         if len(nodes) == 1:
