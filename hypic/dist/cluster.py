@@ -192,17 +192,23 @@ class Cluster:
         self._spawn(self.notify())
 
     async def _watch_heartbeats(self) -> None:
+        tick = time.monotonic()
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
-            now = time.monotonic()
+            now, last = time.monotonic(), tick
+            tick = now
+            if now - last > 2 * self.config.heartbeat_s:
+                continue  # this event loop was held up: what the nodes sent meanwhile is not read yet
             for handle in list(self.nodes.values()):
                 silent = now - handle.last_sign_of_life()
                 if not handle.hung and handle.stats is not None and silent > self.config.node_timeout_s:
-                    handle.hung = True
-                    self.hangs += 1
-                    log.warning("%s sent no heartbeat and used no CPU for %.1f s: treating it as hung", handle.name,
-                                silent)
-                    self._listener.node_down(handle, "hung")
+                    self._hung(handle, silent)
+
+    def _hung(self, handle: NodeHandle, silent: float) -> None:
+        handle.hung = True
+        self.hangs += 1
+        log.warning("%s sent no heartbeat and used no CPU for %.1f s: treating it as hung", handle.name, silent)
+        self._listener.node_down(handle, "hung")
 
     async def notify(self) -> None:
         async with self._changed:
