@@ -99,3 +99,17 @@ def test_a_resume_past_max_tokens_or_n_is_refused(engine_loop):
     for resume in ({0: list(range(10, 14))}, {2: [10]}):
         with pytest.raises(InvalidRequestError, match="resume"):
             loop.run_until_complete(run(engine, replace(greedy(4), n=2), resume))
+
+
+@pytest.mark.gpu
+def test_a_seeded_request_resumes_on_cuda(tiny_model_dir):
+    """CUDA generators advance by offsets: the skipped draws must move them as sampling would."""
+    params = SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=24, ignore_eos=True, **PENALTIES)
+
+    async def main() -> tuple[Stream, Stream]:
+        config = cpu_config(tiny_model_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+        async with AsyncEngine(config) as engine:
+            whole = await run(engine, params)
+            return whole, await run(engine, params, resumed(whole, range(params.n)))
+    whole, rest = asyncio.run(main())
+    assert_continues(whole, rest, range(params.n))
