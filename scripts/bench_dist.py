@@ -37,7 +37,7 @@ from bench_engine import model_dir, random_weights, shape_config
 
 from hypic import EngineConfig, SamplingParams
 from hypic.dist.config import DistConfig
-from hypic.dist.launch import start_cluster
+from hypic.dist.client import start_cluster
 from hypic.engine.text.tokenizer import Tokenizer
 from hypic.engine.client import EngineClient, GenerateRequest, InProcessEngineClient
 

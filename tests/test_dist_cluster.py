@@ -29,7 +29,7 @@ from hypic import AsyncEngine, PromptTooLongError
 from hypic.engine.text.tokenizer import Tokenizer
 from hypic.dist.client import DistributedEngineClient
 from hypic.dist.config import DistConfig
-from hypic.dist.launch import start_cluster
+from hypic.dist.client import start_cluster
 from hypic.dist.messages import Build
 from hypic.engine.client import GenerateRequest
 from hypic.serve.app import build_app, runner_for

@@ -51,7 +51,7 @@ def test_cpu_seconds_is_what_the_process_itself_counts():
 def test_the_pulse_reports_the_cpu_time_of_a_process_too_busy_to_speak():
     with socket.create_server(("127.0.0.1", 0)) as server:
         server.settimeout(10)
-        process = pulse.start(f"tcp://127.0.0.1:{server.getsockname()[1]}", 7, 0.05)
+        process = pulse.start_pulse(f"tcp://127.0.0.1:{server.getsockname()[1]}", 7, 0.05)
         try:
             conn, _ = server.accept()
             conn.settimeout(10)

@@ -19,6 +19,6 @@ def __getattr__(name: str):
         from hypic.dist.client import DistributedEngineClient
         return DistributedEngineClient
     if name == "start_cluster":
-        from hypic.dist.launch import start_cluster
+        from hypic.dist.client import start_cluster
         return start_cluster
     raise AttributeError(f"module 'hypic.dist' has no attribute {name!r}")

@@ -3,18 +3,22 @@
 It admits requests, hands each to the `RequestRunner` (routing and retries) and relays what comes
 back; the `Ledger` charges each request's load to its node and keeps the statistics; the `Cluster`
 tells it who joined, left or hung, which it passes on to the requests concerned.
+
+    client = start_cluster(EngineConfig(model=...), workers=4, gpus=None, device="auto")
+    await client.start()        # spawns the nodes, waits until every one has joined
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
 
 from hypic.config import EngineConfig
 from hypic.dist.cluster import Cluster, NodeHandle
 from hypic.dist.config import DistConfig
+from hypic.dist.launch import LocalNodes, plan_nodes
 from hypic.dist.ledger import Ledger
 from hypic.dist.messages import Abort, Arrived, Failed, Flush, Output, Probe, ProbeReply, Progress, Shutdown
 from hypic.dist.request_record import RequestRecord
@@ -27,11 +31,21 @@ from hypic.errors import EngineDeadError, InvalidRequestError
 from hypic.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from hypic.dist.launch import LocalNodes
     from hypic.engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger("hypic.dist")
 _ABORTS_S = 5.0  # at shutdown, how long aborted requests get to deliver their last output
+
+
+def start_cluster(config: EngineConfig, workers: int, gpus: list[int] | None, device: str,
+                  dist: DistConfig | None = None,
+                  configure: Callable[[EngineConfig], EngineConfig] | None = None) -> DistributedEngineClient:
+    """A client for `workers` engine processes (one per GPU of `gpus`, round robin when there are
+    more workers than GPUs; `device="cpu"`: CPU processes). Nothing starts before `await start()`.
+    `configure` runs in each node process before its engine is built (see NodeSpec)."""
+    dist = dist or DistConfig()
+    plans, transport = plan_nodes(config, workers, gpus, device, dist.transport)
+    return DistributedEngineClient(config, LocalNodes(plans, dist, transport, configure), dist)
 
 
 class DistributedEngineClient:

@@ -29,7 +29,7 @@ def available() -> bool:
     return Path("/proc/self/stat").exists()
 
 
-def start(router_address: str, node_id: int, interval_s: float) -> subprocess.Popen | None:
+def start_pulse(router_address: str, node_id: int, interval_s: float) -> subprocess.Popen | None:
     """The pulse of this process (None where it cannot read CPU time); terminate it at exit."""
     if not available():
         return None

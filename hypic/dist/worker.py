@@ -27,7 +27,7 @@ import msgspec
 import torch
 
 from hypic.config import EngineConfig
-from hypic.dist import pulse
+from hypic.dist.pulse import start_pulse
 from hypic.dist.affinity import prefix_hashes
 from hypic.dist.link import Link
 from hypic.dist.messages import (NODE_CODEC, Abort, Build, Cancel, Expect, Failed, Generate, Heartbeat,
@@ -106,7 +106,7 @@ class EngineNode:
         self.transport = make_transport(self.spec.transport, self.engine.device)
         await self.transport.start(f"tcp://{self.spec.data_host}:0")
         self.link = await self._join()
-        self.pulse = pulse.start(self.spec.router_address, self.node_id, self.spec.heartbeat_s)
+        self.pulse = start_pulse(self.spec.router_address, self.node_id, self.spec.heartbeat_s)
         self.work = SegmentWork(self.node_id, self.engine, self.transport, self.link.send)
         self.link.start()
         waits = [asyncio.create_task(self._heartbeats()), asyncio.create_task(self.link.closed.wait()),
