@@ -36,9 +36,9 @@ from bench_engine import model_dir, random_weights, shape_config
 
 from hypic import EngineConfig, SamplingParams
 from hypic.dist.config import DistConfig
-from hypic.dist.launch import start_cluster
+from hypic.dist.client import start_cluster
 from hypic.engine.text.tokenizer import Tokenizer
-from hypic.serve.engine_client import EngineClient, GenerateRequest, InProcessEngineClient
+from hypic.engine.client import EngineClient, GenerateRequest, InProcessEngineClient
 from results import device_label, result_path, run_record
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)

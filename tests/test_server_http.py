@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from hypic.config import EngineConfig
 from hypic.serve.app import build_app, runner_for
-from hypic.serve.engine_client import InProcessEngineClient
+from hypic.engine.client import InProcessEngineClient
 from hypic.serve.server import drain
 from hypic.serve.state import ServerSettings
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -83,20 +84,26 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, prompt: SegmentedPrompt, params: SamplingParams, *, request_id: str | None = None,
-                    cache_salt: str | None = None, cache_mode: str | None = None) -> str:
+                    cache_salt: str | None = None, cache_mode: str | None = None,
+                    resume: Mapping[int, list[int]] | None = None) -> str:
+        """resume: completion index -> the ids it generated elsewhere (a node that died); only those
+        completions run here, each continuing from its own tokens as if it had made them here."""
         request_id = request_id or uuid.uuid4().hex
         if len(prompt.segments) > 2 and not prompt.segments[-1]:
             params = dataclasses.replace(params, max_tokens=0)  # a warm-up: it only fills the caches
         info = self._request_info(prompt, params, request_id, cache_salt, cache_mode)
+        _check_resume(resume or {}, params)
         state = RequestState(info)
         self.requests[request_id] = state
         self.structured.add(request_id, params.structured)
-        seq = Sequence(info, 0)
-        self._new_completion(state, seq)
         planned = self.pic.plan(prompt, info.cache_mode, cache_salt)
-        for job in self.pic.attach(seq, planned):
-            self.scheduler.add(job, first=True)
-        self.scheduler.add(seq)
+        for index, output_ids in (resume or {0: []}).items():
+            seq = Sequence(info, index, output_ids)
+            self._new_completion(state, seq)
+            self.structured.replay(seq, output_ids)
+            for job in self.pic.attach(seq, planned):
+                self.scheduler.add(job, first=True)
+            self.scheduler.add(seq)
         self.counters["prompt"] += len(info.prompt_ids)
         return request_id
 
@@ -240,6 +247,8 @@ class LLMEngine:
     def _new_completion(self, state: RequestState, seq: Sequence) -> None:
         seed = state.info.params.seed
         generator = None if seed is None else make_generator(seed + seq.index, self.device)
+        if generator is not None:
+            self.sampler.skip(generator, state.info.params, len(seq.output_ids))  # resumed: its draws so far
         state.completions[seq.index] = Completion(seq, self.tokenizer, generator)
 
     def _sampling_row(self, completion: Completion) -> SamplingRow:
@@ -327,6 +336,15 @@ class LLMEngine:
             requests_finished=c["finished"], requests_aborted=c["aborted"], prompt_tokens=c["prompt"],
             generated_tokens=c["generated"], cached_tokens=c["cached"],
             preemptions=self.scheduler.preemptions)
+
+
+def _check_resume(resume: Mapping[int, list[int]], params: SamplingParams) -> None:
+    for index, output_ids in resume.items():
+        if not 0 <= index < params.n:
+            raise InvalidRequestError(f"resume: completion {index} is outside the request's n={params.n}")
+        if params.max_tokens is not None and len(output_ids) >= params.max_tokens:
+            raise InvalidRequestError(f"resume: completion {index} has {len(output_ids)} tokens, "
+                                      f"max_tokens={params.max_tokens} already")
 
 
 def _tokens_that_fit(shape, budget: int, block_size: int, dtype: torch.dtype) -> int:

@@ -127,6 +127,14 @@ class Sampler:
                 noise[i].exponential_(generator=row.generator)  # this row's draws depend on its seed only
         return noise.clamp_(min=_TINY)
 
+    def skip(self, generator: torch.Generator, params: SamplingParams, samples: int) -> None:
+        """Advances a row's own generator past `samples` picks, as if this sampler had made them:
+        a completion resumed here continues the random stream its seed gives."""
+        if is_greedy(params):
+            return  # greedy rows draw nothing
+        for _ in range(samples):
+            torch.empty(self.vocab_size, device=generator.device).exponential_(generator=generator)
+
     def _default_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
             self._generators[device] = make_generator(self._seed, device)

@@ -102,6 +102,11 @@ class StructuredDecoding:
             logger.warning("%s: structured output stopped: %s", seq.info.request_id, matcher.get_error())
         return matcher.is_stopped()
 
+    def replay(self, seq: Sequence, ids: list[int]) -> None:
+        """A completion resumed from the ids it made elsewhere: its matcher consumes them first."""
+        for token in ids:
+            self.advance(seq, token)
+
     def _state(self, seq: Sequence) -> _Constrained:
         compiled, states = self._requests[seq.info.request_id]
         if seq.index not in states:

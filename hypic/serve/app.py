@@ -7,7 +7,7 @@ from hypic.serve import admin_routes, info_routes
 from hypic.serve.chat import create_chat_completion
 from hypic.serve.chat_reply import agent_settings
 from hypic.serve.completions import create_completion
-from hypic.serve.engine_client import EngineClient
+from hypic.engine.client import EngineClient
 from hypic.serve.metrics import ServerMetrics
 from hypic.serve.middleware import MIDDLEWARES
 from hypic.serve.state import STATE, ServerSettings, ServerState

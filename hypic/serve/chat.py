@@ -13,7 +13,7 @@ from msgspec.structs import replace
 from hypic.outputs import RequestOutput
 from hypic.serve.chat_reply import ReplyFormat, ReplyStream, reply_format, whole_reply
 from hypic.serve.choices import UsageCounter, collect, worth_sending
-from hypic.serve.engine_client import GenerateRequest
+from hypic.engine.client import GenerateRequest
 from hypic.serve.http_errors import bad_request, engine_errors
 from hypic.serve.logprobs import chat_logprobs
 from hypic.serve.protocol import (

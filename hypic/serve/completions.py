@@ -11,7 +11,7 @@ from msgspec.structs import replace
 
 from hypic.outputs import RequestOutput
 from hypic.serve.choices import UsageCounter, choice_index, collect, worth_sending
-from hypic.serve.engine_client import GenerateRequest
+from hypic.engine.client import GenerateRequest
 from hypic.serve.http_errors import bad_request, engine_errors
 from hypic.serve.logprobs import completion_logprobs
 from hypic.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse

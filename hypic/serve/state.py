@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from hypic.serve.engine_client import EngineClient
+from hypic.engine.client import EngineClient
 from hypic.serve.metrics import ServerMetrics
 
 

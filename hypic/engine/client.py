@@ -1,9 +1,10 @@
-"""The one interface through which the HTTP layer reaches an engine.
+"""The one interface through which callers (the HTTP server, benchmarks) reach an engine.
 
-The server never touches engine internals: requests go in through `stream`, come back as
-RequestOutputs, are cancelled through `abort`, and everything it reports comes from `stats` and
-`info`. In-process here; the segment-parallelism work puts several engine processes behind the
-same Protocol.
+They never touch engine internals: requests go in through `stream`, come back as RequestOutputs,
+are cancelled through `abort`, and everything reported comes from `stats` and `info`. One engine in
+this process here (`InProcessEngineClient`); `hypic.dist` puts a cluster of engine processes behind
+the same Protocol. It lives beside the engine so that `serve` and `dist` both depend on it and
+never on each other.
 """
 from __future__ import annotations
 
