@@ -1,8 +1,12 @@
-"""The `hypic` command: `hypic serve [options]` (same options as `python -m hypic.serve`)."""
+"""The `hypic` command: `hypic serve [options]` (same options as `python -m hypic.serve`) and
+`hypic bench serve [options]` (load generation against any OpenAI-compatible server)."""
 from __future__ import annotations
 
 import argparse
 
+from hypic.bench.serve import __doc__ as bench_serve_doc
+from hypic.bench.serve import add_bench_arguments
+from hypic.bench.serve import run_from_args as run_bench
 from hypic.serve.args import add_serve_arguments
 from hypic.serve.server import DESCRIPTION, run_from_args
 
@@ -12,5 +16,11 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server", description=DESCRIPTION)
     add_serve_arguments(serve)
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    bench_serve = bench.add_parser("serve", help="RAG / chat / traced load against an OpenAI-compatible server",
+                                   description=bench_serve_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_arguments(bench_serve)
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return run_bench(args)
     return run_from_args(serve, args)
