@@ -79,7 +79,17 @@ def summarize(rate: float, dispatched: Sequence[Dispatched[Outcome]], slo: Slo) 
         **distribution("itl", [gap for o in ok for gap in o.itl_s]),
         **distribution("tpot", [t for t in map(tpot, ok) if t is not None]),
         **distribution("e2e", [o.e2e_s for o in ok]),
+        "samples": [sample(d) for d in dispatched],
     }
+
+
+def sample(dispatched: Dispatched[Outcome]) -> dict:
+    """One request's record (in plan order): when it arrived and went out, and what it measured."""
+    outcome = dispatched.result
+    return {"arrival_s": dispatched.planned.arrival_s, "sent_s": dispatched.sent_s, "ttft_s": outcome.ttft_s,
+            "e2e_s": outcome.e2e_s, "tpot_s": tpot(outcome), "prompt_tokens": outcome.prompt_tokens,
+            "completion_tokens": outcome.completion_tokens, "cached_tokens": outcome.cached_tokens,
+            "error": outcome.error}
 
 
 def _per_s(count: float, duration: float) -> float:
