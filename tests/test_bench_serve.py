@@ -355,3 +355,15 @@ def test_bad_token_id_segments_get_a_400_naming_the_problem(server) -> None:
     assert code == 400 and "empty" in message
     code, _ = asyncio.run(status(["text", [1, 2]]))
     assert code == 400
+
+
+def test_cold_documents_are_new_and_counted(tokenizer) -> None:
+    spec = RagSpec(**{**SMALL_RAG.__dict__, "cold_fraction": 0.25})
+    workload = RagWorkload(tokenizer, spec)
+    requests = take(workload, 80)
+    seen: set[str] = set(workload.documents)
+    for request in requests:
+        new = [doc for doc in request.texts[1:-1] if doc not in seen]
+        assert len(new) == request.cold_segments
+        seen.update(new)
+    assert 0.15 < sum(r.cold_segments for r in requests) / (80 * 3) < 0.35

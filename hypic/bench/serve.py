@@ -78,6 +78,8 @@ def _workload_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--zipf-s", type=float, default=rag.zipf_s, help="rag: popularity exponent (default: %(default)s)")
     group.add_argument("--system-tokens", type=int, default=rag.system_tokens, help="(default: %(default)s)")
     group.add_argument("--question-tokens", type=int, default=rag.question_tokens, help="rag (default: %(default)s)")
+    group.add_argument("--cold-fraction", type=float, default=rag.cold_fraction,
+                       help="rag: each document is a new one with this probability (default: %(default)s)")
     group.add_argument("--preheat", action="store_true", help="rag: send every document once before each series")
     group.add_argument("--conversations", type=int, default=chat.conversations, help="chat: in flight (default: %(default)s)")
     group.add_argument("--turns", type=int, default=chat.turns, help="chat: per conversation (default: %(default)s)")
@@ -139,7 +141,7 @@ def build_workload(tokenizer: Tokenizer, args: argparse.Namespace) -> Workload:
                                                 args.answer_tokens, args.max_tokens, args.seed))
     return RagWorkload(tokenizer, RagSpec(args.documents, args.doc_tokens, args.doc_tokens_range, args.docs_per_request,
                                           args.zipf_s, args.system_tokens, args.question_tokens, args.max_tokens,
-                                          args.seed))
+                                          args.seed, args.cold_fraction))
 
 
 @contextlib.contextmanager

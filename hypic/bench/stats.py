@@ -89,7 +89,7 @@ def sample(dispatched: Dispatched[Outcome]) -> dict:
     return {"arrival_s": dispatched.planned.arrival_s, "sent_s": dispatched.sent_s, "ttft_s": outcome.ttft_s,
             "e2e_s": outcome.e2e_s, "tpot_s": tpot(outcome), "prompt_tokens": outcome.prompt_tokens,
             "completion_tokens": outcome.completion_tokens, "cached_tokens": outcome.cached_tokens,
-            "error": outcome.error}
+            "cold_segments": dispatched.planned.request.cold_segments, "error": outcome.error}
 
 
 def _per_s(count: float, duration: float) -> float:

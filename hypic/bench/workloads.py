@@ -10,7 +10,7 @@ import itertools
 import json
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hypic.data.lexicon import filler_sentence
@@ -31,6 +31,7 @@ class BenchRequest:
     messages: tuple[dict, ...] | None = None  # a trace's chat messages: sent as text to /v1/chat/completions
     after: int | None = None  # the index (in its stream) of the request that must finish first: a previous turn
     arrival_s: float | None = None  # a trace's arrival time
+    cold_segments: int = 0  # documents no earlier request had (rag with cold_fraction > 0)
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -42,7 +43,8 @@ class BenchRequest:
 class RagSpec:
     """A corpus of `documents` documents (lengths uniform in doc_tokens·(1 ± doc_tokens_range)),
     drawn with Zipf(zipf_s) popularity, docs_per_request of them per request in random order, after
-    a fixed system prompt and before a new question."""
+    a fixed system prompt and before a new question. Each document is, with probability
+    cold_fraction, replaced by a new one that no request had (a cache miss)."""
 
     documents: int = 100
     doc_tokens: int = 1500
@@ -53,6 +55,7 @@ class RagSpec:
     question_tokens: int = 24
     max_tokens: int = 32
     seed: int = 0
+    cold_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.docs_per_request <= self.documents:
@@ -60,6 +63,8 @@ class RagSpec:
                 f"docs per request must be in [1, {self.documents}] (the corpus size); got {self.docs_per_request}")
         if not 0 <= self.doc_tokens_range < 1:
             raise InvalidRequestError(f"the document length range must be in [0, 1); got {self.doc_tokens_range}")
+        if not 0 <= self.cold_fraction <= 1:
+            raise InvalidRequestError(f"the cold fraction must be in [0, 1]; got {self.cold_fraction}")
 
 
 @dataclass(frozen=True)
@@ -123,19 +128,27 @@ class RagWorkload:
     def __init__(self, tokenizer: Tokenizer, spec: RagSpec) -> None:
         self.tokenizer, self.spec = tokenizer, spec
         source = TextSource(tokenizer, spec.seed)
-        lengths = random.Random(spec.seed + 1)
-        low, high = spec.doc_tokens * (1 - spec.doc_tokens_range), spec.doc_tokens * (1 + spec.doc_tokens_range)
         self.system = source.text(spec.system_tokens)
-        self.documents = [source.text(max(1, round(lengths.uniform(low, high)))) for _ in range(spec.documents)]
+        lengths = random.Random(spec.seed + 1)
+        self.documents = [self._document(source, lengths) for _ in range(spec.documents)]
+
+    def _document(self, source: TextSource, lengths: random.Random) -> str:
+        spread = self.spec.doc_tokens * self.spec.doc_tokens_range
+        return source.text(max(1, round(lengths.uniform(self.spec.doc_tokens - spread, self.spec.doc_tokens + spread))))
 
     def requests(self) -> Iterator[BenchRequest]:
         spec = self.spec
         rng, questions = random.Random(spec.seed + 2), TextSource(self.tokenizer, spec.seed + 3)
+        cold, cold_source = random.Random(spec.seed + 4), TextSource(self.tokenizer, spec.seed + 5)
         cumulative = list(itertools.accumulate(zipf_weights(spec.documents, spec.zipf_s)))
         while True:
             docs = [self.documents[i] for i in pick_documents(rng, cumulative, spec.docs_per_request)]
+            misses = [i for i in range(len(docs)) if cold.random() < spec.cold_fraction]
+            for i in misses:
+                docs[i] = self._document(cold_source, cold)
             texts = [self.system, *docs, questions.text(spec.question_tokens) + " Question:"]
-            yield request_from_texts(self.tokenizer, texts, spec.max_tokens)
+            request = request_from_texts(self.tokenizer, texts, spec.max_tokens)
+            yield replace(request, cold_segments=len(misses)) if misses else request
 
     def preheat(self) -> list[BenchRequest]:
         """One request per document (system prompt, the document, no question): fills the caches."""
