@@ -146,6 +146,8 @@ def test_a_rate_point_by_hand() -> None:
     assert point["itl_p50_s"] == pytest.approx(0.2) and point["e2e_p99_s"] == pytest.approx(0.5 + 1.9 * 0.99)
     assert point["input_tokens_per_s"] == pytest.approx(200 / 3.4) and point["cached_token_fraction"] == 0.3
     assert point["output_tokens_per_s"] == pytest.approx(8 / 3.4)
+    assert [(s["sent_s"], s["itl_max_s"], s["error"]) for s in point["samples"]] == [
+        (0.0, 0.1, None), (1.0, 0.3, None), (2.1, None, "HTTP 503")]
 
 
 def _point(rate: float, ttft_p50: float, achieved: float) -> dict:

@@ -87,7 +87,7 @@ def sample(dispatched: Dispatched[Outcome]) -> dict:
     """One request's record (in plan order): when it arrived and went out, and what it measured."""
     outcome = dispatched.result
     return {"arrival_s": dispatched.planned.arrival_s, "sent_s": dispatched.sent_s, "ttft_s": outcome.ttft_s,
-            "e2e_s": outcome.e2e_s, "tpot_s": tpot(outcome), "prompt_tokens": outcome.prompt_tokens,
+            "e2e_s": outcome.e2e_s, "tpot_s": tpot(outcome), "itl_max_s": max(outcome.itl_s, default=None), "prompt_tokens": outcome.prompt_tokens,
             "completion_tokens": outcome.completion_tokens, "cached_tokens": outcome.cached_tokens,
             "cold_segments": dispatched.planned.request.cold_segments, "error": outcome.error}
 
