@@ -166,7 +166,7 @@ def started_server(args: argparse.Namespace) -> Iterator[tuple[str, str | None]]
 
 async def run_sweeps(url: str, workload: Workload, args: argparse.Namespace) -> dict:
     """Warm-up, then for each series (cache mode): flush, preheat and the rate sweep."""
-    slo = stats.Slo(args.slo_ttft, args.slo_tpot, args.keep_up)
+    slo, started = stats.Slo(args.slo_ttft, args.slo_tpot, args.keep_up), report.provenance()
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         base = client.Target(url, args.model or await first_model(session, url), args.backend, args.prompt_form,
@@ -184,7 +184,7 @@ async def run_sweeps(url: str, workload: Workload, args: argparse.Namespace) -> 
             points = await sweep(session, target, workload, args, slo)
             series.append({"label": mode or args.label or args.backend, "cache_mode": mode, "points": points,
                            "sustainable": stats.sustainable_rate(points, slo), **stats.saturation(points)})
-    return {"benchmark": "bench_serve", **report.provenance(),
+    return {"benchmark": "bench_serve", **started,
             "server": {"url": url, "model": base.model, "backend": args.backend, "prompt_form": args.prompt_form},
             "workload": workload_record(workload, args), "slo": asdict(slo), "series": series}
 
