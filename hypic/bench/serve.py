@@ -118,6 +118,8 @@ def _rates(text: str) -> list[float]:
 
 def run_from_args(args: argparse.Namespace) -> int:
     try:
+        if args.cache_modes and args.backend != "hypic":
+            raise HypicError("--cache-modes needs --backend hypic (other servers have no per-request cache mode)")
         if not args.no_progress:
             report.require("tqdm", "the progress bar", "--no-progress")
         if not args.no_plot:
@@ -212,7 +214,7 @@ async def preheat(session: aiohttp.ClientSession, target: client.Target, workloa
 async def sweep(session: aiohttp.ClientSession, target: client.Target, workload: Workload,
                 args: argparse.Namespace, slo: stats.Slo) -> list[dict]:
     """One point per rate, each with fresh requests of the same seeded stream (every series alike)."""
-    stream = enumerate(itertools.islice(workload.requests(), args.warmup, None))
+    stream = enumerate(itertools.islice(workload.requests(), args.warmup, None), start=args.warmup)  # `after` counts from 0
     rates = args.request_rate or [None if isinstance(workload, TraceWorkload) else float("inf")]
     rng, points = random.Random(args.seed), []
     for rate in rates:
