@@ -1,11 +1,11 @@
 """The `hypic` command: `hypic serve [options]` (same options as `python -m hypic.serve`) and
-`hypic bench serve [options]` (load generation against any OpenAI-compatible server)."""
+`hypic bench serve [options]` (load generation against any OpenAI-compatible server), `hypic bench plot`."""
 from __future__ import annotations
 
 import argparse
 
 from hypic.bench.serve import __doc__ as bench_serve_doc
-from hypic.bench.serve import add_bench_arguments
+from hypic.bench.serve import add_bench_arguments, add_plot_arguments, plot_from_args
 from hypic.bench.serve import run_from_args as run_bench
 from hypic.serve.args import add_serve_arguments
 from hypic.serve.server import DESCRIPTION, run_from_args
@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     bench_serve = bench.add_parser("serve", help="RAG / chat / traced load against an OpenAI-compatible server",
                                    description=bench_serve_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_bench_arguments(bench_serve)
+    add_plot_arguments(bench.add_parser("plot", help="one figure from several hypic bench serve results"))
     args = parser.parse_args(argv)
     if args.command == "bench":
-        return run_bench(args)
+        return plot_from_args(args) if args.benchmark == "plot" else run_bench(args)
     return run_from_args(serve, args)

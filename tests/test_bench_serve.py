@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_server_http import LoopThread
 
-from hypic.bench import arrivals, client, stats
+from hypic.bench import arrivals, client, report, stats
 from hypic.bench.arrivals import Clock, Dispatched, Planned
 from hypic.bench.client import Outcome, Target
 from hypic.bench.workloads import BenchRequest, ChatSpec, ChatWorkload, RagSpec, RagWorkload, TraceWorkload, zipf_weights
@@ -369,3 +369,19 @@ def test_cold_documents_are_new_and_counted(tokenizer) -> None:
         assert len(new) == request.cold_segments
         seen.update(new)
     assert 0.15 < sum(r.cold_segments for r in requests) / (80 * 3) < 0.35
+
+
+def test_plot_draws_several_runs_together(tmp_path, capsys) -> None:
+    def result(label: str, achieved: float) -> dict:
+        points = [{**_point(1.0, 0.2, 1.0), "ttft_p99_s": 0.3}, {**_point(math.inf, 3.0, achieved), "ttft_p99_s": 4.0}]
+        return {"slo": {"ttft_s": 1.0}, "series": [{"label": label, "points": points, **stats.saturation(points),
+                                                      "sustainable": stats.sustainable_rate(points, stats.Slo())}]}
+    paths = []
+    for label, achieved in (("vllm", 2.0), ("hypic", 6.0)):
+        paths.append(tmp_path / f"{label}.json")
+        report.write_json(paths[-1], result(label, achieved))
+    assert json.loads(paths[0].read_text())["series"][0]["points"][1]["request_rate"] == "inf"
+    assert main(["bench", "plot", str(tmp_path / "both.png"), *map(str, paths)]) == 0
+    assert (tmp_path / "both.png").stat().st_size > 10_000
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("vllm: sustainable 1.0 req/s (at_least)") and "saturated 6.00 req/s" in lines[1]

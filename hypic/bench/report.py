@@ -1,5 +1,5 @@
 """Results of a sweep: the JSON file and its PNG (TTFT and throughput against the offered rate, a
-line per series: a server or a cache mode)."""
+line per series: a server or a cache mode). `hypic bench plot` draws several result files together."""
 from __future__ import annotations
 
 import datetime
@@ -16,12 +16,12 @@ from hypic.errors import HypicError
 class MissingBenchDependency(HypicError):
     """A package of the `bench` extra is not installed."""
 
-    def __init__(self, package: str, needed_for: str, flag: str) -> None:
+    def __init__(self, package: str, needed_for: str, flag: str | None) -> None:
         super().__init__(f"{needed_for} needs {package}, which is not installed: pip install 'hypic[bench]' "
-                         f"(or pip install {package}), or pass {flag}")
+                         f"(or pip install {package})" + (f", or pass {flag}" if flag else ""))
 
 
-def require(package: str, needed_for: str, flag: str) -> None:
+def require(package: str, needed_for: str, flag: str | None = None) -> None:
     """Fail before any request goes out when a bench-extra package is missing."""
     try:
         __import__(package)
@@ -55,6 +55,24 @@ def jsonable(value: object) -> object:
     if isinstance(value, (list, tuple)):
         return [jsonable(item) for item in value]
     return value
+
+
+def read_series(paths: Sequence[Path]) -> list[dict]:
+    """Every series of these result files, in order, rates back as floats ("inf" included), each
+    with its file's TTFT SLO (`slo_ttft_s`)."""
+    series = []
+    for path in paths:
+        result = json.loads(path.read_text())
+        for one in result["series"]:
+            points = [{**point, "request_rate": float(point["request_rate"])} for point in one["points"]]
+            series.append({**one, "points": points, "slo_ttft_s": result["slo"]["ttft_s"]})
+    return series
+
+
+def summary_line(series: dict, slo_ttft: float) -> str:
+    rate = series["sustainable"]
+    return (f"{series['label']}: sustainable {rate['rate']} req/s ({rate['bound']}) at p50 TTFT <= {slo_ttft} s; "
+            f"saturated {series['saturated_rps']:.2f} req/s, {series['saturated_output_tokens_per_s']:.0f} output tok/s")
 
 
 def plot(path: Path, series: Sequence[dict], title: str) -> None:

@@ -285,7 +285,22 @@ def save(result: dict, args: argparse.Namespace) -> None:
     if not args.no_plot:
         report.plot(out.with_suffix(".png"), result["series"], f"{result['server']['model']}: {result['workload']['kind']}")
     for one in result["series"]:
-        rate = one["sustainable"]
-        print(f"{one['label']}: sustainable {rate['rate']} req/s ({rate['bound']}) at p50 TTFT <= {args.slo_ttft} s; "
-              f"saturated {one['saturated_rps']:.2f} req/s, {one['saturated_output_tokens_per_s']:.0f} output tok/s")
+        print(report.summary_line(one, args.slo_ttft))
     print(f"wrote {out}")
+
+
+def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", type=Path, help="PNG to write")
+    parser.add_argument("results", type=Path, nargs="+", help="JSON files of hypic bench serve")
+    parser.add_argument("--title", default="", help="figure title")
+
+
+def plot_from_args(args: argparse.Namespace) -> int:
+    """One figure with every series of several runs (servers, or cache modes run one at a time)."""
+    report.require("matplotlib", "hypic bench plot")
+    series = report.read_series(args.results)
+    report.plot(args.out, series, args.title)
+    for one in series:
+        print(report.summary_line(one, one["slo_ttft_s"]))
+    print(f"wrote {args.out}")
+    return 0
