@@ -12,12 +12,14 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import os
 import random
 import re
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -54,6 +56,8 @@ def _target_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--backend", choices=("hypic", "openai"), default="hypic",
                        help="hypic: prompts as segments, cache_mode per request; openai: one prompt (vLLM, SGLang, ...)")
     group.add_argument("--model", help="model id to send (default: the server's first in /v1/models)")
+    group.add_argument("--api-key", default=os.environ.get("HYPIC_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                       help="sent as Authorization: Bearer (default: $HYPIC_API_KEY or $OPENAI_API_KEY)")
     group.add_argument("--tokenizer", type=Path, default=BUNDLED_MODEL,
                        help="model directory with tokenizer.json (default: the bundled model)")
     group.add_argument("--prompt-form", choices=("ids", "text"), default="ids",
@@ -159,6 +163,7 @@ def started_server(args: argparse.Namespace) -> Iterator[tuple[str, str | None]]
     if match is None:
         process.kill()
         raise SystemExit(f"hypic bench serve: the server did not start (exit {process.wait()}): {line!r}")
+    threading.Thread(target=process.stdout.read, daemon=True).start()  # a full pipe would block the server
     try:
         yield match.group(1), line.strip()
     finally:
@@ -170,7 +175,8 @@ async def run_sweeps(url: str, workload: Workload, args: argparse.Namespace) -> 
     """Warm-up, then for each series (cache mode): flush, preheat and the rate sweep."""
     slo, started = stats.Slo(args.slo_ttft, args.slo_tpot, args.keep_up), report.provenance()
     timeout = aiohttp.ClientTimeout(total=args.timeout)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0), headers=headers) as session:
         base = client.Target(url, args.model or await first_model(session, url), args.backend, args.prompt_form,
                              ignore_eos=not args.no_ignore_eos)
         if args.warmup:
