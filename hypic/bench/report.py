@@ -38,7 +38,18 @@ def provenance() -> dict:
     except OSError:
         commit = None
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
-            "command": " ".join(["hypic", *sys.argv[1:]])}
+            "command": " ".join(["hypic", *_without_secrets(sys.argv[1:])])}
+
+
+def _without_secrets(argv: Sequence[str]) -> list[str]:
+    """The command line with an --api-key value masked: result files get shared."""
+    shown = list(argv)
+    for i, item in enumerate(shown):
+        if item == "--api-key" and i + 1 < len(shown):
+            shown[i + 1] = "***"
+        elif item.startswith("--api-key="):
+            shown[i] = "--api-key=***"
+    return shown
 
 
 def write_json(path: Path, result: dict) -> None:
