@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from hypic.bench.serve import __doc__ as bench_serve_doc
 from hypic.bench.serve import add_bench_arguments, add_plot_arguments, plot_from_args
@@ -23,5 +24,5 @@ def main(argv: list[str] | None = None) -> int:
     add_plot_arguments(bench.add_parser("plot", help="one figure from several hypic bench serve results"))
     args = parser.parse_args(argv)
     if args.command == "bench":
-        return plot_from_args(args) if args.benchmark == "plot" else run_bench(args)
+        return plot_from_args(args) if args.benchmark == "plot" else run_bench(args, sys.argv[1:] if argv is None else argv)
     return run_from_args(serve, args)

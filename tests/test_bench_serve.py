@@ -294,6 +294,7 @@ def test_a_short_run_has_every_metric_and_agrees_with_the_servers_histograms(ser
     result = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 10_000
     assert {"date", "commit", "command", "server", "workload", "slo"} <= result.keys()
+    assert result["command"].startswith(f"hypic bench serve --no-progress --url {server} --documents 8")
     assert [s["label"] for s in result["series"]] == ["prefix", "hypic"]
     samples = []
     for series in result["series"]:
@@ -318,7 +319,8 @@ def test_a_short_run_has_every_metric_and_agrees_with_the_servers_histograms(ser
 
 def test_the_checked_in_trace_replays_in_order(server, tmp_path) -> None:
     out = tmp_path / "trace.json"
-    assert run_bench("--url", server, "--trace", str(TRACE), "--no-plot", "--out", str(out)) == 0
+    assert run_bench("--url", server, "--trace", str(TRACE), "--no-plot", "--out", str(out), "--api-key", "k") == 0
+    assert json.loads(out.read_text())["command"].endswith("--api-key '***'")
     point, = json.loads(out.read_text())["series"][0]["points"]
     samples = point["samples"]
     assert [s["arrival_s"] for s in samples] == [0.0, 0.25, 0.5, 1.0]

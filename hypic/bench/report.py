@@ -5,8 +5,8 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import shlex
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,8 +29,8 @@ def require(package: str, needed_for: str, flag: str | None = None) -> None:
         raise MissingBenchDependency(package, needed_for, flag) from None
 
 
-def provenance() -> dict:
-    """Date, commit and command line of this run."""
+def provenance(argv: Sequence[str]) -> dict:
+    """Date, commit and command line (`hypic` + argv) of this run."""
     root = Path(__file__).resolve().parent
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -38,7 +38,7 @@ def provenance() -> dict:
     except OSError:
         commit = None
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
-            "command": " ".join(["hypic", *_without_secrets(sys.argv[1:])])}
+            "command": shlex.join(["hypic", *_without_secrets(argv)])}
 
 
 def _without_secrets(argv: Sequence[str]) -> list[str]:

@@ -120,7 +120,8 @@ def _rates(text: str) -> list[float]:
     return sorted(rates)
 
 
-def run_from_args(args: argparse.Namespace) -> int:
+def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
+    """`argv` is recorded in the results (an --api-key value masked)."""
     try:
         if args.cache_modes and args.backend != "hypic":
             raise HypicError("--cache-modes needs --backend hypic (other servers have no per-request cache mode)")
@@ -133,7 +134,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"hypic bench serve: {error}", file=sys.stderr)
         return 2
     with started_server(args) as (url, startup):
-        result = asyncio.run(run_sweeps(url, workload, args))
+        result = asyncio.run(run_sweeps(url, workload, args, report.provenance(argv)))
     result["server"]["startup_line"] = startup
     save(result, args)
     return 0
@@ -171,9 +172,9 @@ def started_server(args: argparse.Namespace) -> Iterator[tuple[str, str | None]]
         process.wait(timeout=120)
 
 
-async def run_sweeps(url: str, workload: Workload, args: argparse.Namespace) -> dict:
+async def run_sweeps(url: str, workload: Workload, args: argparse.Namespace, provenance: dict) -> dict:
     """Warm-up, then for each series (cache mode): flush, preheat and the rate sweep."""
-    slo, started = stats.Slo(args.slo_ttft, args.slo_tpot, args.keep_up), report.provenance()
+    slo = stats.Slo(args.slo_ttft, args.slo_tpot, args.keep_up)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0), headers=headers) as session:
@@ -192,7 +193,7 @@ async def run_sweeps(url: str, workload: Workload, args: argparse.Namespace) -> 
             points = await sweep(session, target, workload, args, slo)
             series.append({"label": mode or args.label or args.backend, "cache_mode": mode, "points": points,
                            "sustainable": stats.sustainable_rate(points, slo), **stats.saturation(points)})
-    return {"benchmark": "bench_serve", **started,
+    return {"benchmark": "bench_serve", **provenance,
             "server": {"url": url, "model": base.model, "backend": args.backend, "prompt_form": args.prompt_form},
             "workload": workload_record(workload, args), "slo": asdict(slo), "series": series}
 
