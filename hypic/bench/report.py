@@ -29,8 +29,8 @@ def require(package: str, needed_for: str, flag: str | None = None) -> None:
         raise MissingBenchDependency(package, needed_for, flag) from None
 
 
-def provenance(argv: Sequence[str]) -> dict:
-    """Date, commit and command line (`hypic` + argv) of this run."""
+def provenance(command: Sequence[str]) -> dict:
+    """Date, commit and command line of this run."""
     root = Path(__file__).resolve().parent
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -38,7 +38,7 @@ def provenance(argv: Sequence[str]) -> dict:
     except OSError:
         commit = None
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
-            "command": shlex.join(["hypic", *_without_secrets(argv)])}
+            "command": shlex.join(_without_secrets(command))}
 
 
 def _without_secrets(argv: Sequence[str]) -> list[str]:

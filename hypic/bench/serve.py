@@ -134,7 +134,7 @@ def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"hypic bench serve: {error}", file=sys.stderr)
         return 2
     with started_server(args) as (url, startup):
-        result = asyncio.run(run_sweeps(url, workload, args, report.provenance(argv)))
+        result = asyncio.run(run_sweeps(url, workload, args, report.provenance(["hypic", *argv])))
     result["server"]["startup_line"] = startup
     save(result, args)
     return 0
