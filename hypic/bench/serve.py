@@ -227,7 +227,7 @@ async def sweep(session: aiohttp.ClientSession, target: client.Target, workload:
     for rate in rates:
         plan = planned(stream, rate, args, rng)
         dispatched = await dispatch_with_progress(session, target, plan, args, f"{target.cache_mode or args.backend} @ {rate}")
-        point = stats.summarize(rate if rate is not None else point_rate(plan), dispatched, slo)
+        point = stats.summarize(rate, dispatched, slo)
         print(one_line(point), file=sys.stderr, flush=True)
         points.append(point)
     return points
@@ -244,11 +244,6 @@ def planned(stream: Iterator[tuple[int, BenchRequest]], rate: float | None, args
     items = list(itertools.islice(stream, count))
     times = arrivals.arrival_times(len(items), rate, args.burstiness, rng)
     return [arrivals.Planned(i, at, request) for (i, request), at in zip(items, times)]
-
-
-def point_rate(plan: list[arrivals.Planned]) -> float:
-    span = max(item.arrival_s for item in plan)
-    return (len(plan) - 1) / span if span > 0 else float("inf")
 
 
 async def dispatch_with_progress(session: aiohttp.ClientSession, target: client.Target,

@@ -57,8 +57,8 @@ def is_good(outcome: Outcome, slo: Slo) -> bool:
     return slo.tpot_s is None or per_token is None or per_token <= slo.tpot_s
 
 
-def summarize(rate: float, dispatched: Sequence[Dispatched[Outcome]], slo: Slo) -> dict:
-    """Every metric of one rate point."""
+def summarize(rate: float | None, dispatched: Sequence[Dispatched[Outcome]], slo: Slo) -> dict:
+    """Every metric of one rate point (rate None: a trace's timestamps; its offered rate stands in)."""
     ok = [d.result for d in dispatched if d.result.error is None]
     errors = [d.result.error for d in dispatched if d.result.error is not None]
     duration = max((d.sent_s + d.result.e2e_s for d in dispatched), default=0.0) - min(
@@ -66,10 +66,11 @@ def summarize(rate: float, dispatched: Sequence[Dispatched[Outcome]], slo: Slo) 
     arrivals = sorted(d.planned.arrival_s for d in dispatched)
     span = arrivals[-1] - arrivals[0] if arrivals else 0.0
     prompt = sum(o.prompt_tokens for o in ok)
+    offered = (len(arrivals) - 1) / span if span > 0 else math.inf
     return {
-        "request_rate": rate, "requests": len(dispatched), "completed": len(ok), "errors": len(errors),
+        "request_rate": offered if rate is None else rate, "requests": len(dispatched), "completed": len(ok), "errors": len(errors),
         "error_samples": errors[:ERROR_SAMPLES], "duration_s": duration,
-        "offered_rps": (len(arrivals) - 1) / span if span > 0 else math.inf,
+        "offered_rps": offered,
         "achieved_rps": _per_s(len(ok), duration),
         "goodput_rps": _per_s(sum(is_good(o, slo) for o in ok), duration),
         "input_tokens_per_s": _per_s(prompt, duration),
