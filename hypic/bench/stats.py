@@ -61,35 +61,39 @@ def summarize(rate: float | None, dispatched: Sequence[Dispatched[Outcome]], slo
     """Every metric of one rate point (rate None: a trace's timestamps; its offered rate stands in)."""
     ok = [d.result for d in dispatched if d.result.error is None]
     errors = [d.result.error for d in dispatched if d.result.error is not None]
-    duration = max((d.sent_s + d.result.e2e_s for d in dispatched), default=0.0) - min(
-        (d.planned.arrival_s for d in dispatched), default=0.0)
+    rates = throughput(dispatched, ok, slo)
+    return {"request_rate": rates["offered_rps"] if rate is None else rate, "requests": len(dispatched),
+            "completed": len(ok), "errors": len(errors), "error_samples": errors[:ERROR_SAMPLES], **rates,
+            **latencies(ok), "samples": [sample(d) for d in dispatched]}
+
+
+def throughput(dispatched: Sequence[Dispatched[Outcome]], ok: Sequence[Outcome], slo: Slo) -> dict:
+    """Rates over the run (first arrival to last completion) and the offered rate (arrivals / their span)."""
     arrivals = sorted(d.planned.arrival_s for d in dispatched)
+    duration = max((d.sent_s + d.result.e2e_s for d in dispatched), default=0.0) - (arrivals[0] if arrivals else 0.0)
     span = arrivals[-1] - arrivals[0] if arrivals else 0.0
     prompt = sum(o.prompt_tokens for o in ok)
-    offered = (len(arrivals) - 1) / span if span > 0 else math.inf
-    return {
-        "request_rate": offered if rate is None else rate, "requests": len(dispatched), "completed": len(ok), "errors": len(errors),
-        "error_samples": errors[:ERROR_SAMPLES], "duration_s": duration,
-        "offered_rps": offered,
-        "achieved_rps": _per_s(len(ok), duration),
-        "goodput_rps": _per_s(sum(is_good(o, slo) for o in ok), duration),
-        "input_tokens_per_s": _per_s(prompt, duration),
-        "output_tokens_per_s": _per_s(sum(o.completion_tokens for o in ok), duration),
-        "cached_token_fraction": sum(o.cached_tokens for o in ok) / prompt if prompt else None,
-        **distribution("ttft", [o.ttft_s for o in ok if o.ttft_s is not None]),
-        **distribution("itl", [gap for o in ok for gap in o.itl_s]),
-        **distribution("tpot", [t for t in map(tpot, ok) if t is not None]),
-        **distribution("e2e", [o.e2e_s for o in ok]),
-        "samples": [sample(d) for d in dispatched],
-    }
+    return {"duration_s": duration, "offered_rps": (len(arrivals) - 1) / span if span > 0 else math.inf,
+            "achieved_rps": _per_s(len(ok), duration),
+            "goodput_rps": _per_s(sum(is_good(o, slo) for o in ok), duration),
+            "input_tokens_per_s": _per_s(prompt, duration),
+            "output_tokens_per_s": _per_s(sum(o.completion_tokens for o in ok), duration),
+            "cached_token_fraction": sum(o.cached_tokens for o in ok) / prompt if prompt else None}
+
+
+def latencies(ok: Sequence[Outcome]) -> dict:
+    return {**distribution("ttft", [o.ttft_s for o in ok if o.ttft_s is not None]),
+            **distribution("itl", [gap for o in ok for gap in o.itl_s]),
+            **distribution("tpot", [t for t in map(tpot, ok) if t is not None]),
+            **distribution("e2e", [o.e2e_s for o in ok])}
 
 
 def sample(dispatched: Dispatched[Outcome]) -> dict:
     """One request's record (in plan order): when it arrived and went out, and what it measured."""
     outcome = dispatched.result
     return {"arrival_s": dispatched.planned.arrival_s, "sent_s": dispatched.sent_s, "ttft_s": outcome.ttft_s,
-            "e2e_s": outcome.e2e_s, "tpot_s": tpot(outcome), "itl_max_s": max(outcome.itl_s, default=None), "prompt_tokens": outcome.prompt_tokens,
-            "completion_tokens": outcome.completion_tokens, "cached_tokens": outcome.cached_tokens,
+            "e2e_s": outcome.e2e_s, "tpot_s": tpot(outcome), "itl_max_s": max(outcome.itl_s, default=None),
+            "prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens, "cached_tokens": outcome.cached_tokens,
             "cold_segments": dispatched.planned.request.cold_segments, "error": outcome.error}
 
 
