@@ -26,3 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return plot_from_args(args) if args.benchmark == "plot" else run_bench(args, sys.argv[1:] if argv is None else argv)
     return run_from_args(serve, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

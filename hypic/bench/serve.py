@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import math
 import os
 import random
 import re
@@ -98,7 +99,8 @@ def _load_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson (default: %(default)s)")
     group.add_argument("--max-concurrency", type=int, help="requests in flight at most")
     group.add_argument("--num-requests", type=int, default=100, help="requests per rate (default: %(default)s)")
-    group.add_argument("--duration", type=float, default=0.0, help="at least rate x this many requests per rate (default: %(default)s)")
+    group.add_argument("--duration", type=float, help="seconds: a point also ends after this long of arrivals "
+                       "(rate x this many requests, if fewer than --num-requests)")
     group.add_argument("--warmup", type=int, default=0, help="requests sent at once first, not measured (default: %(default)s)")
     group.add_argument("--slo-ttft", type=float, default=1.0, help="seconds: p50 TTFT of a sustainable rate (default: %(default)s)")
     group.add_argument("--slo-tpot", type=float, help="seconds: each good request's TPOT bound in goodput")
@@ -240,7 +242,7 @@ def planned(stream: Iterator[tuple[int, BenchRequest]], rate: float | None, args
         items = list(stream)
         first = min(request.arrival_s for _, request in items)
         return [arrivals.Planned(i, request.arrival_s - first, request) for i, request in items]
-    count = max(args.num_requests, int(rate * args.duration) if rate != float("inf") else 0)
+    count = min(args.num_requests, math.ceil(rate * args.duration)) if args.duration else args.num_requests
     items = list(itertools.islice(stream, count))
     times = arrivals.arrival_times(len(items), rate, args.burstiness, rng)
     return [arrivals.Planned(i, at, request) for (i, request), at in zip(items, times)]
