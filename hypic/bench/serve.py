@@ -242,7 +242,8 @@ def planned(stream: Iterator[tuple[int, BenchRequest]], rate: float | None, args
         items = list(stream)
         first = min(request.arrival_s for _, request in items)
         return [arrivals.Planned(i, request.arrival_s - first, request) for i, request in items]
-    count = min(args.num_requests, math.ceil(rate * args.duration)) if args.duration else args.num_requests
+    bounded = args.duration and math.isfinite(rate)
+    count = min(args.num_requests, math.ceil(rate * args.duration)) if bounded else args.num_requests
     items = list(itertools.islice(stream, count))
     times = arrivals.arrival_times(len(items), rate, args.burstiness, rng)
     return [arrivals.Planned(i, at, request) for (i, request), at in zip(items, times)]
