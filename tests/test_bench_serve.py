@@ -386,4 +386,4 @@ def test_plot_draws_several_runs_together(tmp_path, capsys) -> None:
     assert main(["bench", "plot", str(tmp_path / "both.png"), *map(str, paths)]) == 0
     assert (tmp_path / "both.png").stat().st_size > 10_000
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("vllm: sustainable 1.0 req/s (at_least)") and "saturated 6.00 req/s" in lines[1]
+    assert lines[0].startswith("vllm: sustainable 1 req/s (at_least)") and "saturated 6.00 req/s" in lines[1]

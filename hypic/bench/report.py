@@ -82,12 +82,12 @@ def read_series(paths: Sequence[Path]) -> list[dict]:
 
 def summary_line(series: dict, slo_ttft: float) -> str:
     rate = series["sustainable"]
-    return (f"{series['label']}: sustainable {rate['rate']} req/s ({rate['bound']}) at p50 TTFT <= {slo_ttft} s; "
+    return (f"{series['label']}: sustainable {rate['rate']:.3g} req/s ({rate['bound']}) at p50 TTFT <= {slo_ttft:g} s; "
             f"saturated {series['saturated_rps']:.2f} req/s, {series['saturated_output_tokens_per_s']:.0f} output tok/s")
 
 
-def plot(path: Path, series: Sequence[dict], title: str) -> None:
-    """Two panels: p50 / p99 TTFT against the offered rate, and achieved throughput against it."""
+def plot(path: Path, series: Sequence[dict], title: str, slo_ttft: float | None) -> None:
+    """Two panels: p50 / p99 TTFT against the offered rate (and the SLO), and achieved throughput."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -100,6 +100,8 @@ def plot(path: Path, series: Sequence[dict], title: str) -> None:
         latency.plot(rates, [p["ttft_p99_s"] for p in points], marker="x", ls="--", color=line.get_color(),
                      label=f"{one['label']} p99")
         throughput.plot(rates, [p["achieved_rps"] for p in points], marker="o", label=one["label"])
+    if slo_ttft is not None:
+        latency.axhline(slo_ttft, color="grey", ls=":", label=f"SLO {slo_ttft:g} s")
     latency.set(xlabel="offered rate (req/s)", ylabel="TTFT (s)", yscale="log", title="time to first token")
     throughput.set(xlabel="offered rate (req/s)", ylabel="achieved (req/s)", title="throughput")
     for axes in (latency, throughput):

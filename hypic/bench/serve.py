@@ -288,7 +288,8 @@ def save(result: dict, args: argparse.Namespace) -> None:
     out = args.out or Path("bench") / "results" / f"bench_serve_{label}_{result['server']['model']}.json"
     report.write_json(out, result)
     if not args.no_plot:
-        report.plot(out.with_suffix(".png"), result["series"], f"{result['server']['model']}: {result['workload']['kind']}")
+        report.plot(out.with_suffix(".png"), result["series"], f"{result['server']['model']}: {result['workload']['kind']}",
+                    args.slo_ttft)
     for one in result["series"]:
         print(report.summary_line(one, args.slo_ttft))
     print(f"wrote {out}")
@@ -304,7 +305,7 @@ def plot_from_args(args: argparse.Namespace) -> int:
     """One figure with every series of several runs (servers, or cache modes run one at a time)."""
     report.require("matplotlib", "hypic bench plot")
     series = report.read_series(args.results)
-    report.plot(args.out, series, args.title)
+    report.plot(args.out, series, args.title, series[0]["slo_ttft_s"])
     for one in series:
         print(report.summary_line(one, one["slo_ttft_s"]))
     print(f"wrote {args.out}")
