@@ -54,6 +54,7 @@ class EngineStats:
     prompt_tokens: int
     generated_tokens: int
     cached_tokens: int
+    preemptions: int
 
 
 class LLMEngine:
@@ -317,7 +318,8 @@ class LLMEngine:
             state_slots_free=self.slots.num_free, prefix_cache=self.prefix.stats(),
             segment_pool=self.store.stats(),
             requests_finished=c["finished"], requests_aborted=c["aborted"], prompt_tokens=c["prompt"],
-            generated_tokens=c["generated"], cached_tokens=c["cached"])
+            generated_tokens=c["generated"], cached_tokens=c["cached"],
+            preemptions=self.scheduler.preemptions)
 
 
 def _tokens_that_fit(shape, budget: int, block_size: int, dtype: torch.dtype) -> int:

@@ -62,6 +62,7 @@ class Scheduler:
         self.limits, self.blocks, self.slots, self.prefix, self.caches = limits, blocks, slots, prefix, caches
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.preemptions = 0  # since start (a counter for /metrics)
 
     def add(self, seq: Sequence, *, first: bool = False) -> None:
         if first:
@@ -193,6 +194,7 @@ class Scheduler:
         return candidates[0] if candidates else None
 
     def _preempt(self, seq: Sequence) -> None:
+        self.preemptions += 1
         self.running.remove(seq)
         self._free(seq)
         seq.reset_for_recompute()
