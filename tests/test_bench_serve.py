@@ -387,3 +387,15 @@ def test_plot_draws_several_runs_together(tmp_path, capsys) -> None:
     assert (tmp_path / "both.png").stat().st_size > 10_000
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("vllm: sustainable 1 req/s (at_least)") and "saturated 6.00 req/s" in lines[1]
+
+
+def test_a_chat_run_sends_each_turn_after_the_previous_one(server, tokenizer, tmp_path) -> None:
+    out = tmp_path / "chat.json"
+    assert run_bench("--url", server, "--workload", "chat", "--conversations", "2", "--turns", "3", "--system-tokens",
+                     "8", "--user-tokens", "8", "--answer-tokens", "8", "--max-tokens", "3", "--warmup", "2",
+                     "--num-requests", "6", "--no-plot", "--out", str(out)) == 0
+    samples = json.loads(out.read_text())["series"][0]["points"][0]["samples"]
+    stream = take(ChatWorkload(tokenizer, ChatSpec(2, 3, 8, 8, 8, 3)), 8)  # the run's: 2 warm-up turns, then 6
+    assert [s["prompt_tokens"] for s in samples] == [len(r.token_ids) for r in stream[2:]]
+    waits = [(s, samples[r.after - 2]) for s, r in zip(samples, stream[2:]) if r.after is not None and r.after >= 2]
+    assert waits and all(s["sent_s"] >= before["sent_s"] + before["e2e_s"] for s, before in waits)
