@@ -102,8 +102,8 @@ def plot(path: Path, series: Sequence[dict], title: str, slo_ttft: float | None)
         throughput.plot(rates, [p["achieved_rps"] for p in points], marker="o", label=one["label"])
     if slo_ttft is not None:
         latency.axhline(slo_ttft, color="grey", ls=":", label=f"SLO {slo_ttft:g} s")
-    latency.set(xlabel="offered rate (req/s)", ylabel="TTFT (s)", yscale="log", title="time to first token")
-    throughput.set(xlabel="offered rate (req/s)", ylabel="achieved (req/s)", title="throughput")
+    latency.set(xlabel="request rate (req/s)", ylabel="TTFT (s)", yscale="log", title="time to first token")
+    throughput.set(xlabel="request rate (req/s)", ylabel="achieved (req/s)", title="throughput")
     for axes in (latency, throughput):
         axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
