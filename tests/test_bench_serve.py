@@ -8,6 +8,7 @@ import json
 import math
 import random
 import statistics
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -399,3 +400,10 @@ def test_a_chat_run_sends_each_turn_after_the_previous_one(server, tokenizer, tm
     assert [s["prompt_tokens"] for s in samples] == [len(r.token_ids) for r in stream[2:]]
     waits = [(s, samples[r.after - 2]) for s, r in zip(samples, stream[2:]) if r.after is not None and r.after >= 2]
     assert waits and all(s["sent_s"] >= before["sent_s"] + before["e2e_s"] for s, before in waits)
+
+
+def test_a_missing_bench_extra_is_named_before_any_request(monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--no-plot"]) == 2  # nothing listens there
+    error = capsys.readouterr().err
+    assert "the progress bar needs tqdm" in error and "pip install 'hypic[bench]'" in error and "--no-progress" in error
