@@ -1,28 +1,19 @@
-"""The `hypic` command: `hypic serve [options]` (same options as `python -m hypic.serve`) and `hypic demo`."""
+"""The `hypic` command: `hypic serve [options]` (same options as `python -m hypic.serve`), `hypic demo`,
+`hypic bench serve [options]` (load generation against any OpenAI-compatible server) and `hypic bench plot`."""
 from __future__ import annotations
 
 import argparse
 import asyncio
-from dataclasses import dataclass
+import sys
 
-from hypic import AsyncEngine, EngineConfig, SamplingParams, __version__
-from hypic.data import eval_prompts
-from hypic.data.tasks import is_correct
+from hypic import __version__
+from hypic.bench.serve import __doc__ as bench_serve_doc
+from hypic.bench.serve import add_bench_arguments, add_plot_arguments, plot_from_args
+from hypic.bench.serve import run_from_args as run_bench
+from hypic.demo import DESCRIPTION as DEMO_DESCRIPTION
+from hypic.demo import run_demo
 from hypic.serve.args import add_serve_arguments
 from hypic.serve.server import DESCRIPTION, run_from_args
-
-DEMO_DESCRIPTION = """Ask the bundled model one question over four notes, twice: cold (nothing cached), then
-warm with the notes in another order, where each note's cached tuple is reused at its new position.
-Prints the answers, TTFT and cached_tokens of both; exits 1 if either answer is wrong."""
-
-
-@dataclass(frozen=True)
-class DemoRun:
-    label: str
-    text: str
-    ttft_ms: float
-    prompt_tokens: int
-    cached_tokens: int
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,30 +22,30 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server", description=DESCRIPTION)
     add_serve_arguments(serve)
-    demo = commands.add_parser("demo", help="one question to the bundled model, cold then warm",
-                               description=DEMO_DESCRIPTION)
-    demo.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
+    _add_demo(commands)
+    _add_bench(commands)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return asyncio.run(run_demo(args.device))
+    if args.command == "bench":
+        return plot_from_args(args) if args.benchmark == "plot" else run_bench(args, sys.argv[1:] if argv is None else argv)
     return run_from_args(serve, args)
 
 
-async def run_demo(device: str) -> int:
-    prompt = eval_prompts(1)[0]  # a lookup question, in the format the bundled model was trained on
-    prefix, *notes, query = prompt.segments
-    print(f"question: {prompt.qas[0].question}  (expected answer: {prompt.answer})")
-    async with AsyncEngine(EngineConfig(device=device)) as engine:
-        runs = [await _ask(engine, "cold", [prefix, *notes, query]),
-                await _ask(engine, "warm, notes reversed", [prefix, *reversed(notes), query])]
-    for run in runs:
-        print(f"{run.label:>22}: TTFT {run.ttft_ms:6.0f} ms, cached_tokens {run.cached_tokens:4d} of "
-              f"{run.prompt_tokens}: {run.text!r}")
-    return 0 if all(is_correct(run.text, prompt.answer) for run in runs) else 1
+def _add_demo(commands: argparse._SubParsersAction) -> None:
+    demo = commands.add_parser("demo", help="one question to the bundled model, cold then warm",
+                               description=DEMO_DESCRIPTION)
+    demo.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
 
 
-async def _ask(engine: AsyncEngine, label: str, segments: list[str]) -> DemoRun:
-    text, metrics = "", None
-    async for out in engine.generate(segments, SamplingParams(temperature=0.0, max_tokens=48)):
-        text, metrics = text + "".join(d.text for d in out.deltas), out.metrics
-    return DemoRun(label, text, metrics.ttft * 1000, metrics.prompt_tokens, metrics.cached_tokens)
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True,
+                                                                             metavar="BENCHMARK")
+    bench_serve = bench.add_parser("serve", help="RAG / chat / traced load against an OpenAI-compatible server",
+                                   description=bench_serve_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_arguments(bench_serve)
+    add_plot_arguments(bench.add_parser("plot", help="one figure from several hypic bench serve results"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -119,7 +119,7 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
 
 class Generate(msgspec.Struct, frozen=True, tag=True):
     request_id: str
-    prompt: str | list[str | int]
+    prompt: str | list[str | int | list[int]]
     params: SamplingParams
     cache_salt: str | None = None
     cache_mode: str | None = None
@@ -147,7 +147,7 @@ class Plan(msgspec.Struct, frozen=True, tag=True):
     """Split and hash a prompt: which PIC segments it has, and its prefix hashes (affinity)."""
 
     call_id: int
-    prompt: str | list[str | int]
+    prompt: str | list[str | int | list[int]]
     cache_salt: str | None = None
     cache_mode: str | None = None
     add_special_tokens: bool = True

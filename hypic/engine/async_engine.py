@@ -109,7 +109,7 @@ class AsyncEngine:
 
     # -- public API ------------------------------------------------------------------------------
 
-    async def generate(self, prompt: str | list[str] | list[int], params: SamplingParams | None = None, *,
+    async def generate(self, prompt: str | list[str] | list[int] | list[list[int]], params: SamplingParams | None = None, *,
                        request_id: str | None = None, cache_salt: str | None = None,
                        cache_mode: str | None = None, add_special_tokens: bool = True,
                        resume: dict[int, list[int]] | None = None) -> AsyncIterator[RequestOutput]:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    prompt: str | list[str] | list[int]  # text (split on the separator), segments, or token ids
+    prompt: str | list[str] | list[int] | list[list[int]]  # text (split on the separator), segments, or token ids
     params: SamplingParams
     request_id: str
     cache_salt: str | None = None

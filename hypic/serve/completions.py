@@ -25,7 +25,7 @@ from hypic.serve.structured import requested_constraint
 log = logging.getLogger(__name__)
 _PARAM_NAMES = {name: name for name in CompletionRequest.__struct_fields__}
 
-Prompt = str | list[str] | list[int]
+Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:

@@ -131,7 +131,7 @@ class SamplingFields(Struct, forbid_unknown_fields=True, kw_only=True):
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[PromptItem] | None = None  # text, batch of texts, token ids, batch of token ids
-    segments: list[str] | None = None  # extension (DESIGN §7): prompt given as segments
+    segments: list[str | list[int]] | None = None  # extension (DESIGN §7): prompt given as segments (texts or ids)
     max_tokens: TokenBudget | None = None  # None: the server's default (docs/agents.md)
     logprobs: TopLogprobs | None = None
     echo: bool = False  # unsupported when true
