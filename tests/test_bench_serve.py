@@ -27,7 +27,7 @@ from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.setup import BUNDLED_MODEL
 from hypic.engine.text.tokenizer import Tokenizer
 from hypic.serve.app import build_app, runner_for
-from hypic.serve.engine_client import InProcessEngineClient
+from hypic.engine.client import InProcessEngineClient
 from hypic.serve.state import ServerSettings
 
 TRACE = Path(__file__).parent / "data" / "bench_trace.jsonl"
