@@ -154,12 +154,13 @@ def conv_loop_f64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def moe_dense_f64(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
-    """Per token, per chosen expert, in float64."""
+                  topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """Per token, per chosen expert, in float64; relu2 experts have up rows only."""
     inter = w_down.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float64)
     for n in range(x.shape[0]):
         for weight, expert in zip(topk_weights[n].tolist(), topk_ids[n].tolist()):
             h = w_gate_up[expert].double() @ x[n].double()
-            out[n] += weight * (w_down[expert].double() @ (F.silu(h[:inter]) * h[inter:]))
+            act = F.relu(h) ** 2 if activation == "relu2" else F.silu(h[:inter]) * h[inter:]
+            out[n] += weight * (w_down[expert].double() @ act)
     return out

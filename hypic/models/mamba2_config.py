@@ -138,7 +138,6 @@ def _common(c: dict[str, Any]) -> dict[str, Any]:
     return {"model_type": c["model_type"], "vocab_size": c["vocab_size"], "hidden_size": c["hidden_size"],
             "num_attention_heads": heads, "num_key_value_heads": c.get("num_key_value_heads") or heads,
             "head_dim": c.get("head_dim") or c["hidden_size"] // heads,
-            "tie_word_embeddings": bool(c.get("tie_word_embeddings", False)),
             "eos_token_ids": as_ids(c.get("eos_token_id")), "bos_token_id": c.get("bos_token_id"),
             "pad_token_id": c.get("pad_token_id"),
             "time_step_limit": tuple(_as_float(x) for x in _pick(c, "time_step_limit", "mamba_dt_limit",
@@ -157,7 +156,9 @@ def _nemotron_h(c: dict[str, Any]) -> dict[str, Any]:
     eps = c.get("layer_norm_epsilon", 1e-5)
     experts = _pick(c, "n_routed_experts", "num_local_experts", default=8)
     return {
-        "blocks": _nemotron_blocks(c), "rms_norm_eps": eps, "max_position_embeddings": c.get(
+        "blocks": _nemotron_blocks(c), "rms_norm_eps": eps,
+        "tie_word_embeddings": False,  # transformers' NemotronHForCausalLM keeps lm_head even when asked to tie
+        "max_position_embeddings": c.get(
             "max_position_embeddings", 4096), "attention_bias": False, "attention_scale": head_dim ** -0.5,
         "rotary_dim": 0, "rope_theta": 10000.0,
         "mamba_num_heads": c.get("mamba_num_heads", 128), "mamba_head_dim": c.get("mamba_head_dim", 64),
@@ -203,6 +204,7 @@ def _granite_style(c: dict[str, Any], mixers: tuple[str, ...], mlp: str, rotary_
     rope = c.get("rope_parameters") or {}
     return {
         "blocks": tuple(b for mixer in mixers for b in (mixer, mlp)), "rms_norm_eps": eps,
+        "tie_word_embeddings": bool(c.get("tie_word_embeddings", False)),
         "max_position_embeddings": c.get("max_position_embeddings", 2048),
         "attention_bias": c.get("attention_bias", False), "rotary_dim": rotary_dim,
         "rope_theta": float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
