@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hypic.cache.model_caches import ModelCaches
-from hypic.engine.forward_batch import ForwardBatch
+from hypic.models.batch import ForwardBatch
 from hypic.models.config import HybridConfig
+from hypic.models.qwen3_next import HybridModel
 
 TOKENIZER_VOCAB = 300  # ids the tests feed; the model's vocab_size (320) is padded past it
 
@@ -137,7 +138,9 @@ class BatchBuilder:
     def __init__(self, config: HybridConfig, *, block_size: int = 4, num_blocks: int = 96, num_slots: int = 8,
                  dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu")) -> None:
         self.block_size, self.device = block_size, device
-        self.caches = ModelCaches(config.cache_shape(), num_blocks, block_size, num_slots, dtype, device)
+        with torch.device("meta"):
+            shape = HybridModel(config).cache_shape()
+        self.caches = ModelCaches(shape, num_blocks, block_size, num_slots, dtype, device)
         for i in config.linear_layers:
             for pool in self.caches.state(i):
                 pool.normal_(0.0, 3.0)

@@ -7,13 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hypic.cache.memory_plan import CachePlan, plan_cache
-from hypic.cache.model_caches import CacheShape
+from hypic.cache.model_caches import CacheShape, LinearShape
 from hypic.errors import OutOfMemoryError
+from hypic.kernels.linear_families import get_family
 
 # page: 2 layers * 4 tokens * (K and V) * 2 heads * 4 dims * 2 bytes = 256 bytes
 # slot: 3 layers * (2 heads * 4 * 4 * 4 bytes + 8 channels * 3 * 2 bytes) = 3 * (128 + 48) = 528 bytes
-SHAPE = CacheShape(full_layers=(3, 7), linear_layers=(0, 1, 2), num_kv_heads=2, head_dim=4, linear_value_heads=2,
-                   linear_key_dim=4, linear_value_dim=4, conv_dim=8, conv_kernel=4)
+SHAPE = CacheShape(full_layers=(3, 7), linear_layers=(0, 1, 2), num_kv_heads=2, head_dim=4,
+                   linear=(LinearShape(get_family("gdn"), value_heads=2, key_dim=4, value_dim=4, conv_dim=8,
+                                       conv_kernel=4),) * 3)
 ONE_REQUEST = 16 * 256 + 528  # max_model_len 64 = 16 pages, plus one slot
 
 
@@ -60,7 +62,7 @@ def test_model_without_full_layers() -> None:
 
 
 def test_model_without_linear_layers() -> None:
-    p = plan(10_000, shape=CacheShape(**{**SHAPE.__dict__, "linear_layers": ()}))
+    p = plan(10_000, shape=CacheShape(**{**SHAPE.__dict__, "linear_layers": (), "linear": ()}))
     assert (p.num_slots, p.num_blocks) == (8, 10_000 // 256)
 
 

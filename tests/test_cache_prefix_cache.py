@@ -13,14 +13,16 @@ from hypothesis import strategies as st
 
 from hypic.cache import prefix_cache
 from hypic.cache.block_pool import BlockPool, NoFreeBlocks
-from hypic.cache.model_caches import CacheShape, ModelCaches
+from hypic.cache.model_caches import CacheShape, LinearShape, ModelCaches
 from hypic.cache.prefix_cache import EXACT, NAIVE, PrefixCache, PrefixHit, accepted_provenances, token_bytes
 from hypic.cache.slot_pool import SlotPool
 from hypic.errors import InvalidRequestError
+from hypic.kernels.linear_families import get_family
 
 BS = 4
-SHAPE = CacheShape(full_layers=(1,), linear_layers=(0, 2), num_kv_heads=1, head_dim=2, linear_value_heads=1,
-                   linear_key_dim=2, linear_value_dim=2, conv_dim=3, conv_kernel=3)
+SHAPE = CacheShape(full_layers=(1,), linear_layers=(0, 2), num_kv_heads=1, head_dim=2,
+                   linear=(LinearShape(get_family("gdn"), value_heads=1, key_dim=2, value_dim=2, conv_dim=3,
+                                       conv_kernel=3),) * 2)
 PREFIX = accepted_provenances("prefix", 8)
 HYPIC8 = "hypic:8"
 

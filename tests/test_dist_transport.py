@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import torch
 
+from hypic.cache.model_caches import LinearShape
 from hypic.cache.prefix_cache import token_bytes
 from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentStore, SegmentTuple
 from hypic.dist.messages import TensorSpec
@@ -117,13 +118,12 @@ def test_sending_to_a_dead_peer_raises_connection_error():
 
 
 def test_a_segment_tuple_round_trips_and_its_specs_are_known_in_advance():
-    layout = SegmentLayout(get_family("gdn"), num_linear=3, num_full=1, value_heads=4, key_dim=8, value_dim=8,
-                           conv_dim=24, conv_kernel=4, kv_heads=2, head_dim=16, state_dtype=torch.bfloat16,
-                           model_dtype=torch.float32)
+    layout = SegmentLayout((LinearShape(get_family("gdn"), 4, 8, 8, 24, 4),) * 3, num_full=1, kv_heads=2,
+                           head_dim=16, state_dtype=torch.bfloat16, model_dtype=torch.float32)
     store = SegmentStore(layout, 1 << 20, "cpu")
     interior, g = (8, 20), torch.Generator().manual_seed(1)
     tup = SegmentTuple(interior, *[[torch.randn(*shape, generator=g) for _ in range(n)] for shape, n in (
-        (layout.t_shape, 3), (layout.s0_shape, 3), (layout.conv_shape, 3), ((12, 2, 16), 1), ((12, 2, 16), 1))])
+        (layout.t_shape(0), 3), (layout.s0_shape(0), 3), (layout.conv_shape(0), 3), ((12, 2, 16), 1), ((12, 2, 16), 1))])
     key = SegmentKey.of("fp", 8, None, token_bytes([1, 2, 3]))
     assert store.put(key, tup)
     entry = store.get(key)

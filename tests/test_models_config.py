@@ -4,9 +4,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from hypic.errors import UnsupportedModelError
 from hypic.models.config import HybridConfig
+from hypic.models.qwen3_next import HybridModel
 
 BASE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
@@ -56,10 +58,14 @@ def test_legacy_top_level_rope_fields_and_defaults() -> None:
 
 
 def test_cache_shape() -> None:
-    shape = HybridConfig.from_dict({**BASE, "model_type": "qwen3_5_text"}).cache_shape()
+    with torch.device("meta"):
+        shape = HybridModel(HybridConfig.from_dict({**BASE, "model_type": "qwen3_5_text"})).cache_shape()
     assert (shape.full_layers, shape.num_kv_heads, shape.head_dim) == ((3, 7), 2, 16)
-    assert (shape.linear_value_heads, shape.linear_key_dim, shape.linear_value_dim) == (6, 8, 12)
-    assert (shape.conv_dim, shape.conv_kernel) == (2 * 2 * 8 + 6 * 12, 4)
+    for linear in shape.linear:
+        assert linear.family.name == "gdn"
+        assert (linear.value_heads, linear.key_dim, linear.value_dim) == (6, 8, 12)
+        assert (linear.conv_dim, linear.conv_kernel) == (2 * 2 * 8 + 6 * 12, 4)
+    assert len(shape.linear) == len(shape.linear_layers) and shape.conv_kernel == 4
 
 
 def test_generation_config_eos_ids_are_added(tmp_path) -> None:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from hypic.kernels.linear_families import FAMILIES, LinearFamily, expand_heads, get_family
 from hypic.kernels.scatter_kv import apply_rope, rope_inv_freq
+from hypic.kernels.varlen import Operands, StateSpans
 
 KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM = 2, 4, 8, 6
 
@@ -155,3 +156,55 @@ def test_gdn_extraction_on_gpu_matches_float64_oracle() -> None:
             for name, x in tokens.items()}
     T, S0 = family.extract_tuple(cuda["k"], cuda["v"], cuda["g"], cuda["beta"], cu_of(lens).cuda(), tuple(lens))
     assert rel_err(T.double().cpu(), T64) <= 2e-2 and rel_err(S0.double().cpu(), S064) <= 2e-2
+
+
+# -- the scalar family's chunked paths against its float64 token recurrence --------------------------
+
+SCALAR_LENS = [150, 0, 7, 64, 1]  # across chunk boundaries (64), empty, exactly one chunk, one token
+
+
+@pytest.mark.parametrize(("dtype", "bound"), [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_scalar_run_chunked_equals_token_recurrence(dtype: torch.dtype, bound: float) -> None:
+    family, gen = get_family("scalar"), torch.Generator().manual_seed(11)
+    tokens = random_tokens(family, 150, gen)
+    state = torch.randn(VALUE_HEADS, KEY_DIM, VALUE_DIM, generator=gen, dtype=torch.float64)
+    o64, end64 = family.recur(state, *(tokens[x] for x in ("q", "k", "v", "g", "beta")), scale=0.3)
+    low = {name: None if x is None else x.to(dtype) for name, x in tokens.items()}
+    o, end = family.run(state.to(dtype), *(low[x] for x in ("q", "k", "v", "g", "beta")), scale=0.3)
+    assert rel_err(o.double(), o64) <= bound and rel_err(end.double(), end64) <= bound
+
+
+@pytest.mark.parametrize(("dtype", "bound"), [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_scalar_final_states_and_tuples_chunked_equal_token_recurrence(dtype: torch.dtype, bound: float) -> None:
+    family, gen = get_family("scalar"), torch.Generator().manual_seed(12)
+    tokens = random_tokens(family, sum(SCALAR_LENS), gen)
+    initial = torch.randn(len(SCALAR_LENS), VALUE_HEADS, KEY_DIM, VALUE_DIM, generator=gen, dtype=torch.float64)
+    bounds = list(itertools.pairwise(itertools.accumulate(SCALAR_LENS, initial=0)))
+    truth = torch.stack([sequential_end(family, initial[b], span(tokens, *se)) for b, se in enumerate(bounds)])
+    zero_truth = torch.stack([sequential_end(family, torch.zeros_like(initial[0]), span(tokens, *se))
+                              for se in bounds])
+    low = {name: None if x is None else x.to(dtype) for name, x in tokens.items()}
+    ends = family.final_states(low["k"], low["v"], low["g"], None, initial.to(dtype), cu_of(SCALAR_LENS),
+                               tuple(SCALAR_LENS))
+    T, S0 = extract(family, low, SCALAR_LENS)
+    assert rel_err(ends.double(), truth) <= bound and rel_err(S0.double(), zero_truth) <= bound
+    gate_sums = torch.stack([tokens["g"][s:e].sum(0) for s, e in bounds])
+    assert T.shape == (len(SCALAR_LENS), VALUE_HEADS) and rel_err(T.double(), gate_sums) <= bound
+
+
+def test_scalar_recur_spans_reads_and_writes_the_pool() -> None:
+    """The varlen path a Mamba2 layer runs: spans from their slots (or zeros), end states written back."""
+    family, gen = get_family("scalar"), torch.Generator().manual_seed(13)
+    lens, slots, has_state = [70, 5, 1], [2, 0, 3], [True, False, True]
+    tokens = random_tokens(family, sum(lens), gen, dtype=torch.float32)
+    pool = torch.randn(4, VALUE_HEADS, KEY_DIM, VALUE_DIM, generator=gen)
+    before = pool.double().clone()
+    spans = StateSpans(torch.tensor(slots), torch.tensor(has_state), cu_of(lens), 0, tuple(lens))
+    x = Operands(*(tokens[n] for n in ("q", "k", "v", "g", "beta")))
+    o = family.recur_spans(x, pool, spans, scale=0.5)
+    for b, (start, end) in enumerate(itertools.pairwise(itertools.accumulate(lens, initial=0))):
+        init = before[slots[b]] if has_state[b] else torch.zeros_like(before[0])
+        part = {n: None if t is None else t.double() for n, t in span(tokens, start, end).items()}
+        o64, end64 = family.recur(init, *(part[n] for n in ("q", "k", "v", "g", "beta")), scale=0.5)
+        assert rel_err(o[start:end].double(), o64) <= 1e-5 and rel_err(pool[slots[b]].double(), end64) <= 1e-5
+    assert torch.equal(pool[1].double(), before[1])  # a slot no span names is untouched

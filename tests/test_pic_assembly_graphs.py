@@ -15,7 +15,7 @@ def padded_engine(config, sizes: tuple[int, ...]) -> tuple[LLMEngine, list[int]]
     """An engine whose assembly steps run padded (eagerly); the list collects each padded size."""
     engine = LLMEngine(config)
     runner = engine.runner
-    graphs = AssemblyGraphs(runner.model, runner.caches, runner.store, runner.family,
+    graphs = AssemblyGraphs(runner.model, runner.caches, runner.store,
                             max_blocks=engine.max_model_len // config.block_size,
                             scratch_slot=engine.caches.num_slots - 1, scratch_block=engine.caches.num_blocks - 1,
                             max_tokens=engine.max_model_len, max_kv_len=engine.max_model_len, sizes=sizes,

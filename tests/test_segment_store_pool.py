@@ -8,6 +8,7 @@ import pytest
 import torch
 import xxhash
 
+from hypic.cache.model_caches import LinearShape
 from hypic.cache.prefix_cache import token_bytes
 from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentStore, SegmentTuple
 from hypic.engine.pic.assembly import piece_token_offsets
@@ -22,8 +23,8 @@ HV, KD, VD, CONV, KV_HEADS, HEAD_DIM = 2, 4, 4, 6, 1, 8
 
 def layout(state_dtype: torch.dtype = torch.float32, family: str = "gdn",
            model_dtype: torch.dtype = torch.float32) -> SegmentLayout:
-    return SegmentLayout(get_family(family), num_linear=2, num_full=1, value_heads=HV, key_dim=KD, value_dim=VD,
-                         conv_dim=CONV, conv_kernel=4, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+    shape = LinearShape(get_family(family), HV, KD, VD, CONV, 4)
+    return SegmentLayout((shape, shape), num_full=1, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                          state_dtype=state_dtype, model_dtype=model_dtype)
 
 
@@ -31,8 +32,8 @@ def random_tuple(lay: SegmentLayout, interior_len: int, seed: int = 0) -> Segmen
     gen = torch.Generator().manual_seed(seed)
     rand = lambda n, *shape: [torch.randn(*shape, generator=gen) for _ in range(n)]  # noqa: E731
     kv = (interior_len, KV_HEADS, HEAD_DIM)
-    return SegmentTuple((4, 4 + interior_len), rand(2, *lay.t_shape), rand(2, *lay.s0_shape),
-                        rand(2, *lay.conv_shape), rand(1, *kv), rand(1, *kv))
+    return SegmentTuple((4, 4 + interior_len), rand(2, *lay.t_shape(0)), rand(2, *lay.s0_shape(0)),
+                        rand(2, *lay.conv_shape(0)), rand(1, *kv), rand(1, *kv))
 
 
 def key(name: str, salt: str | None = None) -> SegmentKey:
@@ -70,7 +71,7 @@ def test_put_get_round_trip_and_kernel_offsets() -> None:
         assert torch.equal(entry.T(i), tup.T[i]) and torch.equal(entry.S0(i), tup.S0[i])
         assert torch.equal(entry.conv_tail(i), tup.conv_tail[i])
         t_numel = tup.T[i].numel()
-        assert torch.equal(store.t_src[entry.t_offset(i): entry.t_offset(i) + t_numel].view_as(tup.T[i]), tup.T[i])
+        assert torch.equal(store.t_src(i)[entry.t_offset(i): entry.t_offset(i) + t_numel].view_as(tup.T[i]), tup.T[i])
         s0 = store.s0_src[entry.s0_offset(i): entry.s0_offset(i) + tup.S0[i].numel()]
         assert torch.equal(s0.view_as(tup.S0[i]), tup.S0[i])
     assert torch.equal(entry.K(0), tup.K[0]) and torch.equal(entry.V(0), tup.V[0])
@@ -176,9 +177,9 @@ def test_random_operations_keep_the_books() -> None:
 
 
 def test_log_gate_T_is_kept_in_float32() -> None:
-    assert layout(torch.bfloat16, family="scalar").t_dtype == torch.float32
-    assert layout(torch.bfloat16, family="diagonal").t_dtype == torch.float32
-    assert layout(torch.bfloat16, family="kda").t_dtype == torch.bfloat16
+    assert layout(torch.bfloat16, family="scalar").t_dtype(0) == torch.float32
+    assert layout(torch.bfloat16, family="diagonal").t_dtype(0) == torch.float32
+    assert layout(torch.bfloat16, family="kda").t_dtype(0) == torch.bfloat16
     with pytest.raises(ValueError):
         layout(torch.float16)
 
@@ -204,7 +205,7 @@ def test_composed_from_store_matches_sequential(state_dtype: torch.dtype, bound:
     empty = torch.zeros(0, 1, KD)
     compose_and_recur_ref(empty, empty, torch.zeros(0, HV, VD), torch.zeros(0, HV), torch.zeros(0, HV), pool,
                           torch.tensor([0]), torch.tensor([False]), torch.tensor([0, 0], dtype=torch.int32),
-                          CachedPieces.build([rows]), store.t_src, store.s0_src, family=family, scale=1.0)
+                          CachedPieces.build([rows]), store.t_src(1), store.s0_src, family=family, scale=1.0)
     assert rel_err(pool[0].double(), truth) <= bound
 
 
@@ -243,8 +244,8 @@ def test_piece_token_offsets_equal_a_per_token_build() -> None:
 def test_store_on_gpu_feeds_the_triton_kernels() -> None:
     """Arena views (bf16 T/S0, bf16 KV) read in place by compose_and_recur and scatter_kv on cuda."""
     family, gen = get_family("gdn"), torch.Generator().manual_seed(1)
-    lay = SegmentLayout(family, num_linear=2, num_full=1, value_heads=32, key_dim=128, value_dim=128, conv_dim=64,
-                        conv_kernel=4, kv_heads=2, head_dim=256, state_dtype=torch.bfloat16,
+    shape = LinearShape(family, 32, 128, 128, 64, 4)
+    lay = SegmentLayout((shape, shape), num_full=1, kv_heads=2, head_dim=256, state_dtype=torch.bfloat16,
                         model_dtype=torch.bfloat16)
     store = SegmentStore(lay, 3 * lay.entry_bytes(40), "cuda")
     tokens = random_tokens(family, 90, gen, heads=(16, 32), dims=(128, 128))
@@ -268,7 +269,39 @@ def test_store_on_gpu_feeds_the_triton_kernels() -> None:
         pool = torch.zeros(2, 32, 128, 128, device=device)
         o = fn(*(a.to(device) for a in args), pool, torch.tensor([1], device=device),
                torch.tensor([False], device=device), torch.tensor([0, 20], dtype=torch.int32, device=device),
-               CachedPieces.build([rows], device), store.t_src.to(device), store.s0_src.to(device),
+               CachedPieces.build([rows], device), store.t_src(1).to(device), store.s0_src.to(device),
                family=family, scale=0.1)
         outs.append((o.float().cpu(), pool[1].cpu()))
     assert rel_err(outs[0][0], outs[1][0]) <= 1e-2 and rel_err(outs[0][1], outs[1][1]) <= 1e-4
+
+
+def test_layers_of_different_families_and_shapes_share_an_entry() -> None:
+    """Per-linear-layer parts in their own shapes and dtypes (float32 log T beside bf16 dense T): each
+    round-trips, and a step's piece table and conv tails moved to layer i land on that layer's part."""
+    shapes = (LinearShape(get_family("scalar"), 3, KD, VD, CONV, 4), LinearShape(get_family("gdn"), HV, KD, VD, 5, 4),
+              LinearShape(get_family("gdn"), HV, KD, 2, 5, 4))
+    lay = SegmentLayout(shapes, num_full=1, kv_heads=KV_HEADS, head_dim=HEAD_DIM, state_dtype=torch.bfloat16,
+                        model_dtype=torch.float32)
+    assert [lay.t_dtype(i) for i in range(3)] == [torch.float32, torch.bfloat16, torch.bfloat16]
+    assert lay.part_offset(0, 1) % 256 == 0 and lay.part_offset(0, 2) == lay.part_offset(0, 1) + HV * KD * KD * 2
+    store, gen = SegmentStore(lay, 4 * lay.entry_bytes(5), "cpu"), torch.Generator().manual_seed(3)
+    rand = lambda shape: torch.randn(*shape, generator=gen).to(torch.bfloat16).float()  # noqa: E731
+    kv = (5, KV_HEADS, HEAD_DIM)
+    tuples = [SegmentTuple((4, 9), *[[rand(lay.block_shape(b, i)) for i in range(3)] for b in range(3)],
+                           [rand(kv)], [rand(kv)]) for _ in range(2)]
+    entries = []
+    for n, tup in enumerate(tuples):
+        assert store.put(key(str(n)), tup)
+        entries.append(store.get(key(str(n))))
+    pieces = CachedPieces.build([[(0, e.t_offset(0), e.s0_offset(0)) for e in entries]])
+    tails = torch.tensor([e.conv_offset(0) + tap for e in entries for tap in range(3)])
+    for i in range(3):
+        moved = store.layer_pieces(pieces, i)
+        assert moved.t_off.tolist() == [e.t_offset(i) for e in entries]
+        assert moved.s0_off.tolist() == [e.s0_offset(i) for e in entries]
+        for e, tup, start in zip(entries, tuples, moved.t_off.tolist()):
+            assert torch.equal(e.T(i).float(), tup.T[i]) and torch.equal(e.S0(i).float(), tup.S0[i])
+            t = store.t_src(i)[start: start + tup.T[i].numel()]
+            assert torch.equal(t.view(tup.T[i].shape).float(), tup.T[i])
+        expected = torch.cat([tup.conv_tail[i].T for tup in tuples])  # [(piece, tap), channel]
+        assert torch.equal(store.conv_tails(tails, i), expected)

@@ -1,9 +1,34 @@
 """Device tensors of the two private caches: paged KV (full layers) and the state slab (linear layers)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from hypic.errors import UnsupportedModelError
+from hypic.kernels.linear_families import LinearFamily
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """What one linear-attention layer keeps per state slot and per cached segment: its family, its
+    state [HV, K, V] and the window of its causal conv1d ([conv_dim, W-1] pre-conv inputs)."""
+
+    family: LinearFamily
+    value_heads: int  # HV
+    key_dim: int  # K
+    value_dim: int  # V
+    conv_dim: int  # channels the conv runs over
+    conv_kernel: int  # W
+
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        return (self.value_heads, self.key_dim, self.value_dim)
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel - 1)
 
 
 @dataclass(frozen=True)
@@ -14,25 +39,32 @@ class CacheShape:
     linear_layers: tuple[int, ...]  # layer ids of linear-attention layers
     num_kv_heads: int
     head_dim: int
-    linear_value_heads: int  # HV
-    linear_key_dim: int  # K
-    linear_value_dim: int  # V
-    conv_dim: int  # channels of the causal conv1d (q, k and v projections)
-    conv_kernel: int  # conv width W; the window keeps W - 1 inputs
+    linear: tuple[LinearShape, ...]  # per linear layer, in the order of linear_layers
+
+    def __post_init__(self) -> None:
+        if len(self.linear) != len(self.linear_layers):
+            raise ValueError(f"{len(self.linear_layers)} linear layers but {len(self.linear)} linear shapes")
+        if len({s.conv_kernel for s in self.linear}) > 1:  # PIC splices the same W-1 tail rows at every layer
+            widths = sorted({s.conv_kernel for s in self.linear})
+            raise UnsupportedModelError(f"linear layers with different conv widths {widths} are not supported")
+
+    @property
+    def conv_kernel(self) -> int:
+        """The conv width W of every linear layer (1, no window, without linear layers)."""
+        return self.linear[0].conv_kernel if self.linear else 1
 
     def page_bytes(self, block_size: int, dtype: torch.dtype) -> int:
         per_token = 2 * self.num_kv_heads * self.head_dim * dtype.itemsize
         return len(self.full_layers) * block_size * per_token
 
     def slot_bytes(self, dtype: torch.dtype) -> int:
-        ssm = self.linear_value_heads * self.linear_key_dim * self.linear_value_dim * 4
-        conv = self.conv_dim * (self.conv_kernel - 1) * dtype.itemsize
-        return len(self.linear_layers) * (ssm + conv)
+        return sum(math.prod(s.state_shape) * 4 + math.prod(s.conv_state_shape) * dtype.itemsize
+                   for s in self.linear)
 
 
 class ModelCaches:
     """KV pages [num_blocks, block_size, Hkv, D] per full layer; float32 state
-    [num_slots, HV, K, V] and conv window [num_slots, conv_dim, W-1] per linear layer."""
+    [num_slots, HV, K, V] and conv window [num_slots, conv_dim, W-1] per linear layer (its own shapes)."""
 
     def __init__(self, shape: CacheShape, num_blocks: int, block_size: int, num_slots: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -41,10 +73,9 @@ class ModelCaches:
         kv_dims = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
         self._kv = {i: (torch.zeros(kv_dims, dtype=dtype, device=device),
                         torch.zeros(kv_dims, dtype=dtype, device=device)) for i in shape.full_layers}
-        ssm_dims = (num_slots, shape.linear_value_heads, shape.linear_key_dim, shape.linear_value_dim)
-        conv_dims = (num_slots, shape.conv_dim, shape.conv_kernel - 1)
-        self._state = {i: (torch.zeros(ssm_dims, dtype=torch.float32, device=device),
-                           torch.zeros(conv_dims, dtype=dtype, device=device)) for i in shape.linear_layers}
+        self._state = {i: (torch.zeros(num_slots, *s.state_shape, dtype=torch.float32, device=device),
+                           torch.zeros(num_slots, *s.conv_state_shape, dtype=dtype, device=device))
+                       for i, s in zip(shape.linear_layers, shape.linear)}
 
     def kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) of a full-attention layer."""

@@ -24,8 +24,8 @@ from functools import cached_property
 import torch
 import xxhash
 
-from hypic.cache.model_caches import CacheShape
-from hypic.kernels.linear_families import LinearFamily
+from hypic.cache.model_caches import CacheShape, LinearShape
+from hypic.kernels.compose import CachedPieces
 
 ALIGN = 256  # bytes: every entry and block starts here, so any dtype view of the arena is aligned
 STATE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
@@ -68,16 +68,12 @@ class SegmentTuple:
 
 @dataclass(frozen=True)
 class SegmentLayout:
-    """Shapes, dtypes and byte offsets of one model's entries."""
+    """Shapes, dtypes and byte offsets of one model's entries. Each per-linear-layer block holds the
+    layers' parts one after another, each in its layer's own shape; a part starts 256-byte aligned
+    where the family changes (so a dense T after a log-gate one keeps its 16-element alignment)."""
 
-    family: LinearFamily
-    num_linear: int
+    linear: tuple[LinearShape, ...]  # per linear layer: family, state and conv shapes
     num_full: int
-    value_heads: int  # HV
-    key_dim: int  # K
-    value_dim: int  # V
-    conv_dim: int
-    conv_kernel: int  # W
     kv_heads: int
     head_dim: int
     state_dtype: torch.dtype  # dense T and S0
@@ -88,42 +84,55 @@ class SegmentLayout:
             raise ValueError(f"segment state dtype must be one of {STATE_DTYPES}, got {self.state_dtype}")
 
     @classmethod
-    def from_cache_shape(cls, shape: CacheShape, family: LinearFamily, state_dtype: torch.dtype,
-                         model_dtype: torch.dtype) -> SegmentLayout:
-        return cls(family, len(shape.linear_layers), len(shape.full_layers), shape.linear_value_heads,
-                   shape.linear_key_dim, shape.linear_value_dim, shape.conv_dim, shape.conv_kernel,
-                   shape.num_kv_heads, shape.head_dim, state_dtype, model_dtype)
+    def from_cache_shape(cls, shape: CacheShape, state_dtype: torch.dtype, model_dtype: torch.dtype) -> SegmentLayout:
+        return cls(shape.linear, len(shape.full_layers), shape.num_kv_heads, shape.head_dim, state_dtype, model_dtype)
 
     @property
-    def t_dtype(self) -> torch.dtype:
-        return self.family.t_storage_dtype(self.state_dtype)
+    def num_linear(self) -> int:
+        return len(self.linear)
 
     @property
-    def t_shape(self) -> tuple[int, ...]:
-        return (self.value_heads, *self.family.t_shape(self.key_dim))
+    def conv_kernel(self) -> int:
+        """W, the same at every linear layer (`CacheShape` checks)."""
+        return self.linear[0].conv_kernel if self.linear else 1
 
-    @property
-    def s0_shape(self) -> tuple[int, ...]:
-        return (self.value_heads, self.key_dim, self.value_dim)
+    def t_dtype(self, linear_index: int) -> torch.dtype:
+        return self.linear[linear_index].family.t_storage_dtype(self.state_dtype)
 
-    @property
-    def conv_shape(self) -> tuple[int, ...]:
-        return (self.conv_dim, self.conv_kernel - 1)
+    def t_shape(self, linear_index: int) -> tuple[int, ...]:
+        s = self.linear[linear_index]
+        return (s.value_heads, *s.family.t_shape(s.key_dim))
 
-    @property
-    def t_layer_stride(self) -> int:
-        """Elements between consecutive linear layers' T blocks of an entry (`CachedPieces.shifted`)."""
-        return math.prod(self.t_shape)
+    def s0_shape(self, linear_index: int) -> tuple[int, ...]:
+        return self.linear[linear_index].state_shape
 
-    @property
-    def s0_layer_stride(self) -> int:
-        """Elements between consecutive linear layers' S0 blocks of an entry."""
-        return math.prod(self.s0_shape)
+    def conv_shape(self, linear_index: int) -> tuple[int, ...]:
+        return self.linear[linear_index].conv_state_shape
 
-    @property
-    def conv_layer_stride(self) -> int:
-        """Elements between consecutive linear layers' conv tails of an entry."""
-        return math.prod(self.conv_shape)
+    def block_dtype(self, block: int, linear_index: int) -> torch.dtype:
+        """Dtype of one linear layer's part of block 0 (T), 1 (S0) or 2 (conv tails)."""
+        return (self.t_dtype(linear_index), self.state_dtype, self.model_dtype)[block]
+
+    def block_shape(self, block: int, linear_index: int) -> tuple[int, ...]:
+        return (self.t_shape, self.s0_shape, self.conv_shape)[block](linear_index)
+
+    @cached_property
+    def _parts(self) -> tuple[tuple[tuple[int, ...], int], ...]:
+        """Per block (T, S0, conv): the byte offset of each linear layer's part, and the block's bytes."""
+        return tuple(self._pack(block) for block in range(3))
+
+    def _pack(self, block: int) -> tuple[tuple[int, ...], int]:
+        offsets, cursor = [], 0
+        for i, shape in enumerate(self.linear):
+            if i and shape.family is not self.linear[i - 1].family:
+                cursor = _align(cursor)
+            offsets.append(cursor)
+            cursor += math.prod(self.block_shape(block, i)) * self.block_dtype(block, i).itemsize
+        return tuple(offsets), _align(cursor)
+
+    def part_offset(self, block: int, linear_index: int) -> int:
+        """Byte offset of linear layer `linear_index`'s part within block `block` of an entry."""
+        return self._parts[block][0][linear_index]
 
     @property
     def kv_token_stride(self) -> int:
@@ -137,11 +146,8 @@ class SegmentLayout:
 
     def block_bytes(self, interior_len: int) -> tuple[int, int, int, int]:
         """Aligned bytes of the T, S0, conv and KV blocks of an entry."""
-        n_lin, itemsize = self.num_linear, self.model_dtype.itemsize
-        return (_align(n_lin * math.prod(self.t_shape) * self.t_dtype.itemsize),
-                _align(n_lin * math.prod(self.s0_shape) * self.state_dtype.itemsize),
-                _align(n_lin * math.prod(self.conv_shape) * itemsize),
-                _align(interior_len * self.kv_token_stride * itemsize))
+        kv = _align(interior_len * self.kv_token_stride * self.model_dtype.itemsize)
+        return (self._parts[0][1], self._parts[1][1], self._parts[2][1], kv)
 
     def entry_bytes(self, interior_len: int) -> int:
         return sum(self.block_bytes(interior_len))
@@ -169,21 +175,17 @@ class SegmentEntry:
         asks for them for every piece it composes: computed once."""
         return tuple(itertools.accumulate(self.layout.block_bytes(self.interior_len)[:-1], initial=self.offset))
 
-    def _view(self, byte_offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        size = math.prod(shape) * dtype.itemsize
-        return self.arena[byte_offset: byte_offset + size].view(dtype).view(shape)
-
     def t_offset(self, linear_index: int) -> int:
-        """Element offset of linear layer `linear_index`'s T block in `SegmentStore.t_src`."""
-        return self._layer_offset(0, self.layout.t_dtype, self.layout.t_layer_stride, linear_index)
+        """Element offset of linear layer `linear_index`'s T block in `SegmentStore.t_src(linear_index)`."""
+        return self._part_offset(0, linear_index)
 
     def s0_offset(self, linear_index: int) -> int:
         """Element offset of linear layer `linear_index`'s S0 in `SegmentStore.s0_src`."""
-        return self._layer_offset(1, self.layout.state_dtype, self.layout.s0_layer_stride, linear_index)
+        return self._part_offset(1, linear_index)
 
     def conv_offset(self, linear_index: int) -> int:
         """Element offset of linear layer `linear_index`'s conv tail [conv_dim, W-1] in `SegmentStore.model_src`."""
-        return self._layer_offset(2, self.layout.model_dtype, self.layout.conv_layer_stride, linear_index)
+        return self._part_offset(2, linear_index)
 
     def kv_offset(self, full_index: int, token: int = 0) -> int:
         """Element offset of interior token `token`'s K block of full layer `full_index` in
@@ -192,26 +194,31 @@ class SegmentEntry:
         return base + token * self.layout.kv_token_stride + full_index * self.layout.kv_layer_stride
 
     def T(self, linear_index: int) -> torch.Tensor:
-        return self._layer_view(0, self.layout.t_dtype, self.layout.t_shape, linear_index)
+        return self._part(0, linear_index)
 
     def S0(self, linear_index: int) -> torch.Tensor:
-        return self._layer_view(1, self.layout.state_dtype, self.layout.s0_shape, linear_index)
+        return self._part(1, linear_index)
 
     def conv_tail(self, linear_index: int) -> torch.Tensor:
-        return self._layer_view(2, self.layout.model_dtype, self.layout.conv_shape, linear_index)
+        return self._part(2, linear_index)
 
-    def _layer_offset(self, block: int, dtype: torch.dtype, layer_stride: int, linear_index: int) -> int:
-        """Element offset of one linear layer's part of a per-linear-layer block (T, S0 or conv tails)."""
-        return self._block_starts[block] // dtype.itemsize + linear_index * layer_stride
+    def _part_byte(self, block: int, linear_index: int) -> int:
+        return self._block_starts[block] + self.layout.part_offset(block, linear_index)
 
-    def _layer_view(self, block: int, dtype: torch.dtype, shape: tuple[int, ...], linear_index: int) -> torch.Tensor:
-        """One linear layer's part of a per-linear-layer block, as a tensor of `shape`."""
-        return self._view(self._block_starts[block], dtype, (self.layout.num_linear, *shape))[linear_index]
+    def _part_offset(self, block: int, linear_index: int) -> int:
+        """Element offset (in the part's dtype) of one linear layer's part of block T, S0 or conv."""
+        return self._part_byte(block, linear_index) // self.layout.block_dtype(block, linear_index).itemsize
+
+    def _part(self, block: int, linear_index: int) -> torch.Tensor:
+        """One linear layer's part of a per-linear-layer block, as a tensor of its shape."""
+        lay = self.layout
+        return _view(self.arena, self._part_byte(block, linear_index), lay.block_dtype(block, linear_index),
+                     lay.block_shape(block, linear_index))
 
     def _kv(self) -> torch.Tensor:
         lay = self.layout
         shape = (self.interior_len, lay.num_full, 2, lay.kv_heads, lay.head_dim)
-        return self._view(self._block_starts[3], lay.model_dtype, shape)
+        return _view(self.arena, self._block_starts[3], lay.model_dtype, shape)
 
     def K(self, full_index: int) -> torch.Tensor:
         """[L_int, Hkv, D] before RoPE (a strided view)."""
@@ -245,16 +252,17 @@ class SegmentStore:
         self.zero_entry = SegmentEntry(SegmentKey(bytes(16), None), (0, 0), self.capacity_bytes, zero_bytes,
                                        layout, self._arena)
         # offset of each channel within a stored conv tail [conv_dim, W-1], for gathering tails in place
-        self.conv_channels = torch.arange(layout.conv_dim, device=device) * (layout.conv_kernel - 1)
+        self._conv_channels = {dim: torch.arange(dim, device=device) * (layout.conv_kernel - 1)
+                               for dim in {s.conv_dim for s in layout.linear}}
         self._free = _FreeList(self.capacity_bytes)
         self._index: OrderedDict[SegmentKey, SegmentEntry] = OrderedDict()  # LRU first
         self._flushed: list[SegmentEntry] = []  # removed from the index, still pinned
         self._hits = self._misses = self._evictions = 0
 
     # flat views for the kernels (zero-copy; element offsets come from SegmentEntry)
-    @property
-    def t_src(self) -> torch.Tensor:
-        return self._arena.view(self.layout.t_dtype)
+    def t_src(self, linear_index: int) -> torch.Tensor:
+        """The arena in linear layer `linear_index`'s T dtype."""
+        return self._arena.view(self.layout.t_dtype(linear_index))
 
     @property
     def s0_src(self) -> torch.Tensor:
@@ -264,6 +272,31 @@ class SegmentStore:
     def model_src(self) -> torch.Tensor:
         """Conv tails and K/V (both in the model dtype)."""
         return self._arena.view(self.layout.model_dtype)
+
+    def layer_pieces(self, pieces: CachedPieces, linear_index: int) -> CachedPieces:
+        """A step's piece table (element offsets of linear layer 0) at linear layer `linear_index`:
+        every entry's blocks are laid out alike, so a layer's offsets are layer 0's moved by one
+        amount (rescaled first where the layer's T dtype has another size)."""
+        if linear_index == 0:
+            return pieces
+        lay = self.layout
+        t_from, t_to = lay.t_dtype(0).itemsize, lay.t_dtype(linear_index).itemsize
+        if t_from != t_to:
+            pieces = CachedPieces(pieces.ptr, pieces.at, pieces.t_off * t_from // t_to, pieces.s0_off)
+        return pieces.shifted(lay.part_offset(0, linear_index) // t_to,
+                              lay.part_offset(1, linear_index) // lay.state_dtype.itemsize)
+
+    def conv_tails(self, tail_offsets: torch.Tensor, linear_index: int) -> torch.Tensor:
+        """[P*(W-1), conv_dim]: the stored conv-tail rows at `tail_offsets` (of linear layer 0, one
+        per (piece, tap)) at linear layer `linear_index`, gathered in place (tensor offsets, not a
+        list of views, so a CUDA graph can replay it for other pieces)."""
+        shift = self.layout.part_offset(2, linear_index) // self.layout.model_dtype.itemsize
+        rows = tail_offsets + shift if shift else tail_offsets
+        return self.model_src[rows[:, None] + self.conv_channels(linear_index)[None, :]]
+
+    def conv_channels(self, linear_index: int) -> torch.Tensor:
+        """[conv_dim] element offset of each channel within a stored conv tail of that layer."""
+        return self._conv_channels[self.layout.linear[linear_index].conv_dim]
 
     def __contains__(self, key: SegmentKey) -> bool:
         return key in self._index
@@ -353,14 +386,14 @@ class SegmentStore:
     def _check(self, tup: SegmentTuple) -> None:
         lay = self.layout
         kv_shape = (tup.interior_len, lay.kv_heads, lay.head_dim)
-        expected = {"T": (lay.num_linear, lay.t_shape), "S0": (lay.num_linear, lay.s0_shape),
-                    "conv_tail": (lay.num_linear, lay.conv_shape), "K": (lay.num_full, kv_shape),
-                    "V": (lay.num_full, kv_shape)}
-        for name, (count, shape) in expected.items():
-            parts = getattr(tup, name)
-            if len(parts) != count or any(tuple(p.shape) != shape for p in parts):
-                got = [tuple(p.shape) for p in parts]
-                raise ValueError(f"segment tuple {name}: expected {count} x {shape}, got {got}")
+        linear = range(lay.num_linear)
+        expected = {"T": [lay.t_shape(i) for i in linear], "S0": [lay.s0_shape(i) for i in linear],
+                    "conv_tail": [lay.conv_shape(i) for i in linear], "K": [kv_shape] * lay.num_full,
+                    "V": [kv_shape] * lay.num_full}
+        for name, shapes in expected.items():
+            got = [tuple(p.shape) for p in getattr(tup, name)]
+            if got != shapes:
+                raise ValueError(f"segment tuple {name}: expected {shapes}, got {got}")
 
 
 class _FreeList:
@@ -387,6 +420,11 @@ class _FreeList:
             self._holes[i: i + 2] = [(offset, nbytes + self._holes[i + 1][1])]
         if i > 0 and self._holes[i - 1][0] + self._holes[i - 1][1] == offset:
             self._holes[i - 1: i + 1] = [(self._holes[i - 1][0], self._holes[i - 1][1] + self._holes[i][1])]
+
+
+def _view(arena: torch.Tensor, byte_offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    size = math.prod(shape) * dtype.itemsize
+    return arena[byte_offset: byte_offset + size].view(dtype).view(shape)
 
 
 def _align(nbytes: int) -> int:

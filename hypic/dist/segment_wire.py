@@ -58,11 +58,9 @@ def tuple_from(tensors: list[torch.Tensor], meta: bytes) -> SegmentTuple:
 
 def tuple_specs(layout: SegmentLayout, interior_len: int) -> list[TensorSpec]:
     """The shapes and dtypes `tuple_tensors` gives for a tuple stored in this layout."""
-    def spec(dtype: torch.dtype, shape: tuple[int, ...], count: int) -> list[TensorSpec]:
-        return [TensorSpec(str(dtype).removeprefix("torch."), tuple(shape))] * count
+    def spec(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorSpec:
+        return TensorSpec(str(dtype).removeprefix("torch."), tuple(shape))
 
-    kv = (interior_len, layout.kv_heads, layout.head_dim)
-    return (spec(layout.t_dtype, layout.t_shape, layout.num_linear)
-            + spec(layout.state_dtype, layout.s0_shape, layout.num_linear)
-            + spec(layout.model_dtype, layout.conv_shape, layout.num_linear)
-            + spec(layout.model_dtype, kv, 2 * layout.num_full))
+    kv = spec(layout.model_dtype, (interior_len, layout.kv_heads, layout.head_dim))
+    return ([spec(layout.block_dtype(block, i), layout.block_shape(block, i))
+             for block in range(3) for i in range(layout.num_linear)] + [kv] * (2 * layout.num_full))

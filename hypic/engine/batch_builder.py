@@ -5,16 +5,17 @@ import itertools
 
 import torch
 
-from hypic.engine.forward_batch import ForwardBatch
+from hypic.cache.segment_store import SegmentStore
 from hypic.engine.pic.step import build_pic_step
 from hypic.engine.scheduler import ScheduledBatch
 from hypic.kernels.host_copy import host_to_device
+from hypic.models.batch import ForwardBatch
 
 
-def build_step(batch: ScheduledBatch, block_size: int, store, family, device: torch.device) -> ForwardBatch:
+def build_step(batch: ScheduledBatch, block_size: int, store: SegmentStore, device: torch.device) -> ForwardBatch:
     """The ForwardBatch of a step with its PIC part over the segment store `store`."""
     forward = build_forward_batch(batch, block_size, device)
-    forward.pic = build_pic_step(batch.chunks, forward.seq_lens_cpu, forward.num_decodes, store, family, device)
+    forward.pic = build_pic_step(batch.chunks, forward.seq_lens_cpu, forward.num_decodes, store, device)
     return forward
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from hypic.cache.model_caches import ModelCaches
-from hypic.engine.forward_batch import ForwardBatch
+from hypic.models.batch import ForwardBatch
 
 _LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 384, 512)
 

@@ -29,7 +29,6 @@ from hypic.engine.setup import (cache_budget_bytes, resolve_device, resolve_dtyp
 from hypic.engine.text.tokenizer import Tokenizer
 from hypic.errors import InvalidRequestError, PromptTooLongError
 from hypic.kernels.host_copy import host_to_device
-from hypic.kernels.linear_families import get_family
 from hypic.kernels.scatter_kv import rope_inv_freq
 from hypic.models.registry import load_model
 from hypic.outputs import CompletionDelta, RequestOutput
@@ -66,7 +65,6 @@ class LLMEngine:
         self.model = load_model(str(self.model_dir), device=self.device, dtype=self.dtype,
                                 state_dict=config.state_dict)
         self.model_config = self.model.config
-        self.family = get_family("gdn")
         self.plan, self.max_model_len, pool_bytes = self._plan_memory()
         self._build_caches(self.plan, pool_bytes)
         self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.token_text, seed=config.seed)
@@ -263,7 +261,7 @@ class LLMEngine:
         return RequestInfo(request_id, params, prompt, cache_salt, mode, self.config.seam_width)
 
     def _plan_memory(self) -> tuple[CachePlan, int, int]:
-        shape = self.model_config.cache_shape()
+        shape = self.model.cache_shape()
         weight_bytes = sum(t.numel() * t.element_size() for t in self.model.parameters())
         total = cache_budget_bytes(self.config, self.device, self.config.max_num_batched_tokens,
                                    self.model_config.hidden_size, weight_bytes)
@@ -281,7 +279,7 @@ class LLMEngine:
         return plan_cache(shape, max_model_len=wanted, **plan_args), wanted, pool
 
     def _build_caches(self, plan: CachePlan, pool_bytes: int) -> None:
-        bs, shape = self.config.block_size, self.model_config.cache_shape()
+        bs, shape = self.config.block_size, self.model.cache_shape()
         # One extra page and slot: the scratch that CUDA-graph padding rows write into.
         self.caches = ModelCaches(shape, plan.num_blocks + 1, bs, plan.num_slots + 1, self.dtype, self.device)
         self.blocks, self.slots = BlockPool(plan.num_blocks), SlotPool(plan.num_slots)
@@ -293,14 +291,14 @@ class LLMEngine:
                                   self.max_model_len, self.tokenizer.vocab_size,
                                   not self.config.enforce_eager and self.device.type == "cuda")
         state_dtype = resolve_segment_state_dtype(self.config.segment_state_dtype, self.dtype)
-        layout = SegmentLayout.from_cache_shape(shape, self.family, state_dtype, self.dtype)
+        layout = SegmentLayout.from_cache_shape(shape, state_dtype, self.dtype)
         self.store = SegmentStore(layout, pool_bytes, self.device)
         c = self.model_config
         inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta).to(self.device)
         self.pic = PicAssembler(self.store, self.caches, inv_freq, self._fingerprint(),
                                 shape.conv_kernel, self.config.seam_width)
         self.runner = ModelRunner(self.model, self.caches, settings, scratch_slot=plan.num_slots,
-                                  scratch_block=plan.num_blocks, store=self.store, family=self.family)
+                                  scratch_block=plan.num_blocks, store=self.store)
         self.runner.capture_graphs()
 
     def _fingerprint(self) -> str:

@@ -10,10 +10,8 @@ from hypic.cache.segment_store import SegmentStore
 from hypic.engine.pic.graphs import AssemblyGraphs
 from hypic.engine.batch_builder import build_step
 from hypic.engine.cuda_graphs import DecodeGraphs
-from hypic.engine.forward_batch import ForwardBatch
-from hypic.engine.pic.step import Capture
 from hypic.engine.scheduler import ScheduledBatch
-from hypic.kernels.linear_families import LinearFamily
+from hypic.models.batch import Capture, ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -28,9 +26,9 @@ class RunnerSettings:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, caches: ModelCaches, settings: RunnerSettings,
-                 *, scratch_slot: int, scratch_block: int, store: SegmentStore, family: LinearFamily) -> None:
+                 *, scratch_slot: int, scratch_block: int, store: SegmentStore) -> None:
         self.model, self.caches, self.settings = model, caches, settings
-        self.store, self.family = store, family
+        self.store = store
         self.device = caches.kv_device
         self.graphs: DecodeGraphs | None = None
         self.assembly_graphs: AssemblyGraphs | None = None
@@ -39,7 +37,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 model, caches, max_num_seqs=settings.max_num_seqs, max_blocks=max_blocks,
                 scratch_slot=scratch_slot, scratch_block=scratch_block, max_kv_len=settings.max_model_len)
-            self.assembly_graphs = AssemblyGraphs(model, caches, store, family, max_blocks=max_blocks,
+            self.assembly_graphs = AssemblyGraphs(model, caches, store, max_blocks=max_blocks,
                                                   scratch_slot=scratch_slot, scratch_block=scratch_block,
                                                   max_tokens=min(settings.max_model_len,
                                                                  settings.max_num_batched_tokens),
@@ -70,4 +68,4 @@ class ModelRunner:
         return logits, capture
 
     def _forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:
-        return build_step(batch, self.settings.block_size, self.store, self.family, self.device)
+        return build_step(batch, self.settings.block_size, self.store, self.device)

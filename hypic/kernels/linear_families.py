@@ -31,6 +31,7 @@ from hypic.kernels.host_copy import host_to_device
 from hypic.errors import UnsupportedModelError
 from hypic.kernels.gdn import gated_delta_rule
 from hypic.kernels.scatter_kv import apply_rope
+from hypic.kernels.varlen import Operands, StateSpans
 
 
 class LinearFamily(ABC):
@@ -105,6 +106,19 @@ class LinearFamily(ABC):
         """Same contract as `recur` by the fastest exact path: here the token loop itself."""
         return self.recur(state, q, k, v, g, beta, scale=scale)
 
+    def recur_spans(self, x: Operands, pool: torch.Tensor, spans: StateSpans, *, scale: float) -> torch.Tensor:
+        """The varlen path a mixer's layer runs: span b from pool[slots[b]] (zeros without state),
+        its end state written back there; returns o [N, HV, V] in v's dtype. Here span by span
+        through `run` (a family with a chunked kernel overrides it)."""
+        o = torch.empty_like(x.v)
+        slots, has_state = spans.slots.tolist(), spans.has_state.tolist()
+        for b, (start, end) in enumerate(_spans(spans.seq_lens)):
+            state = pool[slots[b]] if has_state[b] else torch.zeros_like(pool[0])
+            rows = slice(start, end)
+            beta = None if x.beta is None else x.beta[rows]
+            o[rows], pool[slots[b]] = self.run(state, x.q[rows], x.k[rows], x.v[rows], x.g[rows], beta, scale=scale)
+        return o
+
     def final_states(self, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor | None, initial: torch.Tensor,
                      cu_seqlens: torch.Tensor, seq_lens: tuple[int, ...]) -> torch.Tensor:
@@ -163,6 +177,35 @@ class ScalarFamily(LinearFamily):
 
     def as_matrix(self, T: Tensor, key_dim: int) -> Tensor:
         return T.exp()[..., None, None] * torch.eye(key_dim, dtype=T.dtype, device=T.device)
+
+    # Spans run chunk by chunk (SSD form, Mamba2's "state space duality"): inside a chunk the outputs are
+    # a decay-masked attention plus the decayed carried-in state, and the state moves once per chunk.
+
+    def run(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, *,
+            scale: float) -> tuple[Tensor, Tensor]:
+        q, k, v, g, state = self._operands(state, q, k, v, g)
+        outputs = []
+        for c in _chunks(v.shape[0]):
+            o, state = _scalar_chunk(state, q[c], k[c], v[c], g[c], scale)
+            outputs.append(o)
+        return (torch.cat(outputs) if outputs else v.new_zeros(v.shape)), state
+
+    def final_states(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor,
+                     cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> Tensor:
+        ends = []
+        for b, (start, end) in enumerate(_spans(seq_lens)):
+            _, k_b, v_b, g_b, state = self._operands(initial[b], None, k[start:end], v[start:end], g[start:end])
+            for c in _chunks(end - start):
+                state = _scalar_chunk_end(state, k_b[c], v_b[c], g_b[c])
+            ends.append(state)
+        return torch.stack(ends)
+
+    @staticmethod
+    def _operands(state: Tensor, q: Tensor | None, k: Tensor, v: Tensor, g: Tensor) -> tuple[Tensor | None, ...]:
+        """Key heads expanded to the value heads, everything in the math dtype (at least float32)."""
+        dtype, heads = torch.promote_types(state.dtype, torch.float32), v.shape[1]
+        q = None if q is None else expand_heads(q, heads)
+        return _cast(dtype, q, expand_heads(k, heads), v, g, state)
 
     def rotate_state(self, state: torch.Tensor, delta: torch.Tensor | int,
                      inv_freq: torch.Tensor) -> torch.Tensor:
@@ -259,14 +302,16 @@ class GatedDeltaFamily(DenseFamily):
         self._kernel(k, k, v, g, beta, pool, cu_seqlens, seq_lens, 1.0)
         return pool
 
-    @staticmethod
-    def _kernel(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, cu_seqlens: Tensor,
+    def recur_spans(self, x: Operands, pool: Tensor, spans: StateSpans, *, scale: float) -> Tensor:
+        return gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, pool, spans.slots, spans.has_state, spans.cu_seqlens,
+                                scale=scale, num_decodes=spans.num_decodes, seq_lens_cpu=spans.seq_lens)
+
+    def _kernel(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, cu_seqlens: Tensor,
                 seq_lens: tuple[int, ...], scale: float) -> Tensor:
         """Sequence b of the varlen batch runs from pool[b] and leaves its end state there."""
-        num, device = pool.shape[0], pool.device
-        return gated_delta_rule(q, k, v, g.float(), beta, pool, torch.arange(num, device=device),
-                                torch.ones(num, dtype=torch.bool, device=device),
-                                cu_seqlens.to(device, torch.int32), scale=scale, num_decodes=0, seq_lens_cpu=seq_lens)
+        return self.recur_spans(Operands(q, k, v, g.float(), beta), pool,
+                                pool_spans(pool.shape[0], cu_seqlens.to(pool.device, torch.int32), seq_lens),
+                                scale=scale)
 
 
 class KimiDeltaFamily(DenseFamily):
@@ -293,6 +338,13 @@ def get_family(name: str) -> LinearFamily:
     return FAMILIES[name]
 
 
+def pool_spans(num: int, cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> StateSpans:
+    """Spans of a varlen batch over a pool of their own: span b over slot b, from its state there."""
+    device = cu_seqlens.device
+    return StateSpans(torch.arange(num, device=device), torch.ones(num, dtype=torch.bool, device=device),
+                      cu_seqlens, 0, seq_lens)
+
+
 def expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     """[.., H, K] key-head tensor -> [.., heads, K]: value head hv reads key head hv // (heads // H)."""
     return x.repeat_interleave(heads // x.shape[-2], dim=-2) if x.shape[-2] != heads else x
@@ -305,6 +357,31 @@ def segment_sum(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     span_of_token = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths,
                                             output_size=x.shape[0])  # sized on the host: no sync
     return x.new_zeros(lengths.numel(), *x.shape[1:]).index_add_(0, span_of_token, x)
+
+
+SCALAR_CHUNK = 64  # tokens per chunk of the scalar family's chunked paths
+
+
+def _chunks(length: int) -> list[slice]:
+    return [slice(start, min(start + SCALAR_CHUNK, length)) for start in range(0, length, SCALAR_CHUNK)]
+
+
+def _scalar_chunk(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
+                  scale: float) -> tuple[Tensor, Tensor]:
+    """One chunk of C tokens from `state` [HV, K, V] (q, k [C, HV, K], v [C, HV, V], g [C, HV]):
+    o_t = scale (exp(b_t) q_t^T S + sum_{s<=t} exp(b_t - b_s) (q_t . k_s) v_s), b the running gate sum."""
+    b = g.cumsum(0)
+    causal = torch.ones(len(g), len(g), dtype=torch.bool, device=g.device).tril()
+    decay = torch.where(causal[:, :, None], b[:, None, :] - b[None, :, :], -math.inf).exp()  # [t, s, HV]
+    scores = torch.einsum("thk,shk->tsh", q, k) * decay
+    o = torch.einsum("tsh,shv->thv", scores, v) + b.exp()[:, :, None] * torch.einsum("thk,hkv->thv", q, state)
+    return o * scale, _scalar_chunk_end(state, k, v, g, b)
+
+
+def _scalar_chunk_end(state: Tensor, k: Tensor, v: Tensor, g: Tensor, b: Tensor | None = None) -> Tensor:
+    """The state after a chunk: exp(b_C) S + sum_s exp(b_C - b_s) k_s v_s^T."""
+    b = g.cumsum(0) if b is None else b
+    return b[-1].exp()[:, None, None] * state + torch.einsum("sh,shk,shv->hkv", (b[-1] - b).exp(), k, v)
 
 
 def _cast(dtype: torch.dtype, *xs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:

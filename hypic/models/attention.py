@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hypic.engine.forward_batch import ForwardBatch
 from hypic.kernels.paged_attention import paged_attention, write_kv
+from hypic.models.batch import ForwardBatch
 from hypic.models.config import HybridConfig
 from hypic.models.mamba2_config import Mamba2HybridConfig
 from hypic.models.layers import RMSNorm, RotaryEmbedding
@@ -60,7 +60,7 @@ class GatedAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
         q, gate, k, v = self.qkv(hidden, batch.positions)
-        if batch.pic is not None:
-            batch.pic.capture_full(k, v)
+        if batch.pic is not None and batch.pic.capture is not None:
+            batch.pic.capture.add_full(k, v)
         write_kv(self.rotary(k, batch.positions), v, k_cache, v_cache, batch.kv_write_slots)
         return self.output(self.attend(q, k_cache, v_cache, batch), gate)

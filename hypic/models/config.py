@@ -7,7 +7,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hypic.cache.model_caches import CacheShape
 from hypic.errors import UnsupportedModelError
 
 TEXT_MODEL_TYPES: tuple[str, ...] = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -138,14 +137,6 @@ class HybridConfig:
     @cached_property
     def linear_conv_dim(self) -> int:
         return 2 * self.linear_key_dim + self.linear_value_dim
-
-    def cache_shape(self) -> CacheShape:
-        return CacheShape(
-            full_layers=self.full_layers, linear_layers=self.linear_layers,
-            num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            linear_value_heads=self.linear_num_value_heads, linear_key_dim=self.linear_key_head_dim,
-            linear_value_dim=self.linear_value_head_dim, conv_dim=self.linear_conv_dim,
-            conv_kernel=self.linear_conv_kernel_dim)
 
     def _validate(self) -> None:
         problems = _shape_problems(self)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hypic.cache.model_caches import ModelCaches
-from hypic.engine.forward_batch import ForwardBatch
+from hypic.cache.model_caches import CacheShape, ModelCaches
 from hypic.models.attention import GatedAttention
+from hypic.models.batch import ForwardBatch
 from hypic.models.config import HybridConfig
 from hypic.models.gated_deltanet import GatedDeltaNet
 from hypic.models.layers import RMSNorm, SparseMoeBlock, SwiGLUMLP
@@ -68,6 +68,12 @@ class HybridModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                          bias=False)
+
+    def cache_shape(self) -> CacheShape:
+        """What the caches hold per page and slot, from the layers: each linear layer's mixer names its shapes."""
+        c = self.config
+        linear = tuple(layer.linear_attn.shape for layer in self.layers if layer.is_linear)
+        return CacheShape(c.full_layers, c.linear_layers, c.num_key_value_heads, c.head_dim, linear)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:

@@ -16,13 +16,13 @@ import torch
 
 from hypic.cache.segment_store import SegmentKey, SegmentStore, SegmentTuple
 from hypic.engine.pic.plan import PicPolicy, PlannedSegment, SegmentJob, plan_segments
-from hypic.engine.pic.step import Capture
 from hypic.engine.pic.pieces import Cached
 from hypic.engine.scheduler import ScheduledBatch
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.sequence import RequestInfo, Sequence
 from hypic.kernels.host_copy import host_to_device
 from hypic.kernels.scatter_kv import scatter_kv
+from hypic.models.batch import Capture
 from hypic.sampling_params import SamplingParams
 
 _PREFILL_ONLY = SamplingParams(max_tokens=0)
@@ -76,8 +76,9 @@ class PicAssembler:
         if capture is None:
             return []
         done = []
+        jobs = [c.seq.segment_job for c in batch.chunks if c.seq.segment_job is not None]  # the capture's order
         starts = itertools.accumulate(capture.seq_lens, initial=0)
-        for j, (job, start) in enumerate(zip(capture.jobs, starts)):
+        for j, (job, start) in enumerate(zip(jobs, starts)):
             stored = self.store.put(job.key, _tuple_of(capture, j, job, start))
             self._wake(job.key, stored)
             done.append((self.jobs.pop(job.key), stored))

@@ -19,10 +19,9 @@ import torch
 from hypic.cache.model_caches import ModelCaches
 from hypic.cache.segment_store import SegmentStore
 from hypic.engine.batch_builder import TENSOR_FIELDS, build_step
-from hypic.engine.forward_batch import ForwardBatch
 from hypic.engine.pic.pieces import Cached, Chunk, walk_length
 from hypic.engine.scheduler import ScheduledBatch, ScheduledChunk
-from hypic.kernels.linear_families import LinearFamily
+from hypic.models.batch import ForwardBatch
 
 SIZES = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 MAX_PIECES = 32  # cached pieces of the request; one with more runs eagerly
@@ -39,12 +38,12 @@ class _PaddingSequence:
 
 
 class AssemblyGraphs:
-    def __init__(self, model: torch.nn.Module, caches: ModelCaches, store: SegmentStore, family: LinearFamily,
+    def __init__(self, model: torch.nn.Module, caches: ModelCaches, store: SegmentStore,
                  *, max_blocks: int, scratch_slot: int, scratch_block: int, max_tokens: int, max_kv_len: int,
                  sizes: Sequence[int] = SIZES, use_graphs: bool = True) -> None:
         """Steps of up to `max_tokens` tokens (padding included) over up to `max_kv_len` keys can be
         captured; `use_graphs=False` runs the padded step eagerly (CPU tests of the padding)."""
-        self.model, self.caches, self.store, self.family = model, caches, store, family
+        self.model, self.caches, self.store = model, caches, store
         self.max_blocks, self.scratch_slot, self.scratch_block = max_blocks, scratch_slot, scratch_block
         self.max_kv_len = max_kv_len
         self.sizes = tuple(s for s in sizes if s <= max_tokens)
@@ -102,7 +101,7 @@ class AssemblyGraphs:
         return self.model.compute_logits(self.model(forward, self.caches))
 
     def _build(self, batch: ScheduledBatch) -> ForwardBatch:
-        return build_step(batch, self.caches.block_size, self.store, self.family, self.caches.kv_device)
+        return build_step(batch, self.caches.block_size, self.store, self.caches.kv_device)
 
     def _capture_batch(self, size: int) -> ScheduledBatch:
         """Two padding sequences shaped like a request (samples, widest block table, MAX_PIECES

@@ -1,0 +1,120 @@
+"""What the engine hands the model each step: a flat varlen batch and, when the step does PIC work,
+the inputs of that work (built on the host by `hypic.engine.pic.step`). The models own these types so
+that nothing below the engine imports it.
+
+Two kinds of PIC work ride in an ordinary step:
+- assembly chunks: sequences whose chunk composes cached interiors. At each linear layer their
+  recurrence runs through `compose_and_recur` (S <- T S + S0 at a piece, token recurrence between
+  pieces) and each interior's conv tail is spliced into the conv input right where the interior
+  sits, so the seam tokens after it see the interior's last k-1 pre-conv inputs (DESIGN §2).
+- cold segments: isolated prefills whose interior inputs are captured at every layer; the tuple
+  (T, S0, conv tail, pre-RoPE K and V) is built from them right there.
+Sequences without pieces in the same step take the ordinary kernels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hypic.cache.segment_store import SegmentStore
+from hypic.kernels.compose import CachedPieces, StateCheckpoints
+from hypic.kernels.varlen import StateSpans
+
+
+@dataclass
+class ForwardBatch:
+    """A step's tokens, flattened. Sequences are ordered decodes first, then prefill chunks.
+
+    Invariant: a token's position equals its KV index in its sequence, so full attention masks
+    by position (key index <= query position) over the sequence's pages.
+    """
+
+    input_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64, global position of each token
+    cu_seqlens: torch.Tensor  # [B+1] int32, token offsets of each sequence in this step
+    slots: torch.Tensor  # [B] int64, state-slab slot of each sequence
+    has_state: torch.Tensor  # [B] bool, False: the sequence starts from a zero state (its first chunk)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    kv_lens: torch.Tensor  # [B] int32, KV length of each sequence after this step
+    kv_write_slots: torch.Tensor  # [N] int64, block_id * block_size + offset where each token's K/V goes
+    logits_indices: torch.Tensor  # [M] int64, indices into N whose hidden states come back
+    num_decodes: int  # the first num_decodes sequences have exactly one token each
+    seq_lens_cpu: tuple[int, ...]  # [B] tokens of each sequence in this step (host copy)
+    max_kv_len: int  # max(kv_lens), host copy
+    pic: PicStep | None = None  # PIC assembly and cold-segment capture of this step, if any
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decodes == self.num_seqs
+
+    @property
+    def spans(self) -> StateSpans:
+        """The step's sequences as the linear kernels take them."""
+        return StateSpans(self.slots, self.has_state, self.cu_seqlens, self.num_decodes, self.seq_lens_cpu)
+
+
+@dataclass
+class Assembly:
+    """The step's sequences that compose cached pieces, split at each one's last piece: the walk
+    (tokens up to it, composed and recurred token by token) and the rest (the other sequences, then
+    the tokens after each walk, which continue from the composed state through the mixer's ordinary
+    chunked path)."""
+
+    walk: StateSpans  # the assembling sequences over their walk rows (no decodes)
+    walk_rows: torch.Tensor  # [R] their walk tokens' rows in the flat batch, in order
+    walks_every_row: bool  # walk_rows is every row of the step (a warm request alone): no gathers
+    pieces: CachedPieces  # `at` indexes walk_rows; offsets of linear layer 0
+    rest: StateSpans  # tails continue from the composed state in their slot
+    rest_rows: torch.Tensor
+    saves: StateCheckpoints  # per walking sequence: state before its last token (at -1: none), into a slot
+    save_conv_rows: torch.Tensor  # [A, W-1] spliced conv rows before that token, into the same slot
+    # (a sequence without a checkpoint rewrites its own slot with its last W-1 rows: no change)
+    tail_offsets: torch.Tensor  # [P*(W-1)] int64: model_src offset of (piece, tap) at linear layer 0
+    conv_index: torch.Tensor  # rows of cat([x, tails]) forming the spliced conv input
+    conv_keep: torch.Tensor  # rows of the spliced conv output that belong to real tokens
+    conv_cu_seqlens: torch.Tensor
+    conv_lens: tuple[int, ...]
+
+    def conv_spans(self, batch: ForwardBatch) -> StateSpans:
+        """The step's sequences over the spliced conv input (same slots, longer spans)."""
+        return StateSpans(batch.slots, batch.has_state, self.conv_cu_seqlens, batch.num_decodes, self.conv_lens)
+
+
+@dataclass
+class Capture:
+    """Cold segments of the step: where their interiors and conv tails sit in the flat batch, and
+    the tuples captured from them layer by layer."""
+
+    identity_T: tuple[bool, ...]  # [J] whether job j stores T = I (its segment is exact from zero)
+    rows: torch.Tensor  # [R] interior token rows, job after job
+    cu_seqlens: torch.Tensor  # [J+1] int32 offsets into rows
+    seq_lens: tuple[int, ...]  # [J] interior lengths, on the host
+    tail_rows: torch.Tensor  # [J, W-1] rows of the pre-conv inputs just before each interior's end
+    T: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, HV, *t_shape]
+    S0: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, HV, K, V]
+    conv_tail: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, conv_dim, W-1]
+    K: list[torch.Tensor] = field(default_factory=list)  # per full layer [R, Hkv, D] pre-RoPE
+    V: list[torch.Tensor] = field(default_factory=list)
+
+    def add_full(self, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
+        """A full layer's interior K (before RoPE) and V."""
+        self.K.append(k_pre_rope[self.rows])
+        self.V.append(v[self.rows])
+
+
+@dataclass
+class PicStep:
+    """The PIC part of a step: what its linear and full layers compose and capture."""
+
+    assembly: Assembly | None
+    capture: Capture | None
+    store: SegmentStore  # where the composed pieces' tuples and conv tails are read in place
