@@ -16,6 +16,8 @@ from safetensors.torch import load_file, save_file
 from hypic.cache.model_caches import ModelCaches
 from hypic.models.batch import ForwardBatch
 from hypic.models.config import HybridConfig
+from hypic.models.mamba2_config import Mamba2HybridConfig
+from hypic.models.mamba2_hybrid import Mamba2HybridModel
 from hypic.models.qwen3_next import HybridModel
 
 TOKENIZER_VOCAB = 300  # ids the tests feed; the model's vocab_size (320) is padded past it
@@ -135,11 +137,12 @@ class BatchBuilder:
     """Caches for one model plus a trivial page allocator. Slots and pages start full of junk so that a
     fresh sequence (has_state False) that read them would show."""
 
-    def __init__(self, config: HybridConfig, *, block_size: int = 4, num_blocks: int = 96, num_slots: int = 8,
+    def __init__(self, config: HybridConfig | Mamba2HybridConfig, *, block_size: int = 4, num_blocks: int = 96, num_slots: int = 8,
                  dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu")) -> None:
         self.block_size, self.device = block_size, device
+        model_cls = Mamba2HybridModel if isinstance(config, Mamba2HybridConfig) else HybridModel
         with torch.device("meta"):
-            shape = HybridModel(config).cache_shape()
+            shape = model_cls(config).cache_shape()
         self.caches = ModelCaches(shape, num_blocks, block_size, num_slots, dtype, device)
         for i in config.linear_layers:
             for pool in self.caches.state(i):

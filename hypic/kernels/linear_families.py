@@ -30,6 +30,7 @@ from torch import Tensor
 from hypic.kernels.host_copy import host_to_device
 from hypic.errors import UnsupportedModelError
 from hypic.kernels.gdn import gated_delta_rule
+from hypic.kernels.scalar_gated import scalar_gated_rule
 from hypic.kernels.scatter_kv import apply_rope
 from hypic.kernels.varlen import Operands, StateSpans
 
@@ -177,6 +178,10 @@ class ScalarFamily(LinearFamily):
 
     def as_matrix(self, T: Tensor, key_dim: int) -> Tensor:
         return T.exp()[..., None, None] * torch.eye(key_dim, dtype=T.dtype, device=T.device)
+
+    def recur_spans(self, x: Operands, pool: Tensor, spans: StateSpans, *, scale: float) -> Tensor:
+        return scalar_gated_rule(x.q, x.k, x.v, x.g, pool, spans.slots, spans.has_state, spans.cu_seqlens,
+                                 scale=scale, num_decodes=spans.num_decodes, seq_lens_cpu=spans.seq_lens)
 
     # Spans run chunk by chunk (SSD form, Mamba2's "state space duality"): inside a chunk the outputs are
     # a decay-masked attention plus the decayed carried-in state, and the state moves once per chunk.

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from hypic.cache.model_caches import CacheShape
 from hypic.errors import UnsupportedModelError
 from hypic.models.config import as_ids
 
@@ -111,14 +110,6 @@ class Mamba2HybridConfig:
     def mamba_conv_dim(self) -> int:
         """Channels of the conv over [x | B | C]."""
         return self.mamba_intermediate + 2 * self.n_groups * self.ssm_state_size
-
-    def cache_shape(self) -> CacheShape:
-        """The state of a head is [d_state (keys: B, C), head_dim (values: x)], as GDN's is [K, V]."""
-        return CacheShape(
-            full_layers=self.full_layers, linear_layers=self.linear_layers,
-            num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            linear_value_heads=self.mamba_num_heads, linear_key_dim=self.ssm_state_size,
-            linear_value_dim=self.mamba_head_dim, conv_dim=self.mamba_conv_dim, conv_kernel=self.conv_kernel)
 
     def _validate(self) -> None:
         problems = _shape_problems(self)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hypic.cache.model_caches import ModelCaches
-from hypic.engine.forward_batch import ForwardBatch
+from hypic.cache.model_caches import CacheShape, ModelCaches
 from hypic.models.attention import GatedAttention
+from hypic.models.batch import ForwardBatch
 from hypic.models.layers import (GroupedSigmoidRouter, ReluSquaredMLP, RMSNorm, RoutedMoeBlock, SoftmaxRouter,
                                  SwiGLUMLP)
 from hypic.models.mamba2 import Mamba2Mixer
@@ -73,6 +73,12 @@ class Mamba2HybridModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=False)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                          bias=False)
+
+    def cache_shape(self) -> CacheShape:
+        """Pages for the attention blocks, a state slot for each Mamba2 block (its mixer's shapes)."""
+        c = self.config
+        linear = tuple(block.mixer.shape for block in self.blocks if block.kind == "mamba")
+        return CacheShape(c.full_layers, c.linear_layers, c.num_key_value_heads, c.head_dim, linear)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
