@@ -18,7 +18,8 @@ from test_pic_engine import DOCS, prompt
 pytestmark = pytest.mark.gpu
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 0.3}  # tiny random nets are touchy in bf16 (see test_models_gpu)
-KINDS = {"nemotron_h": {}, "granitemoehybrid": {"position_embedding_type": "rope"}, "bamba": {}}
+# head dims of at least 16 everywhere: FLA's chunk kernels tile by 16
+KINDS = {"nemotron_h": {"mamba_head_dim": 16}, "granitemoehybrid": {"position_embedding_type": "rope"}, "bamba": {}}
 
 
 @pytest.fixture(scope="module", params=list(KINDS))
@@ -87,7 +88,8 @@ def test_decode_step_replays_from_a_cuda_graph(checkpoint) -> None:
 
 @pytest.fixture(scope="module", params=["nemotron_h", "bamba"])
 def model_dir(request, tmp_path_factory):
-    return mamba2_models.make_model_dir(tmp_path_factory.mktemp(request.param), request.param, slow_decay=True)
+    return mamba2_models.make_model_dir(tmp_path_factory.mktemp(request.param), request.param, slow_decay=True,
+                                        **KINDS[request.param])
 
 
 def engine_run(path, device: str, jobs, **overrides):

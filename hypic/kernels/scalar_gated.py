@@ -131,9 +131,11 @@ def _prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 
     hv = v.shape[1]
     cu = (cu_seqlens - cu_seqlens[0]).long()  # prefill tokens start at 0 in the sliced tensors
+    cu_cpu = torch.tensor(list(itertools.accumulate(seq_lens, initial=0)), dtype=torch.long)  # no sync
     o, final = chunk_simple_gla(
         _expand_heads(q, hv)[None], _expand_heads(k, hv)[None], v[None], g=g[None].float(), scale=scale,
-        initial_state=_initial_states(ssm_pool, slots, has_state), output_final_state=True, cu_seqlens=cu)
+        initial_state=_initial_states(ssm_pool, slots, has_state), output_final_state=True, cu_seqlens=cu,
+        cu_seqlens_cpu=cu_cpu)
     ssm_pool.index_copy_(0, slots, final.float())
     return o[0]
 
