@@ -96,33 +96,3 @@ def test_scattered_interior_kv_equals_full_recompute(kind: str, overrides: dict,
     warm = _state_after_prefill(pic_config(model_dir), p, 0, warm_first=True)
     assert _rel(warm["k"], full["k"]) <= 1e-5 and _rel(warm["v"], full["v"]) <= 1e-5
 
-
-def test_segment_parallel_cluster_matches_one_engine(nemotron_dir) -> None:
-    """Two engine processes (TCP): a cold request's segments are built on both nodes, shipped (S0,
-    log-decay T, conv tails, K/V) and composed, and give the single engine's tokens and logprobs."""
-    import asyncio
-
-    from engine_util import collect
-    from hypic import AsyncEngine
-    from hypic.dist.config import DistConfig
-    from hypic.dist.launch import start_cluster
-    from test_dist_cluster import PARAMS, LoopThread, assert_idle, assert_same, generate
-
-    text = prompt(*DOCS)
-
-    async def one_engine():
-        async with AsyncEngine(pic_config(nemotron_dir)) as engine:
-            return await collect(engine, text, PARAMS)
-    reference = asyncio.run(one_engine())
-    loop = LoopThread()
-    dist = DistConfig(min_remote_tokens=0, heartbeat_s=0.2, node_timeout_s=10.0, segment_timeout_s=120.0)
-    client = start_cluster(pic_config(nemotron_dir), 2, None, "cpu", dist)
-    try:
-        loop.run(client.start(), timeout=300)
-        got = generate(loop, client, text, "cold")
-        assert_same(got, reference)
-        assert got.metrics.dist.segments == 3 and got.metrics.dist.segments_remote >= 1
-        assert_idle(loop, client)
-    finally:
-        loop.run(client.shutdown(0.0), timeout=120)
-        loop.close()
