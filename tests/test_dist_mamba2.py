@@ -9,7 +9,7 @@ import pytest
 from engine_util import collect
 from hypic import AsyncEngine
 from hypic.dist.config import DistConfig
-from hypic.dist.launch import start_cluster
+from hypic.dist.client import start_cluster
 from test_dist_cluster import PARAMS, LoopThread, assert_idle, assert_same, generate
 from test_pic_engine import DOCS, pic_config, prompt
 from test_pic_mamba2 import nemotron_dir  # noqa: F401 (the fixture)
