@@ -141,16 +141,6 @@ class DistributedEngineClient:
         await self.nodes.stop()
         await self.cluster.close()
 
-    # -- tools (tests, benchmarks) ----------------------------------------------------------------
-
-    def node_of(self, request_id: str) -> int | None:
-        """The node generating a request now (its combine node), or None."""
-        record = self._requests.get(request_id)
-        if record is None:
-            return None
-        node = record.node or (record.dispatch.combine if record.dispatch is not None else None)
-        return node.node_id if node is not None else None
-
     async def probe(self, node_id: int) -> ProbeReply:
         """Fresh stats and segment counters of one node."""
         node = self.cluster.nodes[node_id]

@@ -84,7 +84,7 @@ class Cluster:
     def __init__(self, config: DistConfig, listener: ClusterListener) -> None:
         self.config = config
         self.nodes: dict[int, NodeHandle] = {}
-        self.deaths = self.hangs = self.rejoins = 0
+        self.deaths = self.hangs = 0
         self._listener = listener
         self._seen: set[int] = set()
         self._changed = asyncio.Condition()
@@ -143,7 +143,6 @@ class Cluster:
         if previous is not None:
             previous.link.close()  # a stale connection of the same node (it restarted)
         self.nodes[node_id] = handle
-        self.rejoins += node_id in self._seen
         self._seen.add(node_id)
         handle.link.start()
         self._spawn(self._watch_link(handle))
