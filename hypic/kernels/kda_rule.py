@@ -1,0 +1,117 @@
+"""Kimi Delta Attention (KDA) over a flat varlen batch, states read and written in place in the state slab.
+
+Recurrence per value head (state layout [K, V], FLA's), a per-key gate g_t in R^K:
+    S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T (scale q_t)
+
+Paths: CPU -> `kda_rule_ref` (torch, float32, chunked WY form with per-key decays). The decays only
+ever appear as exp(G_t - G_s) for s <= t inside a chunk (never exp(-G)), so no factor can overflow.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64  # tokens per chunk of the reference's WY form
+
+
+def kda_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, cu_seqlens: torch.Tensor, *,
+             scale: float, num_decodes: int, seq_lens_cpu: tuple[int, ...]) -> torch.Tensor:
+    """q, k: [N, H, K] (l2-normalised); v: [N, HV, V]; g: [N, HV, K] log-decay (float32); beta: [N, HV].
+    Value head hv uses key head hv // (HV // H). Sequence b starts from ssm_pool[slots[b]] if
+    has_state[b] else zeros; its final state goes back there. Returns [N, HV, V] in v's dtype."""
+    return kda_rule_ref(q, k, v, g, beta, ssm_pool, slots, has_state, cu_seqlens, scale=scale,
+                        num_decodes=num_decodes, seq_lens_cpu=seq_lens_cpu)
+
+
+# ----------------------------------------------------------------------------- torch reference
+
+def kda_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, cu_seqlens: torch.Tensor, *,
+                 scale: float, num_decodes: int, seq_lens_cpu: tuple[int, ...]) -> torch.Tensor:
+    """Same contract as `kda_rule`, in pure torch with float32 math."""
+    hv, out_dtype = v.shape[1], v.dtype
+    q, k = _expand_heads(q.float(), hv), _expand_heads(k.float(), hv)
+    v, g, beta = v.float(), g.float(), beta.float()
+    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    nd = num_decodes
+    if nd:
+        state = _initial_states(ssm_pool, slots[:nd], has_state[:nd])
+        o[:nd], ssm_pool[slots[:nd]] = _recurrent_step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], state, scale)
+    starts = list(itertools.accumulate(seq_lens_cpu, initial=0))
+    for b in range(nd, len(seq_lens_cpu)):
+        s, e = starts[b], starts[b + 1]
+        state = _initial_states(ssm_pool, slots[b:b + 1], has_state[b:b + 1])[0]
+        o[s:e], ssm_pool[slots[b]] = chunked_sequence(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state, scale)
+    return o.to(out_dtype)
+
+
+def _expand_heads(x: torch.Tensor, num_value_heads: int) -> torch.Tensor:
+    return x.repeat_interleave(num_value_heads // x.shape[1], dim=1)
+
+
+def _initial_states(ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+    # where(), not a product: a recycled slot may hold inf/nan that must not leak into a fresh sequence
+    return torch.where(has_state[:, None, None, None], ssm_pool[slots], 0.0)
+
+
+def _recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of many sequences: q, k, g [B, HV, K]; v [B, HV, V]; state [B, HV, K, V]."""
+    state = state * g.exp()[..., None]
+    err = beta[..., None] * (v - torch.einsum("bhkv,bhk->bhv", state, k))
+    state = state + k[..., :, None] * err[..., None, :]
+    return torch.einsum("bhkv,bhk->bhv", state, q * scale), state
+
+
+def chunked_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence in chunks (WY form). q, k, g: [T, HV, K]; v: [T, HV, V]; beta: [T, HV]; state
+    [HV, K, V]. With G the running gate sum inside a chunk and e_t = beta_t (v_t - k_t^T D_t S_{t-1})
+    the per-token corrections, (I + A) E = beta (V - (k exp(G)) S_in) with A[t, s] = beta_t sum_k
+    k_t k_s exp(G_t - G_s) (s < t), so E = U - W S_in; outputs and end state follow by matmuls."""
+    length = q.shape[0]
+    if not length:  # an empty span leaves the state as it is
+        return v.clone(), state
+    q, k, v, g, beta = (_to_chunks(t, length) for t in (q * scale, k, v, g, beta))  # [HV, n, C, ...]
+    cum = g.cumsum(-2)
+    decay = _pairwise_decay(cum)  # [HV, n, C, C, K]
+    coupling = (torch.einsum("hntk,hnsk,hntsk->hnts", k, k, decay) * beta[..., None]).tril(-1)
+    inverse = _unit_lower_inverse(coupling)
+    w = inverse @ (beta[..., None] * k * cum.exp())
+    u = inverse @ (beta[..., None] * v)
+    attn = torch.einsum("hntk,hnsk,hntsk->hnts", q, k, decay)
+    q_decayed = q * cum.exp()
+    k_to_end = k * (cum[..., -1:, :] - cum).exp()
+    outs = []
+    for i in range(q.shape[1]):  # only the state hand-off between chunks is sequential
+        err = u[:, i] - w[:, i] @ state
+        outs.append(q_decayed[:, i] @ state + attn[:, i] @ err)
+        state = cum[:, i, -1].exp()[..., None] * state + k_to_end[:, i].transpose(-1, -2) @ err
+    o = torch.stack(outs, 1).flatten(1, 2)[:, :length]
+    return o.transpose(0, 1), state
+
+
+def _to_chunks(x: torch.Tensor, length: int) -> torch.Tensor:
+    """[T, HV, ...] -> [HV, n, CHUNK, ...], zero-padded at the end (a zero token with g = 0 and
+    beta = 0 leaves the state as is)."""
+    pad = (-length) % CHUNK
+    x = x.movedim(0, 1)
+    if pad:
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+    return x.unflatten(1, (-1, CHUNK))
+
+
+def _pairwise_decay(cum: torch.Tensor) -> torch.Tensor:
+    """exp(G_t - G_s) per key channel for s <= t, 0 above the diagonal: [..., C, K] -> [..., C, C, K]."""
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=cum.device).tril()
+    diff = cum[..., :, None, :] - cum[..., None, :, :]
+    return diff.masked_fill(~causal[..., None], float("-inf")).exp()
+
+
+def _unit_lower_inverse(strict_lower: torch.Tensor) -> torch.Tensor:
+    """(I + L)^-1 for a strictly lower-triangular L."""
+    eye = torch.eye(CHUNK, dtype=strict_lower.dtype, device=strict_lower.device).expand_as(strict_lower)
+    return torch.linalg.solve_triangular(strict_lower, eye, upper=False, unitriangular=True)
