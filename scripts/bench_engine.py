@@ -15,6 +15,8 @@ import datetime
 import gc
 import json
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -51,6 +53,13 @@ MAMBA2_SHAPES = {
         mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
         tie_word_embeddings=True)),
 }
+
+
+def provenance() -> dict:
+    """What every result records: when, at which commit (empty outside a git checkout), by which command."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": commit,
+            "command": " ".join(["python", *sys.argv])}
 
 
 def shape_config(name: str, max_len: int) -> dict:
@@ -282,8 +291,7 @@ def main() -> None:
     args.config = config
     weights = random_weights(config, args.seed)
     path = model_dir(config)
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
+    result = {**provenance(), "device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
               "params_b": sum(w.numel() for w in weights.values()) / 1e9, "chunk": args.chunk,
               "cuda_graphs": not args.enforce_eager,
               "hypic": bench_hypic(path, weights, args)}

@@ -8,13 +8,13 @@ layer, for hypic and naive, with 2 and 4 segments.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import random
 from pathlib import Path
 
 import torch
+from bench_engine import provenance
 
 from hypic import EngineConfig, SamplingParams
 from hypic.config import SEGMENT_STATE_DTYPES
@@ -92,8 +92,7 @@ def main() -> None:
     if args.slow_decay:
         slow_down(engine.model)
     rng = random.Random(0)
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "device": torch.cuda.get_device_name() if args.shape else "cpu",
+    result = {**provenance(), "device": torch.cuda.get_device_name() if args.shape else "cpu",
               "model": args.shape or engine.model_dir.name, "segment_len": args.segment_len,
               "seam_width": args.seam_width,
               "segment_state_dtype": str(engine.store.layout.state_dtype).removeprefix("torch."),

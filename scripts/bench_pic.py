@@ -12,7 +12,6 @@ tuple-building overhead of a cold segment prefill. Prints a table, writes JSON u
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import random
@@ -20,7 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_engine import model_dir, random_weights, shape_config
+from bench_engine import model_dir, provenance, random_weights, shape_config
 
 from hypic import EngineConfig, SamplingParams
 from hypic.config import SEGMENT_STATE_DTYPES
@@ -118,8 +117,7 @@ def main() -> None:
     measure(engine, 2, 512, rng, 1)  # warm-up: compile and autotune every kernel
     for i, (num_docs, doc_len) in enumerate(args.profile):
         profile(engine, rng, num_docs, doc_len, cold=i == 0)
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    result = {**provenance(), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "shape": args.model or args.shape, "seam_width": args.seam_width,
               "segment_state_dtype": str(engine.store.layout.state_dtype).removeprefix("torch."),
               "by_length": {}, "by_count": {}}

@@ -7,14 +7,11 @@ per head for GDN), S0, conv tails and interior K/V, with tuples in the model's p
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
-from bench_engine import SHAPES, parsed_config, shape_config
+from bench_engine import SHAPES, parsed_config, provenance, shape_config
 
 from hypic.cache.segment_store import SegmentLayout
 from hypic.models.registry import architecture
@@ -39,10 +36,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     for shape in args.shapes:
-        result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": commit,
-                  "command": " ".join(sys.argv), **segment_bytes(shape, args.tokens, torch.bfloat16)}
+        result = {**provenance(), **segment_bytes(shape, args.tokens, torch.bfloat16)}
         b = result["bytes"]
         print(f"{shape:>18}: {b['total'] / 1e6:6.1f} MB per {args.tokens}-token segment (T {b['T'] / 1e6:.2f}, "
               f"S0 {b['S0'] / 1e6:.1f}, conv {b['conv_tails'] / 1e6:.2f}, KV {b['KV'] / 1e6:.1f} MB; "

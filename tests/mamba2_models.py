@@ -74,20 +74,14 @@ def _finish(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 def make_model_dir(path, kind: str, *, slow_decay: bool = False, eos_token_id: int = 2, **overrides: object):
-    """A tiny random checkpoint of `kind` with a trained byte-level tokenizer beside it. slow_decay:
-    Mamba2 layers remember hundreds of tokens (dt A ~ -2e-3 a token), so that errors early in a
-    prompt still show in the final state."""
-    from models_util import save_checkpoint
+    """A tiny random checkpoint of `kind` with a trained byte-level tokenizer beside it; slow_decay:
+    Mamba2 layers remember hundreds of tokens (dt A ~ -2e-3 a token)."""
+    from models_util import save_checkpoint, slow_decay as slow_down
     from tokenizer_util import write_byte_level
 
     model = make(kind, eos_token_id=eos_token_id, **overrides)
     if slow_decay:
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("A_log"):
-                    param.fill_(-4.0)  # exp(A_log) = 0.018
-                elif name.endswith("dt_bias"):
-                    param.fill_(-2.0)  # softplus: dt ~ 0.13
+        slow_down(model)
     save_checkpoint(model, path)
     write_byte_level(path, vocab_size=300)
     return path

@@ -17,9 +17,9 @@ import itertools
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
+from hypic.kernels.varlen import expand_key_heads, initial_states, to_chunks
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -63,30 +63,23 @@ def scalar_gated_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
                           seq_lens_cpu: tuple[int, ...]) -> torch.Tensor:
     """Same contract as `scalar_gated_rule`, in pure torch with float32 math."""
     hv, out_dtype = v.shape[1], v.dtype
-    q, k = _expand_heads(q.float(), hv), _expand_heads(k.float(), hv)
+    q, k = expand_key_heads(q.float(), hv), expand_key_heads(k.float(), hv)
     v, g = v.float(), g.float()
     o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     nd = num_decodes
     if nd:
-        state = _initial_states(ssm_pool, slots[:nd], has_state[:nd])
+        state = initial_states(ssm_pool, slots[:nd], has_state[:nd])
         state = state * g[:nd].exp()[..., None, None] + k[:nd, :, :, None] * v[:nd, :, None, :]
         o[:nd] = torch.einsum("bhkv,bhk->bhv", state, q[:nd] * scale)
         ssm_pool[slots[:nd]] = state
     starts = list(itertools.accumulate(seq_lens_cpu, initial=0))
     for b in range(nd, len(seq_lens_cpu)):
         s, e = starts[b], starts[b + 1]
-        state = _initial_states(ssm_pool, slots[b:b + 1], has_state[b:b + 1])[0]
+        state = initial_states(ssm_pool, slots[b:b + 1], has_state[b:b + 1])[0]
         o[s:e], ssm_pool[slots[b]] = chunked_sequence(q[s:e], k[s:e], v[s:e], g[s:e], state, scale)
     return o.to(out_dtype)
 
 
-def _expand_heads(x: torch.Tensor, num_value_heads: int) -> torch.Tensor:
-    return x.repeat_interleave(num_value_heads // x.shape[1], dim=1)
-
-
-def _initial_states(ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
-    # where(), not a product: a recycled slot may hold inf/nan that must not leak into a fresh sequence
-    return torch.where(has_state[:, None, None, None], ssm_pool[slots], 0.0)
 
 
 def chunked_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, state: torch.Tensor,
@@ -95,7 +88,7 @@ def chunked_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     Inside a chunk with cumulative log-decay G, o_t = sum_{s<=t} exp(G_t - G_s) (q_t.k_s) v_s plus
     exp(G_t) S_in^T q_t; the state leaves as exp(G_end) S_in + sum_s exp(G_end - G_s) k_s v_s^T."""
     length = q.shape[0]
-    q, k, v, g = (_to_chunks(t, length) for t in (q * scale, k, v, g))  # [HV, n, C, ...]
+    q, k, v, g = (to_chunks(t, length, CHUNK) for t in (q * scale, k, v, g))  # [HV, n, C, ...]
     cum = g.cumsum(-1)
     causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=g.device).tril()
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
@@ -109,15 +102,6 @@ def chunked_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     o = torch.stack(outs, 1).flatten(1, 2)[:, :length]
     return o.transpose(0, 1), state
 
-
-def _to_chunks(x: torch.Tensor, length: int) -> torch.Tensor:
-    """[T, HV, ...] -> [HV, n, CHUNK, ...], zero-padded at the end (a zero token with g = 0 leaves
-    the state as is and its output is dropped)."""
-    pad = (-length) % CHUNK
-    x = x.movedim(0, 1)
-    if pad:
-        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
-    return x.unflatten(1, (-1, CHUNK))
 
 
 # ----------------------------------------------------------------------------- GPU: FLA prefill
@@ -133,8 +117,8 @@ def _prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     cu = (cu_seqlens - cu_seqlens[0]).long()  # prefill tokens start at 0 in the sliced tensors
     cu_cpu = torch.tensor(list(itertools.accumulate(seq_lens, initial=0)), dtype=torch.long)  # no sync
     o, final = chunk_simple_gla(
-        _expand_heads(q, hv)[None], _expand_heads(k, hv)[None], v[None], g=g[None].float(), scale=scale,
-        initial_state=_initial_states(ssm_pool, slots, has_state), output_final_state=True, cu_seqlens=cu,
+        expand_key_heads(q, hv)[None], expand_key_heads(k, hv)[None], v[None], g=g[None].float(), scale=scale,
+        initial_state=initial_states(ssm_pool, slots, has_state), output_final_state=True, cu_seqlens=cu,
         cu_seqlens_cpu=cu_cpu)
     ssm_pool.index_copy_(0, slots, final.float())
     return o[0]

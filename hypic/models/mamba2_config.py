@@ -5,6 +5,10 @@ Every model is read as a flat list of residual blocks, h += m * block(norm(h)), 
 "mamba", "attention", "mlp" or "moe": Nemotron-H lists its blocks itself (`hybrid_override_pattern`
 or `layers_block_type`); a Granite or Bamba decoder layer is two blocks, its mixer then its MLP.
 Block indices are the cache's layer ids.
+
+dt is clamped to `time_step_limit` (default (0, inf), no clamp), as Granite's and Bamba's
+transformers code and the reference Mamba2 kernels do; transformers' Nemotron-H prefill alone clamps
+at time_step_min instead (its own decode does not).
 """
 from __future__ import annotations
 
