@@ -1,13 +1,17 @@
 """Engine configuration: one frozen dataclass, validated on construction."""
 from __future__ import annotations
 
+import os
+import re
+import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from hypic.errors import InvalidRequestError
+from hypic.fields import Rule, check_fields
 
 CacheMode = Literal["none", "prefix", "naive", "hypic"]
-CACHE_MODES: tuple[str, ...] = ("none", "prefix", "naive", "hypic")
+CACHE_MODES: tuple[str, ...] = typing.get_args(CacheMode)
+DTYPES: tuple[str, ...] = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 SEGMENT_STATE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")  # storage of cached T and S0
 PIC_SEPARATOR = "<|segment|>"
 
@@ -17,7 +21,7 @@ class EngineConfig:
     """Everything the engine needs to start. Defaults serve the bundled model on the best device."""
 
     model: str | None = None
-    """Hugging Face model directory; None serves the model bundled in the package."""
+    """Hugging Face model directory (a path-like is taken as its string); None serves the bundled model."""
     device: str = "auto"
     """"auto" (cuda if present, else cpu), "cpu", "cuda" or "cuda:N"."""
     dtype: str | None = None
@@ -62,21 +66,30 @@ class EngineConfig:
     """In-memory weights (name -> tensor) used in place of the checkpoint's safetensors."""
 
     def __post_init__(self) -> None:
-        if self.cache_mode not in CACHE_MODES:
-            raise InvalidRequestError(f"cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise InvalidRequestError("gpu_memory_utilization must be in (0, 1]")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_cache_bytes", "max_waiting"):
-            if getattr(self, name) <= 0:
-                raise InvalidRequestError(f"{name} must be positive, got {getattr(self, name)}")
-        if not 0.0 <= self.prefix_cache_fraction < 1.0:
-            raise InvalidRequestError("prefix_cache_fraction must be in [0, 1)")
-        if self.seam_width < 0:
-            raise InvalidRequestError(f"seam_width must be >= 0, got {self.seam_width}")
-        if self.segment_state_dtype not in (None, *SEGMENT_STATE_DTYPES):
-            raise InvalidRequestError(f"segment_state_dtype must be one of {SEGMENT_STATE_DTYPES}, "
-                                      f"got {self.segment_state_dtype!r}")
-        if self.segment_pool_bytes is not None and self.segment_pool_bytes < 0:
-            raise InvalidRequestError("segment_pool_bytes must be >= 0")
-        if not self.segment_separator:
-            raise InvalidRequestError("segment_separator must not be empty")
+        if isinstance(self.model, os.PathLike):  # a pathlib.Path is a directory name too
+            object.__setattr__(self, "model", os.fspath(self.model))
+        check_fields(self, _RULES)
+
+
+def _positive(what: str) -> Rule:
+    return Rule(lambda v: v > 0, f"a positive integer ({what})")
+
+
+_RULES = {
+    "device": Rule(lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None, '"auto", "cpu", "cuda" or "cuda:N"'),
+    "dtype": Rule(lambda v: v in (None, *DTYPES), f"one of {DTYPES} or None (bf16 on GPU, fp32 on CPU)"),
+    "max_model_len": Rule(lambda v: v is None or v > 0, "a positive integer or None (the model's own)"),
+    "gpu_memory_utilization": Rule(lambda v: 0.0 < v <= 1.0, "a number in (0, 1]"),
+    "cpu_cache_bytes": _positive("bytes"),
+    "block_size": _positive("tokens"),
+    "max_num_seqs": _positive("sequences"),
+    "max_num_batched_tokens": _positive("tokens"),
+    "max_waiting": _positive("requests"),
+    "seam_width": Rule(lambda v: v >= 0, "an integer >= 0 (tokens)"),
+    "segment_pool_bytes": Rule(lambda v: v is None or v >= 0, "an integer >= 0 (bytes) or None"),
+    "segment_state_dtype": Rule(lambda v: v in (None, *SEGMENT_STATE_DTYPES),
+                                f"one of {SEGMENT_STATE_DTYPES} or None (the model's precision)"),
+    "max_segments": _positive("segments"),
+    "prefix_cache_fraction": Rule(lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
+    "segment_separator": Rule(lambda v: v != "", "a non-empty string"),
+}

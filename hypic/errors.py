@@ -1,6 +1,10 @@
 """Typed errors. Every message says what was wrong and what the user can do about it."""
 from __future__ import annotations
 
+import reprlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 
 class HypicError(Exception):
     """Base class of every error hypic raises on purpose."""
@@ -8,6 +12,26 @@ class HypicError(Exception):
 
 class InvalidRequestError(HypicError, ValueError):
     """The request itself is malformed (bad sampling values, empty prompt, ...)."""
+
+
+@dataclass(frozen=True)
+class FieldProblem:
+    """One field of a config or request whose value has the wrong type or is out of range."""
+
+    field: str
+    value: object
+    allowed: str  # what the field takes, e.g. "a number in (0, 1]"
+
+    def __str__(self) -> str:
+        return f"{self.field} must be {self.allowed}, got {reprlib.repr(self.value)}"
+
+
+class InvalidFieldsError(InvalidRequestError):
+    """Every bad field of one config or request at once; the message starts with the first field's name."""
+
+    def __init__(self, owner: str, problems: Iterable[FieldProblem]) -> None:
+        self.owner, self.problems = owner, tuple(problems)
+        super().__init__("; ".join(map(str, self.problems)) + f" ({owner})")
 
 
 class PromptTooLongError(InvalidRequestError):
@@ -32,10 +56,6 @@ class OutOfMemoryError(HypicError):
 
 class EngineDeadError(HypicError):
     """The engine loop died; every pending request fails with this error."""
-
-
-class RequestAbortedError(HypicError):
-    """The request was aborted before it finished."""
 
 
 class EngineOverloadedError(HypicError):

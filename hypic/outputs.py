@@ -32,6 +32,9 @@ class RequestMetrics:
     cached_tokens: int = 0  # prompt tokens served from any cache (DESIGN §7)
     cached_tokens_by_kind: dict[str, int] = field(default_factory=dict)  # "prefix", "pic"
     generated_tokens: int = 0
+    token_steps: int = 0  # engine steps that gave the request tokens (its n completions advance together)
+    inter_token_latency: float | None = None  # seconds since the previous token step; None: no token or the first
+    decode_time: float | None = None  # seconds from the first token to the latest
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hypic.errors import InvalidRequestError
+from hypic.fields import Rule, check_fields, conforms
 
 
 @dataclass(frozen=True)
@@ -30,45 +30,56 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _as_bias(self.logit_bias))
-        for problem in _problems(self):
-            raise InvalidRequestError(problem)
+        check_fields(self, _RULES)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
-def _as_tuple(stop: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
-    if stop is None:
+def _as_tuple(items: object) -> object:
+    """One stop string, a list or None as a tuple; anything else as it is, for check_fields to name."""
+    if items is None:
         return ()
-    return (stop,) if isinstance(stop, str) else tuple(stop)
+    if isinstance(items, str):
+        return (items,)
+    return tuple(items) if isinstance(items, list) else items
 
 
-def _as_bias(bias: dict[int | str, float] | None) -> dict[int, float]:
-    """JSON object keys arrive as strings ("50256"): token ids as ints, biases as floats."""
-    try:
-        return {int(token): float(value) for token, value in (bias or {}).items()}
-    except (TypeError, ValueError) as error:
-        raise InvalidRequestError(f"logit_bias must map token ids to numbers: {error}") from error
+def _as_bias(bias: object) -> object:
+    """JSON object keys arrive as strings ("50256"): decimal keys become ids, numbers floats; the
+    rest stays as it is, for check_fields to name."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        return bias
+    return {_as_id(token): float(value) if conforms(value, float) else value for token, value in bias.items()}
 
 
-def _problems(p: SamplingParams) -> list[str]:
-    checks = [
-        (p.n >= 1, f"n must be at least 1, got {p.n}"),
-        (p.max_tokens is None or p.max_tokens >= 0, f"max_tokens must be >= 0, got {p.max_tokens}"),
-        (p.temperature >= 0.0, f"temperature must be >= 0, got {p.temperature}"),
-        (0.0 < p.top_p <= 1.0, f"top_p must be in (0, 1], got {p.top_p}"),
-        (p.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {p.top_k}"),
-        (0.0 <= p.min_p <= 1.0, f"min_p must be in [0, 1], got {p.min_p}"),
-        (-2.0 <= p.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {p.presence_penalty}"),
-        (-2.0 <= p.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty}"),
-        (p.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {p.repetition_penalty}"),
-        (p.logprobs is None or 0 <= p.logprobs <= 20, f"logprobs must be in [0, 20], got {p.logprobs}"),
-        (all(s for s in p.stop), "stop strings must not be empty"),
-        (all(t >= 0 for t in p.stop_token_ids), "stop_token_ids must be >= 0"),
-        (p.seed is None or -(2**63) <= p.seed < 2**64, f"seed must fit in 64 bits, got {p.seed}"),
-        (all(-100.0 <= b <= 100.0 for b in p.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
-    ]
-    return [message for ok, message in checks if not ok]
+def _as_id(token: object) -> object:
+    return int(token) if isinstance(token, str) and token.strip().isdecimal() else token
+
+
+def _number_in(low: float, high: float) -> Rule:
+    return Rule(lambda v: low <= v <= high, f"a number in [{low:g}, {high:g}]")
+
+
+_RULES = {
+    "n": Rule(lambda v: v >= 1, "an integer >= 1"),
+    "max_tokens": Rule(lambda v: v is None or v >= 0, "an integer >= 0 or None (until the context is full)"),
+    "temperature": Rule(lambda v: v >= 0.0, "a number >= 0 (0: greedy)"),
+    "top_p": Rule(lambda v: 0.0 < v <= 1.0, "a number in (0, 1]"),
+    "top_k": Rule(lambda v: v >= -1, "an integer: -1 or 0 (off) or positive"),
+    "min_p": _number_in(0.0, 1.0),
+    "seed": Rule(lambda v: v is None or -(2**63) <= v < 2**64, "an integer that fits in 64 bits, or None"),
+    "stop": Rule(lambda v: all(v), "a string or a list of non-empty strings"),
+    "stop_token_ids": Rule(lambda v: all(t >= 0 for t in v), "a list of token ids (integers >= 0)"),
+    "presence_penalty": _number_in(-2.0, 2.0),
+    "frequency_penalty": _number_in(-2.0, 2.0),
+    "repetition_penalty": Rule(lambda v: v > 0.0, "a number > 0"),
+    "logit_bias": Rule(lambda v: all(t >= 0 and -100.0 <= b <= 100.0 for t, b in v.items()),
+                       "a dict of token id (an integer >= 0) -> bias (a number in [-100, 100])"),
+    "logprobs": Rule(lambda v: v is None or 0 <= v <= 20, "an integer in [0, 20] or None (off)"),
+}

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hypic.cache.memory_plan import CachePlan, plan_cache
-from hypic.cache.model_caches import CacheShape, LinearShape
-from hypic.errors import OutOfMemoryError
+from hypic.cache.model_caches import CacheShape, LinearShape, ModelCaches
+from hypic.errors import OutOfMemoryError, UnsupportedModelError
 from hypic.kernels.linear_families import get_family
 
 # page: 2 layers * 4 tokens * (K and V) * 2 heads * 4 dims * 2 bytes = 256 bytes
@@ -72,3 +72,19 @@ def test_plan_fits_the_budget_and_one_full_request(budget: int, max_num_seqs: in
     p = plan(budget, max_num_seqs)
     assert p.num_blocks * 256 + p.num_slots * 528 <= budget
     assert p.num_blocks >= 16 and 1 <= p.num_slots <= 2 * max_num_seqs
+
+
+def test_each_linear_layer_keeps_its_own_shapes() -> None:
+    scalar = LinearShape(get_family("scalar"), value_heads=3, key_dim=2, value_dim=5, conv_dim=6, conv_kernel=4)
+    shape = CacheShape(**{**SHAPE.__dict__, "linear": (SHAPE.linear[0], scalar, SHAPE.linear[0])})
+    # slot: 2 x 176 bytes as above + (3 * 2 * 5 * 4 + 6 * 3 * 2) = 120 + 36 for the scalar layer
+    assert shape.slot_bytes(torch.bfloat16) == 2 * 176 + 156
+    caches = ModelCaches(shape, num_blocks=2, block_size=4, num_slots=3, dtype=torch.bfloat16, device="cpu")
+    ssm, conv = caches.state(1)
+    assert ssm.shape == (3, 3, 2, 5) and conv.shape == (3, 6, 3) and caches.state(0)[0].shape == (3, 2, 4, 4)
+
+
+def test_linear_layers_of_different_conv_widths_are_refused() -> None:
+    wide = LinearShape(get_family("gdn"), value_heads=2, key_dim=4, value_dim=4, conv_dim=8, conv_kernel=5)
+    with pytest.raises(UnsupportedModelError, match=r"different conv widths \[4, 5\]"):
+        CacheShape(**{**SHAPE.__dict__, "linear": (SHAPE.linear[0], wide, SHAPE.linear[0])})

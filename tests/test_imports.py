@@ -4,6 +4,7 @@ dist never imports serve)."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,7 @@ def _absolute(node: ast.ImportFrom, package: str) -> str:
     return ".".join(parts + ([node.module] if node.module else []))
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     paths = {module_name(p): p for p in ROOT.rglob("*.py")}
     return {name: imported(path, set(paths)) - {name} for name, path in paths.items()}
@@ -77,7 +79,8 @@ def _in(module: str, package: str) -> bool:
 
 def test_the_walk_sees_every_kind_of_import() -> None:
     # the walker's own oracle: module-level, TYPE_CHECKING, function-level and relative imports
-    source = ("import hypic.config\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hypic.engine import x\n"
+    source = ("import hypic.config\nfrom typing import TYPE_CHECKING\n"
+              "if TYPE_CHECKING:\n    from hypic.engine import x\n"
               "def f():\n    import hypic.serve\n    from .sibling import y\n    from .. import errors\n")
     assert imports_in(source, "hypic.dist") == {
         "hypic.config", "typing", "typing.TYPE_CHECKING", "hypic.engine", "hypic.engine.x", "hypic.serve",

@@ -11,7 +11,6 @@ import xxhash
 from hypic.cache.model_caches import LinearShape
 from hypic.cache.prefix_cache import token_bytes
 from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentStore, SegmentTuple
-from hypic.engine.pic.assembly import piece_token_offsets
 from hypic.engine.pic.pieces import Cached
 from hypic.kernels.compose import CachedPieces, compose_and_recur, compose_and_recur_ref
 from hypic.kernels.linear_families import get_family
@@ -226,7 +225,7 @@ def test_scatter_reads_entry_kv_in_place() -> None:
     assert torch.equal(v_cache.view(-1, KV_HEADS, HEAD_DIM)[dst], tup.V[0])
 
 
-def test_piece_token_offsets_equal_a_per_token_build() -> None:
+def test_interior_kv_offsets_equal_a_per_token_build() -> None:
     """The admission scatter's per-token positions and store offsets, expanded from one row per
     piece, against each piece's tokens listed one by one."""
     store = store_for(3, interior_len=7)
@@ -235,7 +234,7 @@ def test_piece_token_offsets_equal_a_per_token_build() -> None:
         store.put(key(name), random_tuple(store.layout, length))
         entries.append(store.get(key(name)))
     pieces = [Cached(10, 17, entries[0], True), Cached(30, 33, entries[1], True), Cached(40, 45, entries[2], False)]
-    positions, src = piece_token_offsets(pieces, store.layout.kv_token_stride, torch.device("cpu"))
+    positions, src = store.interior_kv_offsets([(p.start, p.entry) for p in pieces], torch.device("cpu"))
     assert positions.tolist() == [pos for p in pieces for pos in range(p.start, p.end)]
     assert src.tolist() == [p.entry.kv_offset(0, t) for p in pieces for t in range(p.end - p.start)]
 

@@ -42,14 +42,14 @@ def test_each_segment_is_tokenized_on_its_own(tokenizer: Tokenizer, separator: s
     assert prompt.boundaries[0] == 0 and prompt.boundaries[-1] == prompt.num_tokens == len(prompt.token_ids)
     for i, segment in enumerate(prompt.segments):
         assert prompt.token_ids[prompt.boundaries[i]:prompt.boundaries[i + 1]] == segment
-    assert prompt.is_segmented
+    assert len(prompt.segments) == len(DOCS) > 1
 
 
 def test_a_prompt_without_separator_is_an_ordinary_encode(tokenizer: Tokenizer) -> None:
     text = "".join(DOCS)
     prompt = SegmentedPrompt.build(tokenizer, text, separator=PIC_SEPARATOR)
     assert list(prompt.token_ids) == tokenizer.encode(text, add_special_tokens=True)
-    assert not prompt.is_segmented and prompt.boundaries == (0, prompt.num_tokens)
+    assert len(prompt.segments) == 1 and prompt.boundaries == (0, prompt.num_tokens)
     plain = SegmentedPrompt.build(tokenizer, text, separator=PIC_SEPARATOR, add_special_tokens=False)
     assert list(plain.token_ids) == tokenizer.encode(text)
 

@@ -369,8 +369,8 @@ def test_gpu_metrics_come_from_nvml(loop) -> None:
     try:
         status, text = loop.run(get(served, "/metrics"))
         assert status == 200
-        used = re.search(r'^hypic_gpu_memory_used_bytes\{gpu="\d+"\} (\S+)$', text, re.MULTILINE)
-        total = re.search(r'^hypic_gpu_memory_total_bytes\{gpu="\d+"\} (\S+)$', text, re.MULTILINE)
+        used = re.search(r'^hypic_gpu_memory_used_bytes\{gpu="\d+",model_name="[^"]+"\} (\S+)$', text, re.MULTILINE)
+        total = re.search(r'^hypic_gpu_memory_total_bytes\{gpu="\d+",model_name="[^"]+"\} (\S+)$', text, re.MULTILINE)
         assert used and total and 0 < float(used.group(1)) <= float(total.group(1))
         assert re.search(r"^hypic_gpu_utilization_ratio\{", text, re.MULTILINE)
     finally:

@@ -144,7 +144,8 @@ def test_segments_are_reused_in_any_order(client) -> None:
     text = "<|segment|>".join(["Answer briefly.", whale, "Where is the whale?"])  # the separator form
     joined = client.completions.create(model=NAME, prompt=text, max_tokens=1).usage
     assert joined.prompt_tokens == _tokenize(client, {"prompt": text}) and joined.prompt_tokens_details.cached_tokens > 0
-    pic = re.search(r'^hypic_cached_prompt_tokens_total\{kind="pic"\} (\S+)$', _get(client, "/metrics"), re.MULTILINE)
+    pic = re.search(rf'^hypic_cached_prompt_tokens_total\{{kind="pic",model_name="{NAME}"\}} (\S+)$',
+                    _get(client, "/metrics"), re.MULTILINE)
     assert pic and float(pic.group(1)) > 0
 
 

@@ -2,16 +2,22 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import re
+from pathlib import Path
 from dataclasses import dataclass
 
 import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hypic.cache.prefix_cache import PrefixCacheStats
+from hypic.cache.segment_store import SegmentStoreStats
 from hypic.config import EngineConfig
+from hypic.engine.llm_engine import EngineStats
 from hypic.errors import EngineOverloadedError, InvalidRequestError, PromptTooLongError
-from hypic.outputs import RequestMetrics, RequestOutput, TokenLogprob
+from hypic.outputs import CompletionDelta, RequestMetrics, RequestOutput, TokenLogprob
 from hypic.serve.args import add_serve_arguments, engine_config, server_settings
 from hypic.serve.completions import completion_prompts
 from hypic.serve.http_errors import ApiError, from_body_error, from_engine_error
@@ -115,6 +121,7 @@ def test_logprob_formats() -> None:
 class _PrefixStats:
     checkpoints: int = 2
     hits: int = 5
+    misses: int = 3
 
 
 @dataclass(frozen=True)
@@ -128,27 +135,75 @@ class _Stats:
     state_slots_free: int = 6
     prefix_cache: _PrefixStats = _PrefixStats()
     segment_pool: _PrefixStats = _PrefixStats()
+    preemptions: int = 7
 
 
-def test_metrics_render_counters_histograms_and_engine_gauges() -> None:
-    metrics = ServerMetrics(_Stats, "cpu")
-    output = RequestOutput("r", (), True, RequestMetrics(0.0, 0.01, 0.2, 30, 16, {"prefix": 16}, 4))
-    metrics.observe_finished(output)
+def _metric_families(metrics: ServerMetrics) -> dict[str, tuple[str, dict[tuple, float]]]:
+    """name -> (type, {(sample name, labels without model_name): value}); every series has model_name="m"."""
+    families = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        assert all(s.labels.get("model_name") == "m" for s in family.samples), family.name
+        families[family.name] = (family.type, {
+            (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+            for s in family.samples})
+    return families
+
+
+def _token(delta_index: int, reason: str | None = None) -> CompletionDelta:
+    return CompletionDelta(delta_index, "x", (5,), None, reason)
+
+
+def test_metrics_carry_vllm_names_types_and_the_model_name_label() -> None:
+    metrics = ServerMetrics(_Stats, "cpu", "m")
+    first = RequestMetrics(0.0, 0.01, 0.2, 30, 16, {"prefix": 16}, 1, token_steps=1, decode_time=0.0)
+    metrics.observe(RequestOutput("r", (_token(0),), False, first))
+    steps = [dataclasses.replace(first, generated_tokens=n + 1, token_steps=n + 1, inter_token_latency=0.02 * n,
+                                 decode_time=0.02 * n * (n + 1) / 2) for n in (1, 2, 3)]
+    for step in steps[:-1]:
+        metrics.observe(RequestOutput("r", (_token(0),), False, step))
+    metrics.observe(RequestOutput("r", (_token(0, "length"),), True, steps[-1]))
     metrics.http_requests.labels("/v1/completions", "200").inc()
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(metrics.render().decode())
-        for s in family.samples
-    }
-    assert samples[("hypic_prompt_tokens_total", ())] == 30
-    assert samples[("hypic_generation_tokens_total", ())] == 4
-    assert samples[("hypic_cached_prompt_tokens_total", (("kind", "prefix"),))] == 16
-    assert samples[("hypic_time_to_first_token_seconds_count", ())] == 1
-    assert samples[("hypic_http_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] == 1
-    assert samples[("hypic_kv_cache_usage_ratio", ())] == pytest.approx(0.25)
-    assert samples[("hypic_requests_waiting", ())] == 2 and samples[("hypic_prefix_cache_hits", ())] == 5
-    assert samples[("hypic_segment_pool_hits", ())] == 5
-    assert not any(name.startswith("hypic_gpu") for name, _ in samples)  # no CUDA, no NVML
+    f = _metric_families(metrics)
+    assert f["vllm:prompt_tokens"] == ("counter", {("vllm:prompt_tokens_total", ()): 30})
+    assert f["vllm:generation_tokens"][1][("vllm:generation_tokens_total", ())] == 4
+    assert f["vllm:prefix_cache_queries"][1][("vllm:prefix_cache_queries_total", ())] == 30
+    assert f["vllm:prefix_cache_hits"][1][("vllm:prefix_cache_hits_total", ())] == 16
+    assert f["hypic_cached_prompt_tokens"][1][("hypic_cached_prompt_tokens_total", (("kind", "prefix"),))] == 16
+    assert f["vllm:request_success"][1][("vllm:request_success_total", (("finished_reason", "length"),))] == 1
+    itl = f["vllm:inter_token_latency_seconds"]
+    assert itl[0] == "histogram" and itl[1][("vllm:inter_token_latency_seconds_count", ())] == 3
+    assert itl[1][("vllm:inter_token_latency_seconds_sum", ())] == pytest.approx(0.02 + 0.04 + 0.06)
+    tpot = f["vllm:request_time_per_output_token_seconds"][1]  # (0.02 + 0.04 + 0.06) s over 3 steps
+    assert tpot[("vllm:request_time_per_output_token_seconds_sum", ())] == pytest.approx(0.04)
+    assert f["vllm:request_prefill_time_seconds"][1][("vllm:request_prefill_time_seconds_sum", ())] == pytest.approx(0.19)
+    assert f["vllm:request_decode_time_seconds"][1][("vllm:request_decode_time_seconds_sum", ())] == pytest.approx(0.12)
+    assert f["vllm:time_to_first_token_seconds"][1][("vllm:time_to_first_token_seconds_count", ())] == 1
+    assert f["vllm:request_prompt_tokens"][1][("vllm:request_prompt_tokens_bucket", (("le", "50.0"),))] == 1
+    assert f["hypic_http_requests"][1][("hypic_http_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] == 1
+
+
+def test_engine_stats_become_vllm_gauges_and_cache_counters() -> None:
+    f = _metric_families(ServerMetrics(_Stats, "cpu", "m"))
+    assert f["vllm:kv_cache_usage_perc"] == ("gauge", {("vllm:kv_cache_usage_perc", ()): pytest.approx(0.25)})
+    assert f["vllm:num_requests_waiting"] == ("gauge", {("vllm:num_requests_waiting", ()): 2})
+    assert f["vllm:num_preemptions"] == ("counter", {("vllm:num_preemptions_total", ()): 7})
+    for cache in ("prefix_cache", "segment_pool"):
+        assert f[f"hypic_{cache}_hits"] == ("counter", {(f"hypic_{cache}_hits_total", ()): 5})
+        assert f[f"hypic_{cache}_misses"] == ("counter", {(f"hypic_{cache}_misses_total", ()): 3})
+        assert f[f"hypic_{cache}_checkpoints"] == ("gauge", {(f"hypic_{cache}_checkpoints", ()): 2})
+    assert not any(name.startswith("hypic_gpu") for name in f)  # no CUDA, no NVML
+
+
+def test_docs_list_every_series_with_its_type() -> None:
+    """docs/metrics.md's table against what a server renders (real cache stats, every field zero)."""
+    zero = {f.name: 0 for f in dataclasses.fields(EngineStats)}
+    stats = EngineStats(**{**zero, "prefix_cache": PrefixCacheStats(*[0] * 7), "segment_pool": SegmentStoreStats(*[0] * 7)})
+    rendered = {name: kind for name, (kind, _) in _metric_families(ServerMetrics(lambda: stats, "cpu", "m")).items()
+                if not name.endswith("_created")}
+    table = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+    rows = re.findall(r"^\| `([^`]+)` \| (\w+) \| ([^|]+) \|", table.read_text(encoding="utf-8"), re.MULTILINE)
+    assert {name: kind for name, kind, _ in rows} == rendered
+    assert all("model_name" in labels for _, _, labels in rows)
 
 
 def _parse(*argv: str) -> argparse.Namespace:

@@ -26,6 +26,7 @@ import xxhash
 
 from hypic.cache.model_caches import CacheShape, LinearShape
 from hypic.kernels.compose import CachedPieces
+from hypic.kernels.host_copy import host_to_device
 
 ALIGN = 256  # bytes: every entry and block starts here, so any dtype view of the arena is aligned
 STATE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
@@ -193,6 +194,17 @@ class SegmentEntry:
         base = self._block_starts[3] // self.layout.model_dtype.itemsize
         return base + token * self.layout.kv_token_stride + full_index * self.layout.kv_layer_stride
 
+    def tail_offsets(self) -> list[int]:
+        """Element offsets in `SegmentStore.model_src` of linear layer 0's conv-tail taps (W-1 of them),
+        the rows `SegmentStore.conv_tails` gathers at any layer."""
+        return [self.conv_offset(0) + tap for tap in range(self.layout.conv_kernel - 1)]
+
+    def views(self) -> SegmentTuple:
+        """The stored tuple as views into the arena (valid while the entry is pinned)."""
+        lin, full = range(self.layout.num_linear), range(self.layout.num_full)
+        return SegmentTuple(self.interior, [self.T(i) for i in lin], [self.S0(i) for i in lin],
+                            [self.conv_tail(i) for i in lin], [self.K(j) for j in full], [self.V(j) for j in full])
+
     def T(self, linear_index: int) -> torch.Tensor:
         return self._part(0, linear_index)
 
@@ -294,6 +306,25 @@ class SegmentStore:
         rows = tail_offsets + shift if shift else tail_offsets
         return self.model_src[rows[:, None] + self.conv_channels(linear_index)[None, :]]
 
+    def interior_kv_offsets(self, pieces: Sequence[tuple[int, SegmentEntry]],
+                            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """[M] global position and [M] `model_src` offset (K of full layer 0) of every interior token
+        of `pieces` ((global position of the first, entry) pairs), in order. The host sends one row
+        per piece, not per token: building and copying 16k-token index tensors on the host grew its
+        time with every cached segment."""
+        lengths = [entry.interior_len for _, entry in pieces]
+        rows = host_to_device([[first, entry.kv_offset(0), start, length] for (first, entry), start, length
+                               in zip(pieces, itertools.accumulate(lengths, initial=0), lengths)], torch.long, device)
+        total = sum(lengths)
+        piece = torch.repeat_interleave(rows[:, 3], output_size=total)
+        first_position, first_src, first_row, _ = rows[piece].unbind(1)
+        within = torch.arange(total, device=device) - first_row  # token index inside its piece
+        return first_position + within, first_src + within * self.layout.kv_token_stride
+
+    def kv_at_layer(self, offsets: torch.Tensor, full_index: int) -> torch.Tensor:
+        """`model_src` offsets of full layer 0's K blocks moved to full layer `full_index`'s."""
+        return offsets + full_index * self.layout.kv_layer_stride
+
     def conv_channels(self, linear_index: int) -> torch.Tensor:
         """[conv_dim] element offset of each channel within a stored conv tail of that layer."""
         return self._conv_channels[self.layout.linear[linear_index].conv_dim]
@@ -374,14 +405,12 @@ class SegmentStore:
         self._evictions += 1
         return True
 
-    def _write(self, entry: SegmentEntry, tup: SegmentTuple) -> None:
-        for i in range(self.layout.num_linear):
-            entry.T(i).copy_(tup.T[i])
-            entry.S0(i).copy_(tup.S0[i])
-            entry.conv_tail(i).copy_(tup.conv_tail[i])
-        for j in range(self.layout.num_full):
-            entry.K(j).copy_(tup.K[j])
-            entry.V(j).copy_(tup.V[j])
+    @staticmethod
+    def _write(entry: SegmentEntry, tup: SegmentTuple) -> None:
+        stored = entry.views()
+        for name in ("T", "S0", "conv_tail", "K", "V"):
+            for dst, src in zip(getattr(stored, name), getattr(tup, name)):
+                dst.copy_(src)
 
     def _check(self, tup: SegmentTuple) -> None:
         lay = self.layout

@@ -53,6 +53,7 @@ class EngineStats:
     prompt_tokens: int
     generated_tokens: int
     cached_tokens: int
+    preemptions: int
 
 
 class LLMEngine:
@@ -144,7 +145,7 @@ class LLMEngine:
         self.finished_segments = []  # (key, stored) of the cold segments this step finished
         for job, stored in self.pic.after_step(batch, capture):
             self.scheduler.finish(job, "stop")
-            self.finished_segments.append((job.segment_job.key, stored))
+            self.finished_segments.append((job.pic.job.key, stored))
         rows = self._sampling_rows(batch)
         deltas: dict[str, list[CompletionDelta]] = {}
         if rows:
@@ -315,7 +316,8 @@ class LLMEngine:
             state_slots_free=self.slots.num_free, prefix_cache=self.prefix.stats(),
             segment_pool=self.store.stats(),
             requests_finished=c["finished"], requests_aborted=c["aborted"], prompt_tokens=c["prompt"],
-            generated_tokens=c["generated"], cached_tokens=c["cached"])
+            generated_tokens=c["generated"], cached_tokens=c["cached"],
+            preemptions=self.scheduler.preemptions)
 
 
 def _tokens_that_fit(shape, budget: int, block_size: int, dtype: torch.dtype) -> int:

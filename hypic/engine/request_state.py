@@ -52,6 +52,8 @@ class RequestState:
     def __init__(self, info: RequestInfo) -> None:
         self.info = info
         self.completions: dict[int, Completion] = {}  # sequence index -> completion
+        self.token_steps = 0
+        self.token_step_times: tuple[float, float] | None = None  # time.monotonic() of the first and latest
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -63,9 +65,17 @@ class RequestState:
         return all(s.finished for s in self.sequences)
 
     def output(self, deltas: list[CompletionDelta]) -> RequestOutput:
-        return RequestOutput(self.info.request_id, tuple(deltas), self.finished, self.metrics())
+        gap = self._token_step() if any(d.token_ids for d in deltas) else None
+        return RequestOutput(self.info.request_id, tuple(deltas), self.finished, self.metrics(gap))
 
-    def metrics(self) -> RequestMetrics:
+    def _token_step(self) -> float | None:
+        """Seconds since the previous step that gave this request tokens (None for the first)."""
+        now, times = time.monotonic(), self.token_step_times
+        self.token_steps += 1
+        self.token_step_times = (now if times is None else times[0], now)
+        return None if times is None else now - times[1]
+
+    def metrics(self, inter_token_latency: float | None) -> RequestMetrics:
         info = self.info
         return RequestMetrics(
             arrival_time=info.arrival_time,
@@ -73,7 +83,9 @@ class RequestState:
             ttft=_since(info.arrival_time, info.first_token_time),
             prompt_tokens=len(info.prompt_ids), cached_tokens=info.cached_tokens,
             cached_tokens_by_kind=dict(info.cached_tokens_by_kind),
-            generated_tokens=sum(len(s.output_ids) for s in self.sequences))
+            generated_tokens=sum(len(s.output_ids) for s in self.sequences), token_steps=self.token_steps,
+            inter_token_latency=inter_token_latency,
+            decode_time=None if self.token_step_times is None else self.token_step_times[1] - self.token_step_times[0])
 
     def mark_first_token(self) -> None:
         if self.info.first_token_time is None:

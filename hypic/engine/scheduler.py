@@ -27,7 +27,7 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """The chunk reaches the end of the known tokens, so its last logits pick the next token."""
-        return self.chunk.end == len(self.seq.token_ids) and self.seq.segment_job is None
+        return self.chunk.end == len(self.seq.token_ids) and self.seq.pic.job is None
 
     @property
     def runs_as_decode(self) -> bool:
@@ -62,6 +62,7 @@ class Scheduler:
         self.limits, self.blocks, self.slots, self.prefix, self.caches = limits, blocks, slots, prefix, caches
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.preemptions = 0  # since start (a counter for /metrics)
 
     def add(self, seq: Sequence, *, first: bool = False) -> None:
         if first:
@@ -78,7 +79,7 @@ class Scheduler:
         for seq in [s for s in self.running if not s.in_decode]:
             if seq in self.running:
                 budget -= self._schedule_prefill(seq, budget, batch)
-        for seq in [s for s in self.waiting if not s.blocked]:
+        for seq in [s for s in self.waiting if not s.pic.blocked]:
             if budget <= 0 or len(self.running) >= self.limits.max_num_seqs or not self._admit(seq):
                 break
             self.waiting.remove(seq)
@@ -105,7 +106,7 @@ class Scheduler:
         for scheduled in batch.chunks:
             seq, end = scheduled.seq, scheduled.chunk.end
             seq.num_computed = end
-            seq.cached = [p for p in seq.cached if p.start >= end]
+            seq.pic.computed_to(end)
             if end in seq.checkpoints:
                 self._checkpoint(seq, end)
             if scheduled.checkpoint_slot is not None:
@@ -137,7 +138,7 @@ class Scheduler:
     def _schedule_prefill(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         if budget <= 0:
             return 0
-        if seq.segment_job is not None:  # prefilled in one piece, so its tuple is taken at once
+        if seq.pic.job is not None:  # prefilled in one piece, so its tuple is taken at once
             if seq.remaining > budget or not self._reserve(seq, len(seq.token_ids), batch):
                 return 0
             chunk = seq.next_chunk(budget)
@@ -193,6 +194,7 @@ class Scheduler:
         return candidates[0] if candidates else None
 
     def _preempt(self, seq: Sequence) -> None:
+        self.preemptions += 1
         self.running.remove(seq)
         self._free(seq)
         seq.reset_for_recompute()
@@ -205,13 +207,12 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         seq.checkpoints = self._checkpoint_positions(seq)
         self._attach_prefix_hit(seq)
-        pool_tokens = sum(p.end - p.start for p in seq.cached if p.from_pool)  # what the prefix hit left
+        pool_tokens = seq.pic.pool_tokens  # what the prefix hit left
         if pool_tokens and seq.info.first_scheduled_time is None:
             seq.info.cached_tokens_by_kind["pic"] = pool_tokens
-        scattered_end = max((p.end for p in seq.cached), default=0)
         while self._fitting_tokens(seq) == 0 and self.prefix.evict_one():
             pass  # checkpoints may hold every free page: make room for at least one token
-        if self._fitting_tokens(seq) == 0 or not self._take_pages(seq, scattered_end):
+        if self._fitting_tokens(seq) == 0 or not self._take_pages(seq, seq.pic.scattered_end):
             self._free(seq)
             seq.num_computed, seq.status = 0, SequenceStatus.WAITING
             return False
@@ -235,12 +236,12 @@ class Scheduler:
 
     def _attach_prefix_hit(self, seq: Sequence) -> None:
         accept = accepted_provenances(seq.info.cache_mode, seq.info.seam_width)
-        if not accept or seq.segment_job is not None:
+        if not accept or seq.pic.job is not None:
             return
         # A hit may end before, at or past a cached interior (a conversation's next turn resumes
         # after its documents), never inside one.
         hit = self.prefix.lookup(seq.token_bytes(len(seq.token_ids)), seq.info.cache_salt, accept,
-                                 not_inside=[(p.start, p.end) for p in seq.cached])
+                                 not_inside=seq.pic.interiors)
         if hit is None:
             return
         try:
@@ -251,9 +252,7 @@ class Scheduler:
         self.caches.copy_slot(hit.state_slot, seq.slot)
         self.prefix.release(hit)
         seq.num_computed = hit.num_tokens
-        covered = [p for p in seq.cached if p.end <= hit.num_tokens]
-        seq.cached = [p for p in seq.cached if p.end > hit.num_tokens]
-        seq.covered += covered  # the PIC side unpins them
+        seq.pic.cover(hit.num_tokens)  # the PIC side unpins what it covers
         if seq.info.first_scheduled_time is None:  # counted once, not again after a preemption
             seq.info.cached_tokens_by_kind["prefix"] = hit.num_tokens
 
@@ -271,17 +270,16 @@ class Scheduler:
         inside a cached interior. A short first segment of an assembling prompt is not kept: cut
         there, it would run as an eager step of its own before the assembly step, which costs
         more than walking its tokens again in the next prompt's assembly."""
-        if seq.info.cache_mode == "none" or seq.segment_job is not None:
+        if seq.info.cache_mode == "none" or seq.pic.job is not None:
             return []
         prompt_len = len(seq.info.prompt_ids)
         first_end = seq.info.segment_ends[0] if len(seq.info.segment_ends) > 1 else 0
-        walked_with_assembly = seq.cached and first_end <= TAIL_WALK_MAX
+        walked_with_assembly = seq.pic.cached and first_end <= TAIL_WALK_MAX
         marks = {0 if walked_with_assembly else first_end, prompt_len - 1}
-        inside = [(p.start, p.end) for p in seq.cached]
-        return sorted(m for m in marks if 0 < m < prompt_len and not any(a < m <= b for a, b in inside))
+        return sorted(m for m in marks if 0 < m < prompt_len and not any(a < m <= b for a, b in seq.pic.interiors))
 
     def _checkpoint(self, seq: Sequence, length: int, state_slot: int | None = None) -> None:
         """Keep the state after `length` tokens: seq's own slot unless the step left it in `state_slot`."""
-        if seq.info.cache_mode != "none" and seq.segment_job is None:
+        if seq.info.cache_mode != "none" and seq.pic.job is None:
             self.prefix.insert(seq.token_bytes(length), seq.info.cache_salt, seq.provenance(length),
                                seq.block_ids, seq.slot if state_slot is None else state_slot)

@@ -6,8 +6,9 @@ import time
 from dataclasses import dataclass, field
 
 from hypic.cache import prefix_cache
-from hypic.engine.pic.pieces import Cached, Chunk, cut_chunk
+from hypic.engine.pic.pieces import Chunk, cut_chunk
 from hypic.engine.pic.segments import SegmentedPrompt
+from hypic.engine.pic.state import PicState
 from hypic.sampling_params import SamplingParams
 
 
@@ -63,11 +64,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.checkpoints: list[int] = []  # prefix lengths whose state is kept once computed
-        self.cached: list[Cached] = []  # interiors still to compose, served from the segment store (PIC)
-        self.covered: list[Cached] = []  # pinned interiors a prefix hit made unnecessary, to unpin
-        self.approximate_from: int | None = None  # first position whose state comes from PIC assembly
-        self.awaiting: set = set()  # keys of cold segments this sequence waits for
-        self.segment_job = None  # set on the isolated prefill of a cold PIC segment (no sampling)
+        self.pic = PicState()  # owned by the PIC assembler
 
     @property
     def remaining(self) -> int:
@@ -77,14 +74,10 @@ class Sequence:
     def in_decode(self) -> bool:
         return self.remaining == 1 and self.num_computed > 0
 
-    @property
-    def blocked(self) -> bool:
-        """Waiting for cold segments to be prefilled before it can be assembled."""
-        return bool(self.awaiting)
-
     def provenance(self, length: int) -> str:
         """How the state after `length` tokens was computed (prefix-cache checkpoints carry it)."""
-        if self.approximate_from is None or length <= self.approximate_from:
+        start = self.pic.approximate_from
+        if start is None or length <= start:
             return "exact"
         mode = self.info.cache_mode
         return "naive" if mode == "naive" else f"hypic:{self.info.seam_width}"
@@ -107,7 +100,7 @@ class Sequence:
         the step keeps that state some other way)."""
         limit = min([len(self.token_ids)] + [c for c in self.checkpoints
                                              if c > self.num_computed and not through_checkpoints])
-        return cut_chunk(self.token_ids, self.num_computed, limit, budget, self.cached)
+        return cut_chunk(self.token_ids, self.num_computed, limit, budget, self.pic.cached)
 
     def append(self, token_id: int) -> None:
         self.output_ids.append(token_id)

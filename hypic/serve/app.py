@@ -15,7 +15,7 @@ from hypic.serve.state import STATE, ServerSettings, ServerState
 def build_app(client: EngineClient, settings: ServerSettings) -> web.Application:
     """An app serving a started engine client."""
     app = web.Application(middlewares=MIDDLEWARES, client_max_size=settings.max_body_bytes)
-    metrics = ServerMetrics(client.stats, client.info.device)
+    metrics = ServerMetrics(client.stats, client.info.device, settings.served_model_name or client.info.model_name)
     app[STATE] = ServerState(client, settings, metrics)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)

@@ -15,7 +15,6 @@ from hypic.errors import (
     HypicError,
     InvalidRequestError,
     PromptTooLongError,
-    RequestAbortedError,
 )
 from hypic.serve.protocol import ErrorBody, ErrorDetail, encoder
 
@@ -90,7 +89,7 @@ def from_engine_error(error: HypicError, param_names: dict[str, str]) -> ApiErro
     if isinstance(error, EngineOverloadedError):
         retry = str(max(1, math.ceil(error.retry_after)))
         return ApiError(503, f"server overloaded: {error}", code="overloaded", headers={"Retry-After": retry})
-    if isinstance(error, (EngineDeadError, RequestAbortedError)):
+    if isinstance(error, EngineDeadError):
         return ApiError(503, f"the engine cannot serve this request: {error}", code=type(error).__name__)
     return ApiError(500, f"the engine failed: {type(error).__name__}: {error}")
 

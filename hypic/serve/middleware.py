@@ -20,7 +20,7 @@ _CLIENT_GONE = "499"  # nginx's code for a client that closed the connection fir
 
 @web.middleware
 async def count_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """hypic_http_requests_total{endpoint, status}; unknown paths share one label."""
+    """hypic_http_requests_total{endpoint, status, model_name}; unknown paths share one label."""
     resource = request.match_info.route.resource
     endpoint = resource.canonical if resource is not None else "unmatched"
     counter = request.app[STATE].metrics.http_requests

@@ -53,12 +53,9 @@ class RequestGroup:
             await stream.aclose()
 
     def _seen(self, index: int, output: RequestOutput) -> RequestOutput:
-        for delta in output.deltas:
-            if delta.finish_reason is not None:
-                self._metrics.observe_finish_reason(delta.finish_reason)
+        self._metrics.observe(output)
         if output.finished:
             self._unfinished.discard(index)
-            self._metrics.observe_finished(output)
         return output
 
 

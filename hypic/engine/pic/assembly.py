@@ -52,12 +52,12 @@ class PicAssembler:
             if entry is not None:
                 self._add_piece(seq, segment, entry, from_pool=True)
                 continue
-            seq.awaiting.add(segment.job.key)
+            seq.pic.awaiting.add(segment.job.key)
             self.waiters[segment.job.key].append((seq, segment))
             if segment.job.key not in self.jobs:
                 new_jobs.append(self.start_job(segment.job))
         if planned:
-            seq.approximate_from = planned[0].span[0]
+            seq.pic.approximate_from = planned[0].span[0]
         return new_jobs
 
     def scatter(self, batch: ScheduledBatch) -> None:
@@ -65,7 +65,7 @@ class PicAssembler:
         the pieces their prefix hits covered are unpinned."""
         for seq in batch.admitted:
             self._unpin_covered(seq)
-            if seq.cached:
+            if seq.pic.cached:
                 self._scatter_pieces(seq)
 
     def after_step(self, batch: ScheduledBatch, capture: Capture | None) -> list[tuple[Sequence, bool]]:
@@ -76,7 +76,7 @@ class PicAssembler:
         if capture is None:
             return []
         done = []
-        jobs = [c.seq.segment_job for c in batch.chunks if c.seq.segment_job is not None]  # the capture's order
+        jobs = [c.seq.pic.job for c in batch.chunks if c.seq.pic.job is not None]  # the capture's order
         starts = itertools.accumulate(capture.seq_lens, initial=0)
         for j, (job, start) in enumerate(zip(jobs, starts)):
             stored = self.store.put(job.key, _tuple_of(capture, j, job, start))
@@ -94,74 +94,56 @@ class PicAssembler:
         entry = self.store.get(key)
         if entry is None:
             return None
-        n_lin, n_full = entry.layout.num_linear, entry.layout.num_full
-        tup = SegmentTuple(entry.interior, [entry.T(i).clone() for i in range(n_lin)],
-                           [entry.S0(i).clone() for i in range(n_lin)],
-                           [entry.conv_tail(i).clone() for i in range(n_lin)],
-                           [entry.K(j).clone() for j in range(n_full)], [entry.V(j).clone() for j in range(n_full)])
+        views = entry.views()
+        tup = SegmentTuple(views.interior, *[[t.clone() for t in getattr(views, name)]
+                                             for name in ("T", "S0", "conv_tail", "K", "V")])
         self.store.unpin(entry)
         return tup
 
     def release(self, seq: Sequence) -> None:
         """A finished or aborted sequence gives back its pins and stops waiting."""
         self._unpin_covered(seq)
-        for piece in seq.cached:
+        for piece in seq.pic.cached:
             self.store.unpin(piece.entry)
-        seq.cached = []
-        for key in seq.awaiting:
+        seq.pic.cached = []
+        for key in seq.pic.awaiting:
             self.waiters[key] = [(s, p) for s, p in self.waiters[key] if s is not seq]
-        seq.awaiting.clear()
+        seq.pic.awaiting.clear()
 
     def _wake(self, key: SegmentKey, stored: bool) -> None:
         for seq, segment in self.waiters.pop(key, []):
-            seq.awaiting.discard(key)
+            seq.pic.awaiting.discard(key)
             entry = self.store.get(key) if stored else None
             if entry is not None:  # else the segment is computed in full: exact, only slower
                 self._add_piece(seq, segment, entry, from_pool=False)
 
     def _unpin_covered(self, seq: Sequence) -> None:
-        for piece in seq.covered:
+        for piece in seq.pic.covered:
             self.store.unpin(piece.entry)
-        seq.covered = []
+        seq.pic.covered = []
 
     @staticmethod
     def _add_piece(seq: Sequence, segment: PlannedSegment, entry, *, from_pool: bool) -> None:
         start, end = segment.span
-        seq.cached = sorted([*seq.cached, Cached(start, end, entry, from_pool)], key=lambda p: p.start)
+        seq.pic.add(Cached(start, end, entry, from_pool))
 
     def _job_sequence(self, job: SegmentJob) -> Sequence:
         job_info = RequestInfo(f"segment-{job.key.digest.hex()[:16]}", _PREFILL_ONLY,
                                SegmentedPrompt((job.token_ids,)), job.key.salt, "none", self.seam_width)
         seq = Sequence(job_info, 0)
-        seq.segment_job = job
+        seq.pic.job = job
         return seq
 
     def _scatter_pieces(self, seq: Sequence) -> None:
         """Every piece of `seq` in one launch per full layer (per-token offsets expanded on the device)."""
         bs, device = self.caches.block_size, self.store.model_src.device
-        positions, src = piece_token_offsets(seq.cached, self.store.layout.kv_token_stride, device)
+        positions, src = self.store.interior_kv_offsets([(p.start, p.entry) for p in seq.pic.cached], device)
         table = host_to_device(seq.block_ids, torch.long, device)
         dst = table[positions // bs] * bs + positions % bs  # on the device: the host gather took ~1.7 ms at 16k
-        layer_stride = self.store.layout.kv_layer_stride
         for full_index, layer_id in enumerate(self.caches.shape.full_layers):
             k_cache, v_cache = self.caches.kv(layer_id)
-            scatter_kv(self.store.model_src, src + full_index * layer_stride, positions, k_cache, v_cache, dst,
-                       self.inv_freq)
-
-
-def piece_token_offsets(pieces: list[Cached], kv_token_stride: int,
-                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M] global position and [M] store offset (K of full layer 0) of every interior token of
-    `pieces`, in order. The host sends one row per piece, not per token: building and copying
-    16k-token index tensors on the host grew its time with every cached segment."""
-    lengths = [p.end - p.start for p in pieces]
-    rows = host_to_device([[p.start, p.entry.kv_offset(0), start, length] for p, start, length
-                           in zip(pieces, itertools.accumulate(lengths, initial=0), lengths)], torch.long, device)
-    total = sum(lengths)
-    piece = torch.repeat_interleave(rows[:, 3], output_size=total)
-    first_position, first_src, first_row, _ = rows[piece].unbind(1)
-    within = torch.arange(total, device=device) - first_row  # token index inside its piece
-    return first_position + within, first_src + within * kv_token_stride
+            scatter_kv(self.store.model_src, self.store.kv_at_layer(src, full_index), positions, k_cache, v_cache,
+                       dst, self.inv_freq)
 
 
 def _tuple_of(capture: Capture, j: int, job: SegmentJob, start: int) -> SegmentTuple:

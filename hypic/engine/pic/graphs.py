@@ -20,6 +20,7 @@ from hypic.cache.model_caches import ModelCaches
 from hypic.cache.segment_store import SegmentStore
 from hypic.engine.batch_builder import TENSOR_FIELDS, build_step
 from hypic.engine.pic.pieces import Cached, Chunk, walk_length
+from hypic.engine.pic.state import PicState
 from hypic.engine.scheduler import ScheduledBatch, ScheduledChunk
 from hypic.models.batch import ForwardBatch
 
@@ -34,7 +35,7 @@ class _PaddingSequence:
     token_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
     slot: int
-    segment_job: None = None
+    pic: PicState = dataclasses.field(default_factory=PicState)
 
 
 class AssemblyGraphs:
@@ -74,7 +75,7 @@ class AssemblyGraphs:
             return None
         scheduled = batch.chunks[0]
         chunk = scheduled.chunk
-        if (not chunk.cached or scheduled.seq.segment_job is not None or len(chunk.cached) > MAX_PIECES
+        if (not chunk.cached or scheduled.seq.pic.job is not None or len(chunk.cached) > MAX_PIECES
                 or walk_length(chunk) < chunk.num_tokens or len(scheduled.seq.block_ids) > self.max_blocks):
             return None
         size = next((s for s in self.sizes if s > chunk.num_tokens), None)

@@ -94,11 +94,6 @@ class SegmentedPrompt:
     def num_tokens(self) -> int:
         return self.boundaries[-1]
 
-    @property
-    def is_segmented(self) -> bool:
-        """False for an ordinary prompt (no separator): nothing to cache position-independently."""
-        return len(self.segments) > 1
-
 
 def _check_no_separator(segments: Sequence[str], separator: str) -> None:
     for i, segment in enumerate(segments):

@@ -15,8 +15,6 @@ from hypic.kernels.varlen import StateSpans
 from hypic.models.batch import Assembly, Capture, PicStep
 
 
-# -- building a step's PIC part on the host --------------------------------------------------------
-
 def build_pic_step(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, store: SegmentStore,
                    device: torch.device) -> PicStep | None:
     """The PIC part of a step over the segment store `store`; None when no chunk needs one."""
@@ -42,8 +40,7 @@ def build_assembly(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, co
     for i in composing:
         piece_rows.append([(offset + at, p.entry.t_offset(0), p.entry.s0_offset(0))
                            for at, p in chunks[i].chunk.cached])
-        tail_offsets += [p.entry.conv_offset(0) + tap for _, p in chunks[i].chunk.cached
-                         for tap in range(conv_width - 1)]
+        tail_offsets += [row for _, p in chunks[i].chunk.cached for row in p.entry.tail_offsets()]
         offset += walk_len[i]
     rest_spans = [(cu[i], cu[i + 1]) for i in others] + [(cu[i] + walk_len[i], cu[i + 1]) for i in tails]
     conv_index, conv_keep, conv_lens = _splice(chunks, cu, seq_lens, conv_width)
@@ -108,7 +105,7 @@ def _splice(chunks: list, cu: list[int], seq_lens: tuple[int, ...], width: int):
 def build_capture(chunks: list, seq_lens: tuple[int, ...], conv_width: int,
                   device: torch.device) -> Capture | None:
     cu = [0, *itertools.accumulate(seq_lens)]
-    jobs = [(i, c.seq.segment_job) for i, c in enumerate(chunks) if c.seq.segment_job is not None]
+    jobs = [(i, c.seq.pic.job) for i, c in enumerate(chunks) if c.seq.pic.job is not None]
     if not jobs:
         return None
     rows = [r for i, job in jobs for r in range(cu[i] + job.interior[0], cu[i] + job.interior[1])]

@@ -42,8 +42,6 @@ class Tokenizer:
         """Ids dropped by `skip_special_tokens`."""
         self.vocab_size: int = 1 + max(backend.get_vocab(with_added_tokens=True).values())
         """1 + the largest id the tokenizer knows (added tokens included); the model may have more rows."""
-        self.bos_token_id: int | None = self._token_id("bos_token")
-        self.pad_token_id: int | None = self._token_id("pad_token")
         eos = {self._token_id("eos_token"), *generation_eos_ids}
         self.eos_token_ids: frozenset[int] = frozenset(i for i in eos if i is not None)
         self.special_prefix, self.special_suffix = _special_affixes(backend)
@@ -82,10 +80,6 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """What one token decodes to on its own (for logprobs); a partial UTF-8 byte reads as U+FFFD."""
         return self._backend.decode([token_id], skip_special_tokens=False)
-
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(self._templates)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, **kwargs: Any) -> str:

@@ -1,0 +1,52 @@
+"""A sequence's PIC state: one object, filled and emptied by the PIC assembler, asked by the scheduler."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypic.cache.segment_store import SegmentKey
+from hypic.engine.pic.pieces import Cached
+from hypic.engine.pic.plan import SegmentJob
+
+
+@dataclass
+class PicState:
+    """Invariant: `cached` is sorted by position, its interiors do not overlap, and every piece in
+    `cached` and `covered` holds one pin of its store entry until the assembler releases it."""
+
+    cached: list[Cached] = field(default_factory=list)  # interiors still to compose, from the segment store
+    covered: list[Cached] = field(default_factory=list)  # pinned interiors a prefix hit made unnecessary
+    approximate_from: int | None = None  # first position whose state comes from PIC assembly
+    awaiting: set[SegmentKey] = field(default_factory=set)  # cold segments the sequence waits for
+    job: SegmentJob | None = None  # set on the isolated prefill of a cold segment (no sampling)
+
+    @property
+    def blocked(self) -> bool:
+        """Waiting for cold segments to be prefilled before it can be assembled."""
+        return bool(self.awaiting)
+
+    @property
+    def interiors(self) -> list[tuple[int, int]]:
+        """[start, end) of each interior still to compose (no chunk and no prefix hit ends inside one)."""
+        return [(p.start, p.end) for p in self.cached]
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens of the pieces still to compose that were hits of the request's own lookups."""
+        return sum(p.end - p.start for p in self.cached if p.from_pool)
+
+    @property
+    def scattered_end(self) -> int:
+        """End of the last interior: admission scatters every interior's K/V, so pages reach it."""
+        return max((p.end for p in self.cached), default=0)
+
+    def add(self, piece: Cached) -> None:
+        self.cached = sorted([*self.cached, piece], key=lambda p: p.start)
+
+    def computed_to(self, end: int) -> None:
+        """Tokens [0, end) are computed: the pieces before `end` are composed."""
+        self.cached = [p for p in self.cached if p.start >= end]
+
+    def cover(self, num_tokens: int) -> None:
+        """A prefix hit computed [0, num_tokens): the pieces inside it go to `covered` (to unpin)."""
+        self.covered += [p for p in self.cached if p.end <= num_tokens]
+        self.cached = [p for p in self.cached if p.end > num_tokens]

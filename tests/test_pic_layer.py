@@ -1,0 +1,62 @@
+"""The per-layer PIC recurrence of any family (hypic.kernels.pic_layer): a walk over cached pieces,
+then the family's chunked path for the rows after it, against the float64 token recurrence."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hypic.kernels.compose import CachedPieces, StateCheckpoints
+from hypic.kernels.linear_families import get_family
+from hypic.kernels.pic_layer import assembled_recurrence, conv_tail, segment_tuple
+from hypic.kernels.varlen import Operands, StateSpans
+from tests.test_pic_algebra_families import KEY_DIM, VALUE_DIM, VALUE_HEADS, cu_of, random_tokens, rel_err, span
+
+NAMES = ("q", "k", "v", "g", "beta")
+SCALE = 0.4
+
+
+def operands(tokens: dict, dtype: torch.dtype = torch.float32) -> Operands:
+    return Operands(*(None if tokens[n] is None else tokens[n].to(dtype) for n in NAMES))
+
+
+def cat(*parts: dict) -> dict:
+    return {n: None if parts[0][n] is None else torch.cat([p[n] for p in parts]) for n in NAMES}
+
+
+@pytest.mark.parametrize("name", ["scalar", "gdn"])
+def test_walk_then_chunked_rest_equals_the_token_recurrence(name: str) -> None:
+    """Rows [A: 10 tokens | B: 5 tokens]. A composes one cached 30-token segment after its 4th token and
+    walks to its 6th; its last 4 tokens and all of B (from its slot's state) take the family's chunked
+    path. Truth: A recurs [A[:4], the segment, A[4:]] from zero, B recurs from its state."""
+    family, gen = get_family(name), torch.Generator().manual_seed(21)
+    a, b, segment = (random_tokens(family, n, gen) for n in (10, 5, 30))
+    T, S0 = segment_tuple(family, operands(segment, torch.float64), torch.arange(30), cu_of([30]), (30,), (False,))
+    pool = torch.randn(2, VALUE_HEADS, KEY_DIM, VALUE_DIM, generator=gen)
+    b_state = pool[1].double().clone()
+    spans = lambda slots, has, lens: StateSpans(torch.tensor(slots), torch.tensor(has), cu_of(lens), 0,  # noqa: E731
+                                                tuple(lens))
+    o = assembled_recurrence(
+        operands(cat(a, b)), pool, family=family, scale=SCALE, walk=spans([0], [False], [6]),
+        walk_rows=torch.arange(6), walks_every_row=False,
+        pieces=CachedPieces.build([[(4, 0, 0)]]), t_src=T.flatten().float(), s0_src=S0.flatten().float(),
+        saves=StateCheckpoints(torch.tensor([-1]), torch.tensor([0])),
+        rest=spans([1, 0], [True, True], [5, 4]), rest_rows=torch.tensor([10, 11, 12, 13, 14, 6, 7, 8, 9]),
+        chunked=lambda x, p, s: family.recur_spans(x, p, s, scale=SCALE))
+    zero = torch.zeros(VALUE_HEADS, KEY_DIM, VALUE_DIM, dtype=torch.float64)
+    o_a, end_a = family.recur(zero, *(cat(span(a, 0, 4), segment, span(a, 4, 10))[n] for n in NAMES), scale=SCALE)
+    o_b, end_b = family.recur(b_state, *(b[n] for n in NAMES), scale=SCALE)
+    truth = torch.cat([o_a[:4], o_a[34:], o_b])
+    assert rel_err(o.double(), truth) <= 1e-5
+    assert rel_err(pool[0].double(), end_a) <= 1e-5 and rel_err(pool[1].double(), end_b) <= 1e-5
+
+
+def test_segment_tuple_marks_identity_and_conv_tail_takes_the_rows() -> None:
+    family, gen = get_family("gdn"), torch.Generator().manual_seed(22)
+    tokens = operands(random_tokens(family, 12, gen), torch.float64)
+    T, S0 = segment_tuple(family, tokens, torch.arange(2, 12), cu_of([4, 6]), (4, 6), (True, False))
+    alone = family.extract_tuple(tokens.k[6:12], tokens.v[6:12], tokens.g[6:12], tokens.beta[6:12], cu_of([6]), (6,))
+    assert torch.equal(T[0], family.identity_T(VALUE_HEADS, KEY_DIM, T.dtype))
+    assert rel_err(T[1], alone[0][0]) <= 1e-12 and rel_err(S0[1], alone[1][0]) <= 1e-12
+    conv_in = torch.arange(24.0).reshape(12, 2)
+    assert torch.equal(conv_tail(conv_in, torch.tensor([[3, 4], [9, 10]])),
+                       torch.tensor([[[6.0, 8.0], [7.0, 9.0]], [[18.0, 20.0], [19.0, 21.0]]]))
