@@ -44,3 +44,23 @@ def _finish(model: torch.nn.Module, seed: int) -> torch.nn.Module:
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
     return model.eval()
+
+
+def make_model_dir(path, *, slow_decay: bool = False, eos_token_id: int = 2, **overrides: object):
+    """A tiny random checkpoint with a trained byte-level tokenizer beside it. slow_decay: KDA layers
+    remember hundreds of tokens (per-key log gates ~ -2e-3 a token), so that errors early in a
+    prompt still show in the final state."""
+    from models_util import save_checkpoint
+    from tokenizer_util import write_byte_level
+
+    model = make(eos_token_id=eos_token_id, **overrides)
+    if slow_decay:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("A_log"):
+                    param.fill_(-4.0)  # exp(A_log) = 0.018
+                elif name.endswith("dt_bias"):
+                    param.fill_(-2.0)  # softplus: 0.13, before the f projection's spread
+    save_checkpoint(model, path)
+    write_byte_level(path, vocab_size=300)
+    return path

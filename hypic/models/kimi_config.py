@@ -83,6 +83,15 @@ class KimiLinearConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def rotary_dim(self) -> int:
+        """No RoPE anywhere (NoPE MLA): PIC scatters cached latents unrotated."""
+        return 0
+
+    @property
+    def rope_theta(self) -> float:
+        return 10000.0  # unused without rotary channels; the PIC scatter asks for it
+
+    @property
     def latent_dim(self) -> int:
         """Per-token width of an MLA page: the kv latent and the shared (unrotated) rope key part."""
         return self.kv_lora_rank + self.qk_rope_head_dim
