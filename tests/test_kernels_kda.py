@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from hypic.kernels.linear_families import get_family
 from hypic.kernels.varlen import Operands, StateSpans
+from kernel_cases import interpreted
 from test_pic_algebra_families import VALUE_DIM, VALUE_HEADS, KEY_DIM, cu_of, extract, random_tokens, rel_err, span
 
 FAMILY = get_family("kda")
@@ -77,3 +78,45 @@ def test_recur_spans_reads_and_writes_the_pool() -> None:
         o64, end64 = FAMILY.recur(init, *(part[n] for n in NAMES), scale=0.5)
         assert rel_err(o[start:end].double(), o64) <= 1e-5 and rel_err(pool[slots[b]].double(), end64) <= 1e-5
     assert torch.equal(pool[1].double(), before[1])
+
+
+def decode_case(seed: int, device: str = "cpu"):
+    """Three decodes (value heads sharing key heads 2:1), one from a fresh slot holding nan."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = strong_decay_tokens(3, gen, torch.float32)
+    pool = torch.randn(6, VALUE_HEADS, KEY_DIM, VALUE_DIM, generator=gen)
+    slots, has_state = torch.tensor([5, 1, 3]), torch.tensor([True, False, True])
+    pool[1] = float("nan")
+    return ([tokens[n].to(device) for n in NAMES], pool.to(device), slots.to(device), has_state.to(device))
+
+
+@interpreted
+def test_triton_decode_interpreted_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hypic.kernels.kda_rule import kda_decode_triton, kda_rule_ref
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x, pool, slots, has_state = decode_case(24)
+    expected_pool = pool.clone()
+    expected = kda_rule_ref(*x, expected_pool, slots, has_state, cu_of([1, 1, 1]), scale=0.4, num_decodes=3,
+                            seq_lens_cpu=(1, 1, 1))
+    out = torch.empty_like(x[2])
+    kda_decode_triton(*x, pool, slots, has_state, scale=0.4, out=out)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool, expected_pool, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.gpu
+def test_cuda_decodes_and_prefills_match_the_cpu_path() -> None:
+    """Two decodes (Triton) beside a 70-token prefill (chunked reference on the GPU)."""
+    gen = torch.Generator().manual_seed(25)
+    lens, slots, has_state = [1, 1, 70], torch.tensor([4, 2, 0]), torch.tensor([True, True, False])
+    tokens = strong_decay_tokens(sum(lens), gen, torch.float32)
+    pool = torch.randn(5, VALUE_HEADS, KEY_DIM, VALUE_DIM, generator=gen)
+    spans = StateSpans(slots, has_state, cu_of(lens), 2, tuple(lens))
+    expected_pool = pool.clone()
+    expected = FAMILY.recur_spans(Operands(*(tokens[n] for n in NAMES)), expected_pool, spans, scale=0.5)
+    cuda_pool = pool.cuda()
+    cuda_spans = StateSpans(slots.cuda(), has_state.cuda(), cu_of(lens).cuda(), 2, tuple(lens))
+    o = FAMILY.recur_spans(Operands(*(tokens[n].cuda() for n in NAMES)), cuda_pool, cuda_spans, scale=0.5)
+    assert rel_err(o.cpu().double(), expected.double()) <= 1e-4
+    assert rel_err(cuda_pool.cpu().double(), expected_pool.double()) <= 1e-4

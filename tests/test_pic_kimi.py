@@ -68,3 +68,19 @@ def test_scattered_interior_latents_equal_full_recompute(tmp_path) -> None:
     full = _state_after_prefill(pic_config(model_dir, cache_mode="none"), p, 0, warm_first=False)
     warm = _state_after_prefill(pic_config(model_dir), p, 0, warm_first=True)
     assert _rel(warm["k"], full["k"]) <= 1e-5 and _rel(warm["v"], full["v"]) <= 1e-5
+
+
+def test_blocks_slots_and_pins_return(kimi_dir) -> None:
+    import asyncio
+
+    from engine_util import collect
+    from hypic import AsyncEngine
+
+    async def main():
+        async with AsyncEngine(pic_config(kimi_dir)) as engine:
+            await asyncio.gather(*(collect(engine, prompt(*order), greedy(3)) for order in (DOCS, DOCS[::-1])))
+            return engine.core.stats()
+    s = asyncio.run(main())
+    assert s.kv_blocks_total - s.kv_blocks_free == s.prefix_cache.blocks_held
+    assert s.state_slots_total - s.state_slots_free == s.prefix_cache.slots_held
+    assert s.segment_pool.pinned == 0 and s.segment_pool.entries == 3

@@ -5,13 +5,20 @@ Recurrence per value head (state layout [K, V], FLA's), a per-key gate g_t in R^
 
 Paths: CPU -> `kda_rule_ref` (torch, float32, chunked WY form with per-key decays). The decays only
 ever appear as exp(G_t - G_s) for s <= t inside a chunk (never exp(-G)), so no factor can overflow.
+CUDA -> our Triton kernel for decode tokens (state updated by slot in place, CUDA-graph capturable);
+prefill sequences take the chunked reference (FLA's chunk_kda is not wired yet).
 """
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
+
+tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
 CHUNK = 64  # tokens per chunk of the reference's WY form
 
@@ -22,8 +29,18 @@ def kda_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     """q, k: [N, H, K] (l2-normalised); v: [N, HV, V]; g: [N, HV, K] log-decay (float32); beta: [N, HV].
     Value head hv uses key head hv // (HV // H). Sequence b starts from ssm_pool[slots[b]] if
     has_state[b] else zeros; its final state goes back there. Returns [N, HV, V] in v's dtype."""
-    return kda_rule_ref(q, k, v, g, beta, ssm_pool, slots, has_state, cu_seqlens, scale=scale,
-                        num_decodes=num_decodes, seq_lens_cpu=seq_lens_cpu)
+    nd = num_decodes
+    if q.device.type != "cuda" or not nd:
+        return kda_rule_ref(q, k, v, g, beta, ssm_pool, slots, has_state, cu_seqlens, scale=scale,
+                            num_decodes=nd, seq_lens_cpu=seq_lens_cpu)
+    o = torch.empty_like(v)
+    kda_decode_triton(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm_pool, slots[:nd], has_state[:nd], scale=scale,
+                      out=o[:nd])
+    if len(seq_lens_cpu) > nd:
+        o[nd:] = kda_rule_ref(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], ssm_pool, slots[nd:], has_state[nd:],
+                              cu_seqlens[nd:] - cu_seqlens[nd], scale=scale, num_decodes=0,
+                              seq_lens_cpu=seq_lens_cpu[nd:])
+    return o
 
 
 # ----------------------------------------------------------------------------- torch reference
@@ -115,3 +132,46 @@ def _unit_lower_inverse(strict_lower: torch.Tensor) -> torch.Tensor:
     """(I + L)^-1 for a strictly lower-triangular L."""
     eye = torch.eye(CHUNK, dtype=strict_lower.dtype, device=strict_lower.device).expand_as(strict_lower)
     return torch.linalg.solve_triangular(strict_lower, eye, upper=False, unitriangular=True)
+
+
+# ----------------------------------------------------------------------------- GPU: Triton decode
+
+def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, *, scale: float,
+                      out: torch.Tensor) -> None:
+    """One token per sequence: reads ssm_pool[slots[b]], writes the new state back in place and the
+    output into `out` [B, HV, V]. No host sync, fixed grid: CUDA-graph capturable."""
+    q, k, v, g = (x.contiguous() for x in (q, k, v, g))
+    batch, heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[1], v.shape[2]
+    block_v = 16 if batch < 16 else 32  # small batches: more programs to fill the GPU
+    grid = (batch, value_heads, -(-value_dim // block_v))
+    _kda_decode_kernel[grid](
+        q, k, v, g, beta.contiguous(), out, ssm_pool, slots, has_state, scale, out.stride(0),
+        H=heads, HV=value_heads, K=key_dim, V=value_dim, BK=next_power_of_2(key_dim), BV=block_v)
+
+
+@triton_kernel
+def _kda_decode_kernel(q, k, v, g, beta, o, pool, slots, has_state, scale, stride_o, H: tl.constexpr,
+                       HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    i_b, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    slot = tl.load(slots + i_b).to(tl.int64)
+    p_state = pool + ((slot * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
+    m_state = m_k[:, None] & m_v[None, :]
+    state = tl.load(p_state, mask=m_state, other=0.0).to(tl.float32)
+    state = tl.where(tl.load(has_state + i_b) != 0, state, 0.0)
+    b_q = tl.load(q + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
+    b_k = tl.load(k + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v + (i_b * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_g = tl.load(g + (i_b * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # one gate per key row
+    b_beta = tl.load(beta + i_b * HV + i_hv).to(tl.float32)
+    state = state * tl.exp(b_g)[:, None]
+    err = b_beta * (b_v - tl.sum(state * b_k[:, None], axis=0))
+    state = state + b_k[:, None] * err[None, :]
+    b_o = tl.sum(state * b_q[:, None], axis=0)
+    tl.store(o + i_b * stride_o + i_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    tl.store(p_state, state, mask=m_state)
