@@ -14,13 +14,13 @@ import itertools
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from hypic.kernels.gdn import CHUNK, _unit_lower_inverse  # the gated delta rule's WY chunking, shared
 from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
+from hypic.kernels.varlen import expand_key_heads, initial_states, to_chunks
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
-CHUNK = 64  # tokens per chunk of the reference's WY form
 
 
 def kda_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -50,28 +50,19 @@ def kda_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
                  scale: float, num_decodes: int, seq_lens_cpu: tuple[int, ...]) -> torch.Tensor:
     """Same contract as `kda_rule`, in pure torch with float32 math."""
     hv, out_dtype = v.shape[1], v.dtype
-    q, k = _expand_heads(q.float(), hv), _expand_heads(k.float(), hv)
+    q, k = expand_key_heads(q.float(), hv), expand_key_heads(k.float(), hv)
     v, g, beta = v.float(), g.float(), beta.float()
     o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     nd = num_decodes
     if nd:
-        state = _initial_states(ssm_pool, slots[:nd], has_state[:nd])
+        state = initial_states(ssm_pool, slots[:nd], has_state[:nd])
         o[:nd], ssm_pool[slots[:nd]] = _recurrent_step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], state, scale)
     starts = list(itertools.accumulate(seq_lens_cpu, initial=0))
     for b in range(nd, len(seq_lens_cpu)):
         s, e = starts[b], starts[b + 1]
-        state = _initial_states(ssm_pool, slots[b:b + 1], has_state[b:b + 1])[0]
+        state = initial_states(ssm_pool, slots[b:b + 1], has_state[b:b + 1])[0]
         o[s:e], ssm_pool[slots[b]] = chunked_sequence(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state, scale)
     return o.to(out_dtype)
-
-
-def _expand_heads(x: torch.Tensor, num_value_heads: int) -> torch.Tensor:
-    return x.repeat_interleave(num_value_heads // x.shape[1], dim=1)
-
-
-def _initial_states(ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
-    # where(), not a product: a recycled slot may hold inf/nan that must not leak into a fresh sequence
-    return torch.where(has_state[:, None, None, None], ssm_pool[slots], 0.0)
 
 
 def _recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -92,7 +83,7 @@ def chunked_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     length = q.shape[0]
     if not length:  # an empty span leaves the state as it is
         return v.clone(), state
-    q, k, v, g, beta = (_to_chunks(t, length) for t in (q * scale, k, v, g, beta))  # [HV, n, C, ...]
+    q, k, v, g, beta = (to_chunks(t, length, CHUNK) for t in (q * scale, k, v, g, beta))  # [HV, n, C, ...]
     cum = g.cumsum(-2)
     decay = _pairwise_decay(cum)  # [HV, n, C, C, K]
     coupling = (torch.einsum("hntk,hnsk,hntsk->hnts", k, k, decay) * beta[..., None]).tril(-1)
@@ -111,27 +102,11 @@ def chunked_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return o.transpose(0, 1), state
 
 
-def _to_chunks(x: torch.Tensor, length: int) -> torch.Tensor:
-    """[T, HV, ...] -> [HV, n, CHUNK, ...], zero-padded at the end (a zero token with g = 0 and
-    beta = 0 leaves the state as is)."""
-    pad = (-length) % CHUNK
-    x = x.movedim(0, 1)
-    if pad:
-        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
-    return x.unflatten(1, (-1, CHUNK))
-
-
 def _pairwise_decay(cum: torch.Tensor) -> torch.Tensor:
     """exp(G_t - G_s) per key channel for s <= t, 0 above the diagonal: [..., C, K] -> [..., C, C, K]."""
     causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=cum.device).tril()
     diff = cum[..., :, None, :] - cum[..., None, :, :]
     return diff.masked_fill(~causal[..., None], float("-inf")).exp()
-
-
-def _unit_lower_inverse(strict_lower: torch.Tensor) -> torch.Tensor:
-    """(I + L)^-1 for a strictly lower-triangular L."""
-    eye = torch.eye(CHUNK, dtype=strict_lower.dtype, device=strict_lower.device).expand_as(strict_lower)
-    return torch.linalg.solve_triangular(strict_lower, eye, upper=False, unitriangular=True)
 
 
 # ----------------------------------------------------------------------------- GPU: Triton decode
