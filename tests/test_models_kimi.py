@@ -122,6 +122,10 @@ def test_latent_pages_hold_rank_plus_rope_channels_a_token() -> None:
     assert shape.full_layers == (3, 7, 11, 15, 19, 23, 26) and len(shape.linear_layers) == 20
     assert per_token_layer == 2 * (config.kv_lora_rank + config.qk_rope_head_dim) == 1152
     assert expanded == 20480  # the expanded cache a token and layer: 17.8x the latent
+    from hypic.cache.segment_store import SegmentLayout
+
+    layout = SegmentLayout.from_cache_shape(shape, torch.bfloat16, torch.bfloat16)
+    assert layout.block_bytes(1024)[3] == 1024 * len(shape.full_layers) * per_token_layer  # cached segments too
 
 
 # ---- configs ---------------------------------------------------------------------------------------

@@ -84,3 +84,31 @@ def test_blocks_slots_and_pins_return(kimi_dir) -> None:
     assert s.kv_blocks_total - s.kv_blocks_free == s.prefix_cache.blocks_held
     assert s.state_slots_total - s.state_slots_free == s.prefix_cache.slots_held
     assert s.segment_pool.pinned == 0 and s.segment_pool.entries == 3
+
+
+def test_a_latent_layout_stores_each_row_once_and_ships_it_once() -> None:
+    """kv_tensors 1 (MLA): the KV block holds one latent row a token and layer, the stored tuple
+    has no V, and the wire carries exactly the K tensors its specs announce."""
+    import torch
+
+    from hypic.cache.model_caches import LinearShape
+    from hypic.cache.prefix_cache import token_bytes
+    from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentStore, SegmentTuple
+    from hypic.dist.segment_wire import tuple_from, tuple_meta, tuple_specs, tuple_tensors
+    from hypic.kernels.linear_families import get_family
+
+    shapes = (LinearShape(get_family("kda"), 2, 8, 8, 48, 4),) * 2
+    latent, symmetric = (SegmentLayout(shapes, 3, 1, 24, torch.float32, torch.float32, kv) for kv in (1, 2))
+    assert symmetric.block_bytes(64)[3] == 2 * latent.block_bytes(64)[3] == 2 * 64 * 3 * 24 * 4
+    store, g = SegmentStore(latent, 1 << 20, "cpu"), torch.Generator().manual_seed(2)
+    parts = [[torch.randn(*shape, generator=g) for _ in range(n)] for shape, n in (
+        (latent.t_shape(0), 2), (latent.s0_shape(0), 2), (latent.conv_shape(0), 2), ((10, 1, 24), 3))]
+    key = SegmentKey.of("fp", 8, None, token_bytes([4, 5]))
+    assert store.put(key, SegmentTuple((4, 14), *parts, []))
+    stored = store.get(key).views()
+    assert stored.V == [] and all(torch.equal(a, b) for a, b in zip(stored.K, parts[3]))
+    flat = tuple_tensors(stored)
+    assert [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in flat] == [
+        (s.dtype, s.shape) for s in tuple_specs(latent, 10)]
+    back = tuple_from([t.contiguous() for t in flat], tuple_meta(stored))
+    assert back.V == [] and all(torch.equal(a, b) for a, b in zip(back.K, parts[3]))

@@ -85,7 +85,7 @@ class LatentAttention(nn.Module):
         """k_cache is the latent pages (v_cache the same tensor: the latent is key and value)."""
         q, rows = self.queries(hidden), self.latents(hidden)
         if batch.pic is not None and batch.pic.capture is not None:  # position-free: cached as they are
-            batch.pic.capture.add_full(rows, rows)
+            batch.pic.capture.add_full(rows, None)
         write_latents(rows, k_cache, batch.kv_write_slots)
         o = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
         nd = batch.num_decodes
