@@ -106,17 +106,21 @@ def test_triton_decode_interpreted_matches_reference(monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.gpu
-def test_cuda_decodes_and_prefills_match_the_cpu_path() -> None:
-    """Two decodes (Triton) beside a 70-token prefill (chunked reference on the GPU)."""
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_cuda_decodes_and_prefills_match_the_cpu_path(dtype: torch.dtype, bound: float) -> None:
+    """Two decodes (Triton) beside prefills from a slot's state and from zeros (FLA's chunk_kda in
+    bf16, the chunked reference in float32), at Kimi's head size."""
     gen = torch.Generator().manual_seed(25)
-    lens, slots, has_state = [1, 1, 70], torch.tensor([4, 2, 0]), torch.tensor([True, True, False])
-    tokens = strong_decay_tokens(sum(lens), gen, torch.float32)
-    pool = torch.randn(5, VALUE_HEADS, KEY_DIM, VALUE_DIM, generator=gen)
+    lens, slots, has_state = [1, 1, 70, 130], torch.tensor([4, 2, 0, 1]), torch.tensor([True, True, False, True])
+    heads, dim = 2, 128
+    tokens = random_tokens(FAMILY, sum(lens), gen, dtype=torch.float32, heads=(heads, heads), dims=(dim, dim))
+    pool = torch.randn(5, heads, dim, dim, generator=gen) * 0.1
     spans = StateSpans(slots, has_state, cu_of(lens), 2, tuple(lens))
     expected_pool = pool.clone()
-    expected = FAMILY.recur_spans(Operands(*(tokens[n] for n in NAMES)), expected_pool, spans, scale=0.5)
+    low = {n: t.to(dtype) if n != "g" else t for n, t in tokens.items()}  # the gate stays float32
+    expected = FAMILY.recur_spans(Operands(*(low[n].float() for n in NAMES)), expected_pool, spans, scale=dim ** -0.5)
     cuda_pool = pool.cuda()
     cuda_spans = StateSpans(slots.cuda(), has_state.cuda(), cu_of(lens).cuda(), 2, tuple(lens))
-    o = FAMILY.recur_spans(Operands(*(tokens[n].cuda() for n in NAMES)), cuda_pool, cuda_spans, scale=0.5)
-    assert rel_err(o.cpu().double(), expected.double()) <= 1e-4
-    assert rel_err(cuda_pool.cpu().double(), expected_pool.double()) <= 1e-4
+    o = FAMILY.recur_spans(Operands(*(low[n].cuda() for n in NAMES)), cuda_pool, cuda_spans, scale=dim ** -0.5)
+    assert rel_err(o.cpu().double(), expected.double()) <= bound
+    assert rel_err(cuda_pool.cpu().double(), expected_pool.double()) <= bound

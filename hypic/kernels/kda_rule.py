@@ -5,8 +5,9 @@ Recurrence per value head (state layout [K, V], FLA's), a per-key gate g_t in R^
 
 Paths: CPU -> `kda_rule_ref` (torch, float32, chunked WY form with per-key decays). The decays only
 ever appear as exp(G_t - G_s) for s <= t inside a chunk (never exp(-G)), so no factor can overflow.
-CUDA -> our Triton kernel for decode tokens (state updated by slot in place, CUDA-graph capturable);
-prefill sequences take the chunked reference (FLA's chunk_kda is not wired yet).
+CUDA -> our Triton kernel for decode tokens (state updated by slot in place, CUDA-graph capturable)
+and FLA's varlen `chunk_kda` for prefill sequences in bf16/fp16 (float32 takes the chunked reference:
+FLA would compute it in tf32).
 """
 from __future__ import annotations
 
@@ -30,17 +31,41 @@ def kda_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     Value head hv uses key head hv // (HV // H). Sequence b starts from ssm_pool[slots[b]] if
     has_state[b] else zeros; its final state goes back there. Returns [N, HV, V] in v's dtype."""
     nd = num_decodes
-    if q.device.type != "cuda" or not nd:
+    if q.device.type != "cuda":
         return kda_rule_ref(q, k, v, g, beta, ssm_pool, slots, has_state, cu_seqlens, scale=scale,
                             num_decodes=nd, seq_lens_cpu=seq_lens_cpu)
     o = torch.empty_like(v)
-    kda_decode_triton(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm_pool, slots[:nd], has_state[:nd], scale=scale,
-                      out=o[:nd])
+    if nd:
+        kda_decode_triton(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm_pool, slots[:nd], has_state[:nd],
+                          scale=scale, out=o[:nd])
     if len(seq_lens_cpu) > nd:
-        o[nd:] = kda_rule_ref(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], ssm_pool, slots[nd:], has_state[nd:],
-                              cu_seqlens[nd:] - cu_seqlens[nd], scale=scale, num_decodes=0,
-                              seq_lens_cpu=seq_lens_cpu[nd:])
+        prefill = _prefill_fla if v.dtype != torch.float32 else _prefill_ref
+        o[nd:] = prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], ssm_pool, slots[nd:], has_state[nd:],
+                         cu_seqlens[nd:], scale=scale, seq_lens=seq_lens_cpu[nd:])
     return o
+
+
+def _prefill_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, cu_seqlens: torch.Tensor, *,
+                 scale: float, seq_lens: tuple[int, ...]) -> torch.Tensor:
+    return kda_rule_ref(q, k, v, g, beta, ssm_pool, slots, has_state, cu_seqlens, scale=scale, num_decodes=0,
+                        seq_lens_cpu=seq_lens)
+
+
+def _prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, cu_seqlens: torch.Tensor, *,
+                 scale: float, seq_lens: tuple[int, ...]) -> torch.Tensor:
+    """FLA's varlen KDA chunk kernel (B = 1, key heads expanded to the value heads, the gate already in
+    log space); states are gathered from and scattered to the slab."""
+    from fla.ops.kda import chunk_kda
+
+    hv = v.shape[1]
+    cu = (cu_seqlens - cu_seqlens[0]).long()  # prefill tokens start at 0 in the sliced tensors
+    o, final = chunk_kda(expand_key_heads(q, hv)[None], expand_key_heads(k, hv)[None], v[None], g[None].float(),
+                         beta[None], scale=scale, initial_state=initial_states(ssm_pool, slots, has_state),
+                         output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=cu)
+    ssm_pool.index_copy_(0, slots, final.float())
+    return o[0]
 
 
 # ----------------------------------------------------------------------------- torch reference
@@ -48,7 +73,7 @@ def kda_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
 def kda_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, cu_seqlens: torch.Tensor, *,
                  scale: float, num_decodes: int, seq_lens_cpu: tuple[int, ...]) -> torch.Tensor:
-    """Same contract as `kda_rule`, in pure torch with float32 math."""
+    """Same contract as `kda_rule` (cu_seqlens unused: spans follow seq_lens_cpu), pure torch, float32 math."""
     hv, out_dtype = v.shape[1], v.dtype
     q, k = expand_key_heads(q.float(), hv), expand_key_heads(k.float(), hv)
     v, g, beta = v.float(), g.float(), beta.float()
