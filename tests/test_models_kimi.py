@@ -159,3 +159,19 @@ def test_unsupported_variants_fail_at_load_naming_the_field(change: dict, field:
     (tmp_path / "config.json").write_text(json.dumps({**saved_config(), **change}))
     with pytest.raises(UnsupportedModelError, match=field):
         load_model(str(tmp_path), device=CPU, dtype=torch.float32)
+
+
+def test_random_weights_are_transformers_compatible_and_load_without_a_second_copy(tmp_path) -> None:
+    """random_state_dict's Kimi names and shapes are transformers' in-memory ones (strict load), the
+    logits agree, and the loaded experts are the very tensors given (the 48B benchmark's memory)."""
+    from hypic.models.random_weights import random_state_dict
+
+    hf = kimi_models.make(q_lora_rank=12)
+    save_checkpoint(hf, tmp_path)
+    weights = random_state_dict(KimiLinearConfig.from_dict(json.loads((tmp_path / "config.json").read_text())),
+                                device=CPU, dtype=torch.float32, seed=3, std=0.1)
+    hf.load_state_dict(weights, strict=True)
+    model = load_model(str(tmp_path), device=CPU, dtype=torch.float32, state_dict=weights)
+    assert model.layers[1].mlp.experts_gate_up.data_ptr() == weights["model.layers.1.mlp.experts.gate_up_proj"].data_ptr()
+    builder, ids = BatchBuilder(model.config), random_ids(20, seed=10)
+    assert rel_err(run(model, builder, [(builder.new_seq(slot=0), ids)]), hf_logits(hf, ids)) < 1e-4
