@@ -38,8 +38,8 @@ H200_HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak bandwidth (NVIDIA's figure)
 SHAPES = ("qwen3_5_moe", "qwen3_5", "qwen3_next", "nemotron3_nano", "granite4_h_small", "kimi_linear_48b")
 
 # Released configs' fields, built through transformers' config classes (their defaults fill the rest).
-# Nemotron 3 Nano 30B-A3B as issue 24 gives it; Granite-4.0-H-Small from its config.json (4 attention layers of 40; its Mamba2 heads
-# 128 x 64 and one group are transformers' defaults, taken as the release's).
+# Nemotron 3 Nano 30B-A3B as issue 24 gives it; Granite-4.0-H-Small from its config.json (4 attention
+# layers of 40; its Mamba2 heads 128 x 64 and one group are transformers' defaults, taken as the release's).
 HF_SHAPES = {
     "nemotron3_nano": ("NemotronHConfig", "NemotronHForCausalLM", dict(
         vocab_size=131072, hidden_size=2688, hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
