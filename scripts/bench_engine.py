@@ -5,19 +5,15 @@ naming) of a released shape (default: the Qwen3.5-35B-A3B text model; nemotron3_
 Nano 30B-A3B, granite4_h_small Granite-4.0-H-Small, kimi_linear_48b Kimi-Linear-48B-A3B: ~96 GB of
 weights, so --skip-transformers). Prints a table and writes JSON under bench/results/.
 
-    python scripts/bench_engine.py --out bench/results/engine_h200.json
-    python scripts/bench_engine.py --shape nemotron3_nano --skip-transformers \
-        --out bench/results/engine_h200_nemotron3_nano.json
+    python scripts/bench_engine.py
+    python scripts/bench_engine.py --shape nemotron3_nano --skip-transformers
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +28,7 @@ from hypic.models.kimi_config import KIMI_MODEL_TYPES, KimiLinearConfig
 from hypic.models.mamba2_config import MAMBA2_MODEL_TYPES, Mamba2HybridConfig
 from hypic.models.random_weights import random_state_dict
 from hypic.models.registry import architecture
+from results import device_label, result_path, run_record
 
 H200_BF16_FLOPS = 790e12  # measured dense bf16 matmul rate on this workplace's H200 (KINDS.md)
 H200_HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak bandwidth (NVIDIA's figure)
@@ -64,13 +61,6 @@ HF_SHAPES = {
                             "short_conv_kernel_size": 4,
                             "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)]})),
 }
-
-
-def provenance() -> dict:
-    """What every result records: when, at which commit (empty outside a git checkout), by which command."""
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": commit,
-            "command": " ".join(["python", *sys.argv])}
 
 
 def shape_config(name: str, max_len: int) -> dict:
@@ -314,13 +304,15 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's top kernels of hypic")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for hypic's decode")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/engine_h200.json"))
+    parser.add_argument("--out", type=Path, help="default: bench/results/engine_<device>_<shape>.json")
     args = parser.parse_args()
+    args.out = args.out or result_path("engine", device_label(torch.cuda.get_device_name()), args.shape)
     config = shape_config(args.shape, max(max(args.lengths) + 64, 32768))
     args.config = config
     weights = random_weights(config, args.seed)
     path = model_dir(config)
-    result = {**provenance(), "device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
+    result = {**run_record(),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
               "params_b": sum(w.numel() for w in weights.values()) / 1e9, "chunk": args.chunk,
               "cuda_graphs": not args.enforce_eager,
               "hypic": bench_hypic(path, weights, args)}

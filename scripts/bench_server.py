@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import math
 import re
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+from results import device_label, result_path, run_record
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = ("qwen3_5_moe", "qwen3_5", "qwen3_next")
@@ -149,6 +149,17 @@ def serve_shape(args: argparse.Namespace) -> int:
     return run(engine, ServerSettings(served_model_name=args.serve_shape), "127.0.0.1", args.port)
 
 
+def device_of(startup: str | None) -> str:
+    """The result's device label, from the started server's line ("... on cuda: ..."; it runs on this machine)."""
+    found = re.search(r" on (\S+):", startup or "")
+    if found is None:
+        return "remote"
+    if found.group(1).startswith("cuda"):
+        import torch
+        return device_label(torch.cuda.get_device_name())
+    return "cpu"
+
+
 def main() -> int:
     args = parse_args()
     if args.serve_shape:
@@ -162,10 +173,8 @@ def main() -> int:
             process.wait(timeout=120)
     result = {"benchmark": "server_chat", "model": model, "startup_line": startup, "requests": args.requests,
               "concurrency": args.concurrency, "max_tokens": args.max_tokens, **summary(samples, wall_s),
-              "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    device = re.search(r" on (\S+):", startup or "")
-    label = device.group(1).replace(":", "") if device else "remote"
-    out = args.out or ROOT / "bench" / "results" / f"server_{label}_{model}.json"
+              **run_record()}
+    out = args.out or result_path("server", device_of(startup), model)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

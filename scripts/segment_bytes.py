@@ -11,10 +11,11 @@ import json
 from pathlib import Path
 
 import torch
-from bench_engine import SHAPES, parsed_config, provenance, shape_config
+from bench_engine import SHAPES, parsed_config, shape_config
 
 from hypic.cache.segment_store import SegmentLayout
 from hypic.models.registry import architecture
+from results import result_path, run_record
 
 
 def segment_bytes(shape: str, tokens: int, dtype: torch.dtype) -> dict:
@@ -34,17 +35,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
     parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out-dir", type=Path, help="default: bench/results")
     args = parser.parse_args()
     for shape in args.shapes:
-        result = {**provenance(), **segment_bytes(shape, args.tokens, torch.bfloat16)}
+        result = {**run_record(), **segment_bytes(shape, args.tokens, torch.bfloat16)}
         b = result["bytes"]
         print(f"{shape:>18}: {b['total'] / 1e6:6.1f} MB per {args.tokens}-token segment (T {b['T'] / 1e6:.2f}, "
               f"S0 {b['S0'] / 1e6:.1f}, conv {b['conv_tails'] / 1e6:.2f}, KV {b['KV'] / 1e6:.1f} MB; "
               f"{result['linear_layers']} linear + {result['full_layers']} attention layers, "
               f"{result['params_b']:.1f} B params)")
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        (args.out_dir / f"segment_bytes_cpu_{shape}_{args.tokens}.json").write_text(json.dumps(result, indent=2))
+        out = result_path("segment_bytes", "cpu", f"{shape}_{args.tokens}")
+        out = args.out_dir / out.name if args.out_dir else out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -95,3 +95,4 @@ def test_scattered_interior_kv_equals_full_recompute(kind: str, overrides: dict,
     full = _state_after_prefill(pic_config(model_dir, cache_mode="none"), p, 0, warm_first=False)
     warm = _state_after_prefill(pic_config(model_dir), p, 0, warm_first=True)
     assert _rel(warm["k"], full["k"]) <= 1e-5 and _rel(warm["v"], full["v"]) <= 1e-5
+

@@ -22,6 +22,7 @@ from hypic.engine.request_state import Completion, RequestState
 from hypic.engine.runner import ModelRunner, RunnerSettings
 from hypic.engine.sampler import Sampler, SamplingRow, make_generator, validate_for_vocab
 from hypic.engine.scheduler import ScheduledBatch, ScheduledChunk, Scheduler, SchedulerLimits
+from hypic.engine.structured import StructuredDecoding
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.sequence import RequestInfo, Sequence
 from hypic.engine.setup import (cache_budget_bytes, resolve_device, resolve_dtype, resolve_model_dir,
@@ -70,6 +71,8 @@ class LLMEngine:
         self._build_caches(self.plan, pool_bytes)
         self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.token_text, seed=config.seed)
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self.structured = StructuredDecoding((self.model_dir / "tokenizer.json").read_text(encoding="utf-8"),
+                                             self.tokenizer.vocab_size, self.eos_ids)
         self.requests: dict[str, RequestState] = {}
         self.finished_segments: list[tuple[SegmentKey, bool]] = []
         self.last_step_ran = True  # False when the last step found nothing it could schedule
@@ -87,6 +90,7 @@ class LLMEngine:
         info = self._request_info(prompt, params, request_id, cache_salt, cache_mode)
         state = RequestState(info)
         self.requests[request_id] = state
+        self.structured.add(request_id, params.structured)
         seq = Sequence(info, 0)
         self._new_completion(state, seq)
         planned = self.pic.plan(prompt, info.cache_mode, cache_salt)
@@ -126,6 +130,7 @@ class LLMEngine:
         if state is None:
             return None
         deltas = [self._finish(c, "abort") for c in state.completions.values() if not c.seq.finished]
+        self.structured.release(request_id)
         self.counters["aborted"] += 1
         return state.output([d for d in deltas if d is not None])
 
@@ -140,6 +145,7 @@ class LLMEngine:
         if not batch.chunks:
             return []
         self.pic.scatter(batch)
+        masks = self.structured.fill(batch)  # beside the forward
         logits, capture = self.runner.execute(batch)
         self.scheduler.after_step(batch)
         self.finished_segments = []  # (key, stored) of the cold segments this step finished
@@ -149,8 +155,9 @@ class LLMEngine:
         rows = self._sampling_rows(batch)
         deltas: dict[str, list[CompletionDelta]] = {}
         if rows:
-            picked = self.sampler.sample(logits[host_to_device([i for i, _ in rows], torch.long, logits.device)],
-                                         [self._sampling_row(c) for _, c in rows])
+            index = [i for i, _ in rows]
+            picked = self.sampler.sample(logits[host_to_device(index, torch.long, logits.device)],
+                                         [self._sampling_row(c) for _, c in rows], masks and masks.rows(index))
             for (_, completion), token, logprob in zip(rows, picked.token_ids, picked.logprobs):
                 self._take_token(completion, token, logprob, deltas)
         for chunk in batch.chunks:
@@ -185,8 +192,9 @@ class LLMEngine:
         self.requests[seq.info.request_id].mark_first_token()
         seq.append(token)
         self.counters["generated"] += 1
+        grammar_done = self.structured.advance(seq, token)
         stopped_by_text = completion.add_token(token, logprob)
-        reason = self._finish_reason(seq, token, stopped_by_text)
+        reason = self._finish_reason(seq, token, stopped_by_text or grammar_done)
         delta = completion.delta(None) if reason is None else self._finish(completion, reason)
         self._collect(deltas, seq, delta)
 
@@ -214,6 +222,7 @@ class LLMEngine:
 
     def _retire(self, request_id: str) -> None:
         state = self.requests.pop(request_id)
+        self.structured.release(request_id)
         self.counters["finished"] += 1
         self.counters["cached"] += state.info.cached_tokens
 

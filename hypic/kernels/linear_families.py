@@ -121,6 +121,21 @@ class LinearFamily(ABC):
             o[rows], pool[slots[b]] = self.run(state, x.q[rows], x.k[rows], x.v[rows], x.g[rows], beta, scale=scale)
         return o
 
+    def _kernel(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, pool: Tensor,
+                cu_seqlens: Tensor, seq_lens: tuple[int, ...], scale: float) -> Tensor:
+        """Sequence b of the varlen batch runs from pool[b] through `recur_spans` and leaves its end state there."""
+        return self.recur_spans(Operands(q, k, v, g.float(), beta), pool,
+                                pool_spans(pool.shape[0], cu_seqlens.to(pool.device, torch.int32), seq_lens),
+                                scale=scale)
+
+    def _kernel_final_states(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor,
+                             cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> Tensor:
+        """`final_states` by a family's varlen kernel (one launch set per call, not a loop over spans and
+        chunks), from float32 copies of `initial`."""
+        pool = initial.to(torch.float32, copy=True).contiguous()
+        self._kernel(k, k, v, g, beta, pool, cu_seqlens, seq_lens, 1.0)
+        return pool
+
     def final_states(self, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor | None, initial: torch.Tensor,
                      cu_seqlens: torch.Tensor, seq_lens: tuple[int, ...]) -> torch.Tensor:
@@ -198,6 +213,8 @@ class ScalarFamily(LinearFamily):
 
     def final_states(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor,
                      cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> Tensor:
+        if initial.dtype != torch.float64:  # tuple capture: the varlen kernel, not this chunk loop
+            return self._kernel_final_states(k, v, g, beta, initial, cu_seqlens, seq_lens)
         ends = []
         for b, (start, end) in enumerate(_spans(seq_lens)):
             _, k_b, v_b, g_b, state = self._operands(initial[b], None, k[start:end], v[start:end], g[start:end])
@@ -280,16 +297,7 @@ class DenseFamily(LinearFamily):
                      cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> Tensor:
         if initial.dtype == torch.float64:
             return super().final_states(k, v, g, beta, initial, cu_seqlens, seq_lens)
-        pool = initial.to(torch.float32, copy=True).contiguous()
-        self._kernel(k, k, v, g, beta, pool, cu_seqlens, seq_lens, 1.0)
-        return pool
-
-    def _kernel(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, cu_seqlens: Tensor,
-                seq_lens: tuple[int, ...], scale: float) -> Tensor:
-        """Sequence b of the varlen batch runs from pool[b] and leaves its end state there."""
-        return self.recur_spans(Operands(q, k, v, g.float(), beta), pool,
-                                pool_spans(pool.shape[0], cu_seqlens.to(pool.device, torch.int32), seq_lens),
-                                scale=scale)
+        return self._kernel_final_states(k, v, g, beta, initial, cu_seqlens, seq_lens)
 
     @staticmethod
     def _delta_write(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

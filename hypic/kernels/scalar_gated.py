@@ -88,6 +88,8 @@ def chunked_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     Inside a chunk with cumulative log-decay G, o_t = sum_{s<=t} exp(G_t - G_s) (q_t.k_s) v_s plus
     exp(G_t) S_in^T q_t; the state leaves as exp(G_end) S_in + sum_s exp(G_end - G_s) k_s v_s^T."""
     length = q.shape[0]
+    if not length:  # an empty span leaves its state as it is
+        return v.new_zeros(v.shape), state
     q, k, v, g = (to_chunks(t, length, CHUNK) for t in (q * scale, k, v, g))  # [HV, n, C, ...]
     cum = g.cumsum(-1)
     causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=g.device).tril()
