@@ -51,11 +51,12 @@ def tmp_root(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("kimi"))
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_logits_match_transformers(case: str, tmp_root: str) -> None:
+@pytest.mark.parametrize("case,length", [(case, 75) for case in CASES] + [("mla-first", 150)])
+def test_logits_match_transformers(case: str, length: int, tmp_root: str) -> None:
+    """75 tokens: two chunks of the KDA reference, MLA in the latent form; 150: MLA expands."""
     model = loaded(case, tmp_root)
     builder = BatchBuilder(model.config)
-    ids = random_ids(75, seed=1)  # two chunks of the KDA reference
+    ids = random_ids(length, seed=1)
     assert rel_err(run(model, builder, [(builder.new_seq(slot=5), ids)]), hf_logits(hf_model(case), ids)) < 1e-4
 
 
@@ -108,6 +109,7 @@ def test_latent_attention_equals_expanded(case: str, tmp_root: str) -> None:
     absorbed = layer.attend_absorbed(q, pages, batch, slice(0, 1), slice(0, 30))
     expanded = layer.attend_expanded(q, pages, batch, 0, slice(0, 30))
     assert rel_err(absorbed, expanded) < 1e-5 and expanded.shape == (30, 4, 12)
+    assert 75 < layer.expand_from <= 150  # the logits tests' prompts take both forms
 
 
 def test_latent_pages_hold_rank_plus_rope_channels_a_token() -> None:

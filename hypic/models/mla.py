@@ -3,12 +3,14 @@ at all (NoPE; the decoupled "rope" key part is one unrotated row shared by the h
 without a LoRA, softmax scale (nope + rope)^-1/2.
 
 The pages hold the per-token latent [c | k_pe] (kv_lora_rank + rope channels, one row for all
-heads). Decode tokens attend in the latent space with the up-projections absorbed (q_nope through
-W_uk, the output through W_uv); prefill tokens expand their sequence's latents to per-head K/V.
+heads). Decode tokens and short chunks attend in the latent space with the up-projections absorbed
+(q_nope through W_uk, the output through W_uv); a long chunk expands its sequence's latents to per-head
+K/V once, which costs less when its queries outnumber `expand_from` (see `LatentAttention`).
 """
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 from torch import nn
@@ -44,6 +46,10 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS, offset=False)
         self.kv_b_proj = nn.Linear(self.rank, self.num_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, c.hidden_size, bias=c.attention_bias)
+        # n queries over L keys: expanding costs 2 L rank H (nope + v) + 2 n L H (qk + v) FLOPs, the
+        # latent form 2 n L H (2 rank + rope); expand from the n where the first is the smaller
+        saving = 2 * self.rank + self.rope - c.qk_head_dim - self.v_dim
+        self.expand_from = math.ceil(self.rank * (self.nope + self.v_dim) / saving) if saving > 0 else 1
 
     def queries(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H, nope + rope]."""
@@ -93,5 +99,9 @@ class LatentAttention(nn.Module):
             o[:nd] = self.attend_absorbed(q, k_cache, batch, slice(0, nd), slice(0, nd))
         starts = list(itertools.accumulate(batch.seq_lens_cpu, initial=0))
         for b in range(nd, len(batch.seq_lens_cpu)):
-            o[starts[b]:starts[b + 1]] = self.attend_expanded(q, k_cache, batch, b, slice(starts[b], starts[b + 1]))
+            rows = slice(starts[b], starts[b + 1])
+            if batch.seq_lens_cpu[b] >= self.expand_from:
+                o[rows] = self.attend_expanded(q, k_cache, batch, b, rows)
+            else:
+                o[rows] = self.attend_absorbed(q, k_cache, batch, slice(b, b + 1), rows)
         return self.o_proj(o.reshape(o.shape[0], -1))
