@@ -81,3 +81,22 @@ def test_triton_on_gpu_matches_float64_oracle(kv_lens, query_lens, dtype, bound)
     q, pages, table, lens, pos, qlens = make_case(kv_lens, query_lens, seed=3, dtype=dtype, device="cuda")
     o = mla_attention_triton(q, pages, table, lens, pos, cu_of(qlens).cuda(), scale=0.2, rank=RANK)
     assert rel_err(o.cpu(), oracle(q.cpu(), pages.cpu(), table.cpu(), lens.cpu(), pos.cpu(), qlens, 0.2)) <= bound
+
+
+@pytest.mark.parametrize("interpret", [False, pytest.param(True, marks=interpreted)])
+def test_scatter_of_latent_rows_into_shared_pages(interpret: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PIC's scatter with V at offset 0 (the latent row is K and V) into pages that are both caches:
+    each cached row lands unrotated (NoPE: no rotary channels) where the block table says."""
+    from hypic.kernels.scatter_kv import scatter_kv_ref, scatter_kv_triton
+
+    g = torch.Generator().manual_seed(11)
+    src = torch.randn(6 * (RANK + ROPE), generator=g)
+    pages = torch.zeros(4, BLOCK, 1, RANK + ROPE)
+    src_off = torch.arange(6) * (RANK + ROPE)
+    dst = torch.tensor([9, 2, 30, 31, 0, 17])
+    if interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    scatter = scatter_kv_triton if interpret else scatter_kv_ref
+    scatter(src, src_off, torch.arange(100, 106), pages, pages, dst, torch.empty(0), v_offset=0)
+    assert torch.equal(pages.view(-1, RANK + ROPE)[dst], src.view(6, -1))
+    assert int((pages.view(-1, RANK + ROPE).abs().sum(-1) > 0).sum()) == 6
