@@ -2,7 +2,8 @@
 
 Both run the same random bf16 weights (built on the GPU from a seed, in the checkpoint's own
 naming) of a released shape (default: the Qwen3.5-35B-A3B text model; nemotron3_nano is Nemotron 3
-Nano 30B-A3B, granite4_h_small Granite-4.0-H-Small). Prints a table and writes JSON under bench/results/.
+Nano 30B-A3B, granite4_h_small Granite-4.0-H-Small, kimi_linear_48b Kimi-Linear-48B-A3B: ~96 GB of
+weights, so --skip-transformers). Prints a table and writes JSON under bench/results/.
 
     python scripts/bench_engine.py
     python scripts/bench_engine.py --shape nemotron3_nano --skip-transformers
@@ -23,6 +24,7 @@ from hypic import EngineConfig, SamplingParams
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.setup import BUNDLED_MODEL
+from hypic.models.kimi_config import KIMI_MODEL_TYPES, KimiLinearConfig
 from hypic.models.mamba2_config import MAMBA2_MODEL_TYPES, Mamba2HybridConfig
 from hypic.models.random_weights import random_state_dict
 from hypic.models.registry import architecture
@@ -30,12 +32,12 @@ from results import device_label, result_path, run_record
 
 H200_BF16_FLOPS = 790e12  # measured dense bf16 matmul rate on this workplace's H200 (KINDS.md)
 H200_HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak bandwidth (NVIDIA's figure)
-SHAPES = ("qwen3_5_moe", "qwen3_5", "qwen3_next", "nemotron3_nano", "granite4_h_small")
+SHAPES = ("qwen3_5_moe", "qwen3_5", "qwen3_next", "nemotron3_nano", "granite4_h_small", "kimi_linear_48b")
 
-# Released configs' fields (transformers' defaults fill the rest). Nemotron 3 Nano 30B-A3B as issue 24
-# gives it; Granite-4.0-H-Small from its config.json (4 attention layers of 40; its Mamba2 heads
-# 128 x 64 and one group are transformers' defaults, taken as the release's).
-MAMBA2_SHAPES = {
+# Released configs' fields, built through transformers' config classes (their defaults fill the rest).
+# Nemotron 3 Nano 30B-A3B as issue 24 gives it; Granite-4.0-H-Small from its config.json (4 attention
+# layers of 40; its Mamba2 heads 128 x 64 and one group are transformers' defaults, taken as the release's).
+HF_SHAPES = {
     "nemotron3_nano": ("NemotronHConfig", "NemotronHForCausalLM", dict(
         vocab_size=131072, hidden_size=2688, hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
         num_attention_heads=32, num_key_value_heads=2, head_dim=128, mamba_num_heads=64, mamba_head_dim=64,
@@ -49,13 +51,22 @@ MAMBA2_SHAPES = {
         num_experts_per_tok=10, intermediate_size=768, shared_intermediate_size=1536, mamba_n_heads=128,
         mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
         tie_word_embeddings=True)),
+    # Kimi-Linear-48B-A3B as issue 27 gives it: MLA at 1-based layers 4, 8, ..., 24, 27, KDA elsewhere
+    "kimi_linear_48b": ("KimiLinearConfig", "KimiLinearForCausalLM", dict(
+        vocab_size=163840, hidden_size=2304, num_hidden_layers=27, num_attention_heads=32, num_key_value_heads=32,
+        kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        num_local_experts=256, num_experts_per_tok=8, moe_intermediate_size=1024, n_shared_experts=1,
+        intermediate_size=9216, first_k_dense_replace=1, routed_scaling_factor=2.446, n_group=1, topk_group=1,
+        linear_attn_config={"full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "head_dim": 128, "num_heads": 32,
+                            "short_conv_kernel_size": 4,
+                            "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)]})),
 }
 
 
 def shape_config(name: str, max_len: int) -> dict:
     import transformers as tf
-    if name in MAMBA2_SHAPES:
-        config_cls, arch, fields = MAMBA2_SHAPES[name]
+    if name in HF_SHAPES:
+        config_cls, arch, fields = HF_SHAPES[name]
         config = getattr(tf, config_cls)(max_position_embeddings=max_len, **fields).to_dict()
         config["architectures"] = [arch]
         return config
@@ -89,6 +100,8 @@ def flops_per_token(c: dict, context: int) -> float:
     """Matmul FLOPs of one prefill token (active parameters) plus attention over `context / 2` keys."""
     if c["model_type"] in MAMBA2_MODEL_TYPES:
         return mamba2_flops_per_token(parsed_config(c), context)
+    if c["model_type"] in KIMI_MODEL_TYPES:
+        return kimi_flops_per_token(parsed_config(c), context)
     h, layers = c["hidden_size"], c["layer_types"]
     attn_proj = h * c["num_attention_heads"] * c["head_dim"] * 3 + 2 * h * c["num_key_value_heads"] * c["head_dim"]
     k, v = c["linear_num_key_heads"] * c["linear_key_head_dim"], c["linear_num_value_heads"] * c["linear_value_head_dim"]
@@ -118,6 +131,22 @@ def mamba2_flops_per_token(c: Mamba2HybridConfig, context: int) -> float:
         "mlp": 2 * mlp_mats * h * c.intermediate_size,
         "moe": 2 * mlp_mats * h * (c.moe_intermediate_size * c.num_experts_per_tok + shared) + 2 * h * c.num_experts}
     return float(sum(per_block[b] for b in c.blocks))
+
+
+def kimi_flops_per_token(c: KimiLinearConfig, context: int) -> float:
+    """Per layer: KDA projections (q, k, v, b, the low-rank gates, o) and the delta rule (~6 H K V), or
+    MLA projections and scores over `context / 2` latent keys as prefill expands them; the dense MLP
+    or the active and shared experts and the router."""
+    h, heads = c.hidden_size, c.num_attention_heads
+    qkv = c.linear_num_heads * c.linear_head_dim
+    kda = 2 * h * (3 * qkv + c.linear_num_heads + 2 * c.linear_head_dim) + 2 * 2 * c.linear_head_dim * qkv \
+        + 2 * qkv * h + 6 * c.linear_num_heads * c.linear_head_dim ** 2
+    kv_up = heads * (c.qk_nope_head_dim + c.v_head_dim)
+    mla = 2 * h * (heads * c.qk_head_dim + c.latent_dim) + 2 * c.kv_lora_rank * kv_up + 2 * heads * c.v_head_dim * h \
+        + 2 * heads * (c.qk_head_dim + c.v_head_dim) * context / 2
+    moe = 2 * 3 * h * c.moe_intermediate_size * (c.num_experts_per_tok + c.num_shared_experts) + 2 * h * c.num_experts
+    return float(sum((kda if t == "linear_attention" else mla) + (moe if i in c.moe_layers else 6 * h * c.intermediate_size)
+                     for i, t in enumerate(c.layer_types)))
 
 
 def decode_floor(weights: dict, config: dict, batch: int, state_bytes: int, kv_bytes: int) -> float:

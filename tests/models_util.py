@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 from hypic.cache.model_caches import ModelCaches
 from hypic.models.batch import ForwardBatch
 from hypic.models.config import HybridConfig
+from hypic.models.kimi_config import KimiLinearConfig
 from hypic.models.mamba2_config import Mamba2HybridConfig
-from hypic.models.mamba2_hybrid import Mamba2HybridModel
-from hypic.models.qwen3_next import HybridModel
+from hypic.models.registry import MODEL_REGISTRY
 
 TOKENIZER_VOCAB = 300  # ids the tests feed; the model's vocab_size (320) is padded past it
 
@@ -137,10 +137,10 @@ class BatchBuilder:
     """Caches for one model plus a trivial page allocator. Slots and pages start full of junk so that a
     fresh sequence (has_state False) that read them would show."""
 
-    def __init__(self, config: HybridConfig | Mamba2HybridConfig, *, block_size: int = 4, num_blocks: int = 96, num_slots: int = 8,
+    def __init__(self, config: HybridConfig | Mamba2HybridConfig | KimiLinearConfig, *, block_size: int = 4, num_blocks: int = 96, num_slots: int = 8,
                  dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu")) -> None:
         self.block_size, self.device = block_size, device
-        model_cls = Mamba2HybridModel if isinstance(config, Mamba2HybridConfig) else HybridModel
+        model_cls = MODEL_REGISTRY[config.model_type].model_cls
         with torch.device("meta"):
             shape = model_cls(config).cache_shape()
         self.caches = ModelCaches(shape, num_blocks, block_size, num_slots, dtype, device)

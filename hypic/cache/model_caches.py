@@ -40,6 +40,7 @@ class CacheShape:
     num_kv_heads: int
     head_dim: int
     linear: tuple[LinearShape, ...]  # per linear layer, in the order of linear_layers
+    shared_kv: bool = False  # one page tensor is both K and V (MLA: the latent row, num_kv_heads 1)
 
     def __post_init__(self) -> None:
         if len(self.linear) != len(self.linear_layers):
@@ -54,8 +55,13 @@ class CacheShape:
         return self.linear[0].conv_kernel if self.linear else 1
 
     def page_bytes(self, block_size: int, dtype: torch.dtype) -> int:
-        per_token = 2 * self.num_kv_heads * self.head_dim * dtype.itemsize
+        per_token = self.kv_tensors * self.num_kv_heads * self.head_dim * dtype.itemsize
         return len(self.full_layers) * block_size * per_token
+
+    @property
+    def kv_tensors(self) -> int:
+        """Page tensors per full layer: K and V, or the one latent."""
+        return 1 if self.shared_kv else 2
 
     def slot_bytes(self, dtype: torch.dtype) -> int:
         return sum(math.prod(s.state_shape) * 4 + math.prod(s.conv_state_shape) * dtype.itemsize
@@ -63,7 +69,7 @@ class CacheShape:
 
 
 class ModelCaches:
-    """KV pages [num_blocks, block_size, Hkv, D] per full layer; float32 state
+    """KV pages [num_blocks, block_size, Hkv, D] per full layer (one tensor for K and V when shared); float32 state
     [num_slots, HV, K, V] and conv window [num_slots, conv_dim, W-1] per linear layer (its own shapes)."""
 
     def __init__(self, shape: CacheShape, num_blocks: int, block_size: int, num_slots: int,
@@ -71,8 +77,7 @@ class ModelCaches:
         self.shape, self.num_blocks, self.block_size, self.num_slots = shape, num_blocks, block_size, num_slots
         self.kv_device = torch.device(device)
         kv_dims = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
-        self._kv = {i: (torch.zeros(kv_dims, dtype=dtype, device=device),
-                        torch.zeros(kv_dims, dtype=dtype, device=device)) for i in shape.full_layers}
+        self._kv = {i: _pages(kv_dims, shape.shared_kv, dtype, device) for i in shape.full_layers}
         self._state = {i: (torch.zeros(num_slots, *s.state_shape, dtype=torch.float32, device=device),
                            torch.zeros(num_slots, *s.conv_state_shape, dtype=dtype, device=device))
                        for i, s in zip(shape.linear_layers, shape.linear)}
@@ -89,7 +94,14 @@ class ModelCaches:
         _copy_rows([pool for pools in self._state.values() for pool in pools], src, dst)
 
     def copy_block(self, src: int, dst: int) -> None:
-        _copy_rows([cache for caches in self._kv.values() for cache in caches], src, dst)
+        _copy_rows([cache for caches in self._kv.values() for cache in caches[:self.shape.kv_tensors]], src, dst)
+
+
+def _pages(dims: tuple[int, ...], shared: bool, dtype: torch.dtype,
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache) of one full layer; shared: the same tensor twice."""
+    k_cache = torch.zeros(dims, dtype=dtype, device=device)
+    return (k_cache, k_cache) if shared else (k_cache, torch.zeros(dims, dtype=dtype, device=device))
 
 
 def _copy_rows(tensors: list[torch.Tensor], src: int, dst: int) -> None:

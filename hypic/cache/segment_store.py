@@ -5,7 +5,8 @@ An entry is one PIC segment's tuple, stored contiguously at a 256-byte aligned o
     [T block    : n_lin x [HV, *t_shape]      t_dtype (float32 for log-gate families, else state dtype)]
     [S0 block   : n_lin x [HV, K, V]          state dtype (float32 or bfloat16)]
     [conv block : n_lin x [conv_dim, W - 1]   model dtype]
-    [KV block   : L_int x n_full x 2 x [Hkv, D]  model dtype; K (before RoPE) then V per token/layer]
+    [KV block   : L_int x n_full x kv x [Hkv, D]  model dtype; K (before RoPE) then V per token/layer,
+                                                   or kv = 1: the one latent row (MLA) that is both]
 
 each block 256-byte aligned. Kernels read entries in place through flat views of the arena
 (`t_src`, `s0_src`, `model_src`) and element offsets (`SegmentEntry.t_offset`, ...). Entries are
@@ -79,6 +80,7 @@ class SegmentLayout:
     head_dim: int
     state_dtype: torch.dtype  # dense T and S0
     model_dtype: torch.dtype  # conv tails and KV
+    kv_tensors: int = 2  # K and V per token and full layer, or 1 (MLA: the latent is both)
 
     def __post_init__(self) -> None:
         if self.state_dtype not in STATE_DTYPES:
@@ -86,7 +88,8 @@ class SegmentLayout:
 
     @classmethod
     def from_cache_shape(cls, shape: CacheShape, state_dtype: torch.dtype, model_dtype: torch.dtype) -> SegmentLayout:
-        return cls(shape.linear, len(shape.full_layers), shape.num_kv_heads, shape.head_dim, state_dtype, model_dtype)
+        return cls(shape.linear, len(shape.full_layers), shape.num_kv_heads, shape.head_dim, state_dtype, model_dtype,
+                   shape.kv_tensors)
 
     @property
     def num_linear(self) -> int:
@@ -138,12 +141,17 @@ class SegmentLayout:
     @property
     def kv_token_stride(self) -> int:
         """Elements (model dtype) between consecutive tokens' K blocks of one layer."""
-        return self.num_full * 2 * self.kv_heads * self.head_dim
+        return self.num_full * self.kv_layer_stride
 
     @property
     def kv_layer_stride(self) -> int:
         """Elements (model dtype) between one token's K blocks of consecutive full layers."""
-        return 2 * self.kv_heads * self.head_dim
+        return self.kv_tensors * self.kv_heads * self.head_dim
+
+    @property
+    def v_offset(self) -> int:
+        """Elements from a token's K block to its V block (0: the same rows)."""
+        return (self.kv_tensors - 1) * self.kv_heads * self.head_dim
 
     def block_bytes(self, interior_len: int) -> tuple[int, int, int, int]:
         """Aligned bytes of the T, S0, conv and KV blocks of an entry."""
@@ -202,8 +210,9 @@ class SegmentEntry:
     def views(self) -> SegmentTuple:
         """The stored tuple as views into the arena (valid while the entry is pinned)."""
         lin, full = range(self.layout.num_linear), range(self.layout.num_full)
+        values = full if self.layout.kv_tensors == 2 else ()
         return SegmentTuple(self.interior, [self.T(i) for i in lin], [self.S0(i) for i in lin],
-                            [self.conv_tail(i) for i in lin], [self.K(j) for j in full], [self.V(j) for j in full])
+                            [self.conv_tail(i) for i in lin], [self.K(j) for j in full], [self.V(j) for j in values])
 
     def T(self, linear_index: int) -> torch.Tensor:
         return self._part(0, linear_index)
@@ -229,7 +238,7 @@ class SegmentEntry:
 
     def _kv(self) -> torch.Tensor:
         lay = self.layout
-        shape = (self.interior_len, lay.num_full, 2, lay.kv_heads, lay.head_dim)
+        shape = (self.interior_len, lay.num_full, lay.kv_tensors, lay.kv_heads, lay.head_dim)
         return _view(self.arena, self._block_starts[3], lay.model_dtype, shape)
 
     def K(self, full_index: int) -> torch.Tensor:
@@ -418,7 +427,7 @@ class SegmentStore:
         linear = range(lay.num_linear)
         expected = {"T": [lay.t_shape(i) for i in linear], "S0": [lay.s0_shape(i) for i in linear],
                     "conv_tail": [lay.conv_shape(i) for i in linear], "K": [kv_shape] * lay.num_full,
-                    "V": [kv_shape] * lay.num_full}
+                    "V": [kv_shape] * (lay.num_full if lay.kv_tensors == 2 else 0)}
         for name, shapes in expected.items():
             got = [tuple(p.shape) for p in getattr(tup, name)]
             if got != shapes:

@@ -16,6 +16,7 @@ class TupleMeta(msgspec.Struct, frozen=True, array_like=True):
     interior: tuple[int, int]
     num_linear: int
     num_full: int
+    num_values: int  # V tensors: num_full, or 0 where K is V (MLA latents)
 
 
 def key_ref(key: SegmentKey) -> KeyRef:
@@ -42,15 +43,16 @@ def tuple_tensors(tup: SegmentTuple) -> list[torch.Tensor]:
 
 
 def tuple_meta(tup: SegmentTuple) -> bytes:
-    return msgspec.msgpack.encode(TupleMeta(tuple(tup.interior), len(tup.T), len(tup.K)))
+    return msgspec.msgpack.encode(TupleMeta(tuple(tup.interior), len(tup.T), len(tup.K), len(tup.V)))
 
 
 def tuple_from(tensors: list[torch.Tensor], meta: bytes) -> SegmentTuple:
     info = msgspec.msgpack.decode(meta, type=TupleMeta)
     n_lin, n_full = info.num_linear, info.num_full
-    if len(tensors) != 3 * n_lin + 2 * n_full:
-        raise ValueError(f"a segment tuple of {n_lin} linear and {n_full} full layers has "
-                         f"{3 * n_lin + 2 * n_full} tensors, got {len(tensors)}")
+    expected = 3 * n_lin + n_full + info.num_values
+    if len(tensors) != expected:
+        raise ValueError(f"a segment tuple of {n_lin} linear and {n_full} full layers ({info.num_values} V) has "
+                         f"{expected} tensors, got {len(tensors)}")
     lin = [tensors[i * n_lin: (i + 1) * n_lin] for i in range(3)]
     full = tensors[3 * n_lin:]
     return SegmentTuple(info.interior, lin[0], lin[1], lin[2], full[:n_full], full[n_full:])
@@ -63,4 +65,4 @@ def tuple_specs(layout: SegmentLayout, interior_len: int) -> list[TensorSpec]:
 
     kv = spec(layout.model_dtype, (interior_len, layout.kv_heads, layout.head_dim))
     return ([spec(layout.block_dtype(block, i), layout.block_shape(block, i))
-             for block in range(3) for i in range(layout.num_linear)] + [kv] * (2 * layout.num_full))
+             for block in range(3) for i in range(layout.num_linear)] + [kv] * (layout.kv_tensors * layout.num_full))

@@ -30,6 +30,7 @@ from torch import Tensor
 from hypic.kernels.host_copy import host_to_device
 from hypic.errors import UnsupportedModelError
 from hypic.kernels.gdn import gated_delta_rule
+from hypic.kernels.kda_rule import kda_rule
 from hypic.kernels.scalar_gated import scalar_gated_rule
 from hypic.kernels.scatter_kv import apply_rope
 from hypic.kernels.varlen import Operands, StateSpans
@@ -280,6 +281,24 @@ class DenseFamily(LinearFamily):
     def as_matrix(self, T: Tensor, key_dim: int) -> Tensor:
         return T
 
+    # The family's chunked kernel (`recur_spans`: FLA on cuda, chunked torch reference on cpu) runs spans
+    # and tuple extraction; float64 keeps the token recurrence, the exact oracle (the kernel's state is float32).
+
+    def run(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, *,
+            scale: float) -> tuple[Tensor, Tensor]:
+        if state.dtype == torch.float64:
+            return self.recur(state, q, k, v, g, beta, scale=scale)
+        pool = state[None].to(torch.float32, copy=True)
+        cu_seqlens = host_to_device([0, v.shape[0]], torch.int32, pool.device)
+        o = self._kernel(q, k, v, g, beta, pool, cu_seqlens, (v.shape[0],), scale)
+        return o, pool[0]
+
+    def final_states(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor,
+                     cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> Tensor:
+        if initial.dtype == torch.float64:
+            return super().final_states(k, v, g, beta, initial, cu_seqlens, seq_lens)
+        return self._kernel_final_states(k, v, g, beta, initial, cu_seqlens, seq_lens)
+
     @staticmethod
     def _delta_write(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      beta: torch.Tensor) -> torch.Tensor:
@@ -304,24 +323,6 @@ class GatedDeltaFamily(DenseFamily):
     def token_T(self, k: Tensor, g: Tensor, beta: Tensor | None) -> Tensor:
         return g.exp()[:, None, None] * self._householder(k, beta)
 
-    # The chunked GDN kernel (FLA on cuda, chunked torch reference on cpu) runs spans and tuple
-    # extraction; float64 keeps the token recurrence, the exact oracle: the kernel's state is float32.
-
-    def run(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, *,
-            scale: float) -> tuple[Tensor, Tensor]:
-        if state.dtype == torch.float64:
-            return self.recur(state, q, k, v, g, beta, scale=scale)
-        pool = state[None].to(torch.float32, copy=True)
-        cu_seqlens = host_to_device([0, v.shape[0]], torch.int32, pool.device)
-        o = self._kernel(q, k, v, g, beta, pool, cu_seqlens, (v.shape[0],), scale)
-        return o, pool[0]
-
-    def final_states(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor,
-                     cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> Tensor:
-        if initial.dtype == torch.float64:
-            return super().final_states(k, v, g, beta, initial, cu_seqlens, seq_lens)
-        return self._kernel_final_states(k, v, g, beta, initial, cu_seqlens, seq_lens)
-
     def recur_spans(self, x: Operands, pool: Tensor, spans: StateSpans, *, scale: float) -> Tensor:
         return gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, pool, spans.slots, spans.has_state, spans.cu_seqlens,
                                 scale=scale, num_decodes=spans.num_decodes, seq_lens_cpu=spans.seq_lens)
@@ -337,6 +338,10 @@ class KimiDeltaFamily(DenseFamily):
 
     def token_T(self, k: Tensor, g: Tensor, beta: Tensor | None) -> Tensor:
         return self._householder(k, beta) * g.exp()[:, None, :]
+
+    def recur_spans(self, x: Operands, pool: Tensor, spans: StateSpans, *, scale: float) -> Tensor:
+        return kda_rule(x.q, x.k, x.v, x.g, x.beta, pool, spans.slots, spans.has_state, spans.cu_seqlens,
+                        scale=scale, num_decodes=spans.num_decodes, seq_lens_cpu=spans.seq_lens)
 
 
 FAMILIES: dict[str, LinearFamily] = {

@@ -46,10 +46,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return norm_triton(x, weight, eps, offset=offset, residual=residual, total=total), total
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x, gate: [N, heads, D] (gate may be a strided view); weight [D] multiplies, not an offset."""
-    if x.device.type != "cuda":
-        return gated_rms_norm_ref(x, gate, weight, eps)
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   activation: str = "silu") -> torch.Tensor:
+    """x, gate: [N, heads, D] (gate may be a strided view); weight [D] multiplies, not an offset.
+    activation "sigmoid" (KDA's output gate) runs in torch on every device."""
+    if x.device.type != "cuda" or activation != "silu":
+        return gated_rms_norm_ref(x, gate, weight, eps, activation)
     return norm_triton(x, weight, eps, offset=False, gate=gate)
 
 
@@ -86,10 +88,13 @@ def plain_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (weight * normed).to(x.dtype)
 
 
-def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                       activation: str = "silu") -> torch.Tensor:
     x32 = x.float()
-    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (weight * normed * F.silu(gate.float())).to(x.dtype)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if activation == "sigmoid":  # Kimi's norm stays float32 to the end (FLA's fused_rms_norm_gated)
+        return (weight.float() * normed * torch.sigmoid(gate.float())).to(x.dtype)
+    return (weight * normed.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
 
 
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

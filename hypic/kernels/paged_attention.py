@@ -67,7 +67,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         keys, values = (_gather_pages(cache, block_tables[b], kv_len) for cache in (k_cache, v_cache))
         for s in range(starts[b], starts[b + 1], REF_QUERY_CHUNK):
             e = min(s + REF_QUERY_CHUNK, starts[b + 1])
-            out[s:e] = _attend(q[s:e], keys, values, positions[s:e], scale)
+            out[s:e] = attend_ref(q[s:e], keys, values, positions[s:e], scale)
     return out
 
 
@@ -76,8 +76,10 @@ def _gather_pages(cache: torch.Tensor, block_table: torch.Tensor, kv_len: int) -
     return cache[pages].flatten(0, 1)[:kv_len]  # [kv_len, Hkv, D]
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-            scale: float) -> torch.Tensor:
+def attend_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """q [n, Hq, D] over one sequence's keys [L, Hkv, D] and values [L, Hkv, Dv], key j seen by the
+    query at position p when j <= p; float32 SDPA, [n, Hq, Dv] in q's dtype."""
     mask = torch.arange(keys.shape[0], device=q.device)[None, :] <= positions[:, None]
     heads_first = [t.float().transpose(0, 1)[None] for t in (q, keys, values)]
     o = F.scaled_dot_product_attention(*heads_first, attn_mask=mask, scale=scale, enable_gqa=True)

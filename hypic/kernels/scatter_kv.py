@@ -46,45 +46,53 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor)
 
 def scatter_kv(kv_src: torch.Tensor, src_off: torch.Tensor, positions: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, dst_slots: torch.Tensor,
-               inv_freq: torch.Tensor) -> None:
+               inv_freq: torch.Tensor, v_offset: int | None = None) -> None:
     """Write M cached tokens (K rotated to `positions`, V as is) into the paged caches in place.
-    kv_src: 1-D; src_off, positions, dst_slots: [M] int64; inv_freq: [rotary_dim // 2] float32."""
+    kv_src: 1-D; src_off, positions, dst_slots: [M] int64; inv_freq: [rotary_dim // 2] float32.
+    A token's V starts v_offset elements after its K (default: right after it; 0: V is K's rows, for
+    unrotated MLA latents whose k_cache and v_cache are one tensor)."""
     if kv_src.device.type == "cuda":
-        scatter_kv_triton(kv_src, src_off, positions, k_cache, v_cache, dst_slots, inv_freq)
+        scatter_kv_triton(kv_src, src_off, positions, k_cache, v_cache, dst_slots, inv_freq, v_offset)
     else:
-        scatter_kv_ref(kv_src, src_off, positions, k_cache, v_cache, dst_slots, inv_freq)
+        scatter_kv_ref(kv_src, src_off, positions, k_cache, v_cache, dst_slots, inv_freq, v_offset)
 
 
 def scatter_kv_ref(kv_src: torch.Tensor, src_off: torch.Tensor, positions: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, dst_slots: torch.Tensor,
-                   inv_freq: torch.Tensor) -> None:
+                   inv_freq: torch.Tensor, v_offset: int | None = None) -> None:
     """Torch reference of `scatter_kv`."""
     heads, head_dim = k_cache.shape[-2:]
-    row = heads * head_dim
-    rows = src_off[:, None] + torch.arange(2 * row, device=kv_src.device)
-    kv = kv_src[rows].view(-1, 2, heads, head_dim)
-    k = apply_rope(kv[:, 0], positions[:, None], inv_freq)
+    v_offset = _v_start(k_cache, v_offset)
+    row = torch.arange(heads * head_dim, device=kv_src.device)
+    k_rows, v_rows = (kv_src[src_off[:, None] + start + row].view(-1, heads, head_dim) for start in (0, v_offset))
+    v_cache.view(-1, heads, head_dim)[dst_slots] = v_rows.to(v_cache.dtype)
+    k = apply_rope(k_rows, positions[:, None], inv_freq)
     k_cache.view(-1, heads, head_dim)[dst_slots] = k.to(k_cache.dtype)
-    v_cache.view(-1, heads, head_dim)[dst_slots] = kv[:, 1].to(v_cache.dtype)
+
+
+def _v_start(k_cache: torch.Tensor, v_offset: int | None) -> int:
+    """Where a token's V starts after its K: given, or right after the K of all heads."""
+    return k_cache.shape[-2] * k_cache.shape[-1] if v_offset is None else v_offset
 
 
 # ----------------------------------------------------------------------------- Triton
 
 def scatter_kv_triton(kv_src: torch.Tensor, src_off: torch.Tensor, positions: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, dst_slots: torch.Tensor,
-                      inv_freq: torch.Tensor) -> None:
+                      inv_freq: torch.Tensor, v_offset: int | None = None) -> None:
     """Launch the Triton kernel (one program per token x kv head); same contract as `scatter_kv`."""
     heads, head_dim = k_cache.shape[-2:]
+    v_offset = _v_start(k_cache, v_offset)
     if src_off.numel() == 0:
         return
     half = inv_freq.numel()
     _scatter_kv_kernel[(src_off.numel(), heads)](
-        kv_src, src_off, positions, k_cache, v_cache, dst_slots, inv_freq.float().contiguous(),
+        kv_src, src_off, positions, k_cache, v_cache, dst_slots, inv_freq.float().contiguous(), v_offset,
         HKV=heads, D=head_dim, HALF=half, BH=max(2, next_power_of_2(half)), BD=next_power_of_2(head_dim))
 
 
 @triton_kernel
-def _scatter_kv_kernel(kv_src, src_off, positions, k_cache, v_cache, dst_slots, inv_freq,
+def _scatter_kv_kernel(kv_src, src_off, positions, k_cache, v_cache, dst_slots, inv_freq, v_offset,
                        HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                        BH: tl.constexpr, BD: tl.constexpr):
     i_m, i_h = tl.program_id(0), tl.program_id(1)
@@ -102,5 +110,5 @@ def _scatter_kv_kernel(kv_src, src_off, positions, k_cache, v_cache, dst_slots, 
     od = tl.arange(0, BD)
     rest = (od >= 2 * HALF) & (od < D)
     tl.store(k_cache + dst + od, tl.load(src + od, mask=rest).to(k_ty), mask=rest)
-    v_row = tl.load(src + HKV * D + od, mask=od < D)
+    v_row = tl.load(src + v_offset + od, mask=od < D)
     tl.store(v_cache + dst + od, v_row.to(v_cache.dtype.element_ty), mask=od < D)

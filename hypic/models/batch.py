@@ -103,12 +103,13 @@ class Capture:
     S0: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, HV, K, V]
     conv_tail: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, conv_dim, W-1]
     K: list[torch.Tensor] = field(default_factory=list)  # per full layer [R, Hkv, D] pre-RoPE
-    V: list[torch.Tensor] = field(default_factory=list)
+    V: list[torch.Tensor] = field(default_factory=list)  # empty when K is V (MLA latents)
 
-    def add_full(self, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
-        """A full layer's interior K (before RoPE) and V."""
+    def add_full(self, k_pre_rope: torch.Tensor, v: torch.Tensor | None) -> None:
+        """A full layer's interior K (before RoPE) and V; v None: the K rows are the values too."""
         self.K.append(k_pre_rope[self.rows])
-        self.V.append(v[self.rows])
+        if v is not None:
+            self.V.append(v[self.rows])
 
 
 @dataclass

@@ -28,15 +28,16 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """Norm-then-gate over the last dim: y = w * (x / rms(x)) * silu(gate). The weight is not an offset."""
+    """Norm-then-gate over the last dim: y = w * (x / rms(x)) * act(gate), act silu (Gated DeltaNet) or
+    sigmoid (KDA). The weight is not an offset."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, activation: str = "silu") -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.activation = eps, activation
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(x, gate, self.weight, self.eps)
+        return gated_rms_norm(x, gate, self.weight, self.eps, self.activation)
 
 
 class GroupedGatedRMSNorm(nn.Module):

@@ -1,7 +1,8 @@
 """Random checkpoint-named weights for a config, built on any device from a seed (benchmarks on real
 released shapes without downloading weights). Names and layout are those of a Qwen3.5 text-only save
-(prefix "model.", flat in_proj_qkv/z/b/a, fused 3-D experts) or, for a Mamba2 hybrid, of transformers'
-in-memory model (prefix "model.", fused experts); load them with load_model(state_dict=...)."""
+(prefix "model.", flat in_proj_qkv/z/b/a, fused 3-D experts) or, for a Mamba2 hybrid or Kimi-Linear, of
+transformers' in-memory model (prefix "model.", fused experts: the loader takes those tensors as they are,
+no second copy of the experts); load them with load_model(state_dict=...)."""
 from __future__ import annotations
 
 import math
@@ -9,18 +10,22 @@ import math
 import torch
 
 from hypic.models.config import HybridConfig
+from hypic.models.kimi_config import KimiLinearConfig
 from hypic.models.mamba2_config import Mamba2HybridConfig
 
 Shapes = dict[str, tuple[int, ...]]
 
 
-def random_state_dict(config: HybridConfig | Mamba2HybridConfig, *, device: torch.device, dtype: torch.dtype,
+def random_state_dict(config: HybridConfig | Mamba2HybridConfig | KimiLinearConfig, *, device: torch.device,
+                      dtype: torch.dtype,
                       seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
     """Linear weights ~ N(0, std); norms at their identity (Qwen's zero offsets, plain and gated-norm
     weights 1); A_log = log U(1, 16), dt_bias = 1, D = 1 as transformers initialises them."""
     gen = torch.Generator(device=device).manual_seed(seed)
     if isinstance(config, Mamba2HybridConfig):
         shapes, norm_identity = mamba2_checkpoint_shapes(config), 1.0
+    elif isinstance(config, KimiLinearConfig):
+        shapes, norm_identity = kimi_checkpoint_shapes(config), 1.0
     else:
         shapes, norm_identity = checkpoint_shapes(config), 0.0
     return {name: _init(name, shape, gen, device, dtype, std, norm_identity) for name, shape in shapes.items()}
@@ -143,6 +148,57 @@ def _mamba2_moe_shapes(c: Mamba2HybridConfig, p: str) -> Shapes:
 
 _MAMBA2_BLOCKS = {"mamba": _mamba2_mixer_shapes, "attention": _mamba2_attention_shapes, "mlp": _mamba2_mlp_shapes,
                   "moe": _mamba2_moe_shapes}
+
+
+def kimi_checkpoint_shapes(config: KimiLinearConfig) -> Shapes:
+    """transformers' in-memory names of Kimi-Linear (conv1d over [q|k|v], forget_gate.*, mlp.*, fused experts)."""
+    c = config
+    shapes: Shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (c.hidden_size,),
+                       p + "post_attention_layernorm.weight": (c.hidden_size,)})
+        mixer = _kda_shapes if c.layer_types[i] == "linear_attention" else _mla_shapes
+        shapes.update(mixer(c, p + "self_attn."))
+        shapes.update(_kimi_moe_shapes(c, p + "mlp.") if i in c.moe_layers else
+                      _mlp_shapes(c.hidden_size, c.intermediate_size, p + "mlp."))
+    return shapes
+
+
+def _kda_shapes(c: KimiLinearConfig, p: str) -> Shapes:
+    hidden, heads, dim = c.hidden_size, c.linear_num_heads, c.linear_head_dim
+    qkv = heads * dim
+    shapes = {p + f"{n}_proj.weight": (qkv, hidden) for n in "qkv"}
+    shapes.update({p + "conv1d.weight": (3 * qkv, 1, c.linear_conv_kernel_dim), p + "b_proj.weight": (heads, hidden),
+                   p + "forget_gate.f_a_proj.weight": (dim, hidden), p + "forget_gate.f_b_proj.weight": (qkv, dim),
+                   p + "forget_gate.A_log": (1, 1, heads, 1), p + "forget_gate.dt_bias": (qkv,),
+                   p + "g_a_proj.weight": (dim, hidden), p + "g_b_proj.weight": (qkv, dim),
+                   p + "o_norm.weight": (dim,), p + "o_proj.weight": (hidden, qkv)})
+    return shapes
+
+
+def _mla_shapes(c: KimiLinearConfig, p: str) -> Shapes:
+    hidden, heads = c.hidden_size, c.num_attention_heads
+    if c.q_lora_rank is None:
+        shapes = {p + "q_proj.weight": (heads * c.qk_head_dim, hidden)}
+    else:
+        shapes = {p + "q_a_proj.weight": (c.q_lora_rank, hidden), p + "q_a_layernorm.weight": (c.q_lora_rank,),
+                  p + "q_b_proj.weight": (heads * c.qk_head_dim, c.q_lora_rank)}
+    shapes.update({p + "kv_a_proj_with_mqa.weight": (c.latent_dim, hidden), p + "kv_a_layernorm.weight": (c.kv_lora_rank,),
+                   p + "kv_b_proj.weight": (heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+                   p + "o_proj.weight": (hidden, heads * c.v_head_dim)})
+    return shapes
+
+
+def _kimi_moe_shapes(c: KimiLinearConfig, p: str) -> Shapes:
+    hidden, inter, experts = c.hidden_size, c.moe_intermediate_size, c.num_experts
+    shapes = {p + "gate.weight": (experts, hidden), p + "gate.e_score_correction_bias": (experts,),
+              p + "experts.gate_up_proj": (experts, 2 * inter, hidden), p + "experts.down_proj": (experts, hidden, inter)}
+    if c.num_shared_experts:
+        shapes.update(_mlp_shapes(hidden, inter * c.num_shared_experts, p + "shared_experts."))
+    return shapes
 
 
 def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, device: torch.device, dtype: torch.dtype,

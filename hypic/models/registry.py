@@ -13,6 +13,9 @@ from hypic.errors import UnsupportedModelError
 from hypic.models.checkpoint import CheckpointReader
 from hypic.models.config import (MULTIMODAL_MODEL_TYPES, TEXT_MODEL_TYPES, HybridConfig, read_config_json,
                                  with_generation_eos)
+from hypic.models.kimi_config import KIMI_MODEL_TYPES, KimiLinearConfig
+from hypic.models.kimi_linear import KimiLinearModel
+from hypic.models.kimi_weights import kimi_weight_recipes
 from hypic.models.loader import RecipesFn, load_weights, weight_recipes
 from hypic.models.mamba2_config import MAMBA2_MODEL_TYPES, Mamba2HybridConfig
 from hypic.models.mamba2_hybrid import Mamba2HybridModel
@@ -29,9 +32,11 @@ class Architecture:
 
 _QWEN = Architecture(HybridConfig, HybridModel, weight_recipes)
 _MAMBA2 = Architecture(Mamba2HybridConfig, Mamba2HybridModel, mamba2_weight_recipes)
+_KIMI = Architecture(KimiLinearConfig, KimiLinearModel, kimi_weight_recipes)
 # Keyed by config.json's model_type (a multimodal Qwen config resolves to its text model in HybridConfig).
 MODEL_REGISTRY: dict[str, Architecture] = {
-    **{t: _QWEN for t in TEXT_MODEL_TYPES + tuple(MULTIMODAL_MODEL_TYPES)}, **{t: _MAMBA2 for t in MAMBA2_MODEL_TYPES}}
+    **{t: _QWEN for t in TEXT_MODEL_TYPES + tuple(MULTIMODAL_MODEL_TYPES)}, **{t: _MAMBA2 for t in MAMBA2_MODEL_TYPES},
+    **{t: _KIMI for t in KIMI_MODEL_TYPES}}
 
 
 def architecture(config: dict[str, Any]) -> Architecture:
@@ -42,7 +47,7 @@ def architecture(config: dict[str, Any]) -> Architecture:
     return MODEL_REGISTRY[model_type]
 
 
-def load_config(path: str | Path) -> HybridConfig | Mamba2HybridConfig:
+def load_config(path: str | Path) -> HybridConfig | Mamba2HybridConfig | KimiLinearConfig:
     """The parsed config of the Hugging Face directory `path`, eos ids of generation_config.json added."""
     return _architecture_and_config(path)[1]
 

@@ -143,7 +143,7 @@ class PicAssembler:
         for full_index, layer_id in enumerate(self.caches.shape.full_layers):
             k_cache, v_cache = self.caches.kv(layer_id)
             scatter_kv(self.store.model_src, self.store.kv_at_layer(src, full_index), positions, k_cache, v_cache,
-                       dst, self.inv_freq)
+                       dst, self.inv_freq, self.store.layout.v_offset)
 
 
 def _tuple_of(capture: Capture, j: int, job: SegmentJob, start: int) -> SegmentTuple:

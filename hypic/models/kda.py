@@ -1,0 +1,69 @@
+"""The KDA mixer of Kimi-Linear (Kimi Delta Attention) as a `LinearMixer` of the kda family.
+
+Three short convs (q, k, v) are one depthwise conv over [q | k | v] (each channel has its own filter,
+so concatenating them changes nothing); silu after it; q, k l2-normalised; the per-key forget gate
+g = -exp(A_log) softplus(f_b f_a x + dt_bias) per head and key channel (float32); beta = sigmoid(b x);
+the output is RMSNorm per head gated by a *sigmoid* of the low-rank g_b g_a x, then o_proj.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hypic.cache.model_caches import LinearShape
+from hypic.kernels.gdn_inputs import qk_l2norm
+from hypic.kernels.linear_families import get_family
+from hypic.kernels.varlen import Operands
+from hypic.models.kimi_config import KimiLinearConfig
+from hypic.models.layers import GatedRMSNorm
+from hypic.models.mixer import LinearMixer
+
+
+class KimiDeltaAttention(LinearMixer):
+    """Weights: in_proj rows [q | k | v (H*K each) | b (H)]; conv1d_weight [3*H*K, W] (no bias);
+    f_a_proj / g_a_proj [K, hidden] and f_b_proj / g_b_proj [H*K, K] (the low-rank gates); A_log [H]
+    and dt_bias [H*K] float32; o_norm weight [K]; o_proj [hidden, H*K]."""
+
+    def __init__(self, config: KimiLinearConfig) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.head_dim = c.linear_num_heads, c.linear_head_dim
+        self.qkv_dim = self.num_heads * self.head_dim
+        self.shape = LinearShape(get_family("kda"), self.num_heads, self.head_dim, self.head_dim, 3 * self.qkv_dim,
+                                 c.linear_conv_kernel_dim)
+        self.scale = self.head_dim ** -0.5
+        self.in_proj = nn.Linear(c.hidden_size, 3 * self.qkv_dim + self.num_heads, bias=False)
+        self.conv1d_weight = nn.Parameter(torch.empty(3 * self.qkv_dim, c.linear_conv_kernel_dim))
+        self.f_a_proj = nn.Linear(c.hidden_size, self.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_dim, self.qkv_dim, bias=False)
+        self.g_a_proj = nn.Linear(c.hidden_size, self.head_dim, bias=False)
+        self.g_b_proj = nn.Linear(self.head_dim, self.qkv_dim, bias=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(self.qkv_dim, dtype=torch.float32))
+        self.o_norm = GatedRMSNorm(self.head_dim, c.rms_norm_eps, activation="sigmoid")
+        self.o_proj = nn.Linear(self.qkv_dim, c.hidden_size, bias=False)
+
+    def conv_weights(self) -> tuple[torch.Tensor, None]:
+        return self.conv1d_weight, None
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """[q | k | v] [N, 3*H*K] (the conv input), and b [N, H], the forget-gate input f [N, H*K] and
+        the output gate [N, H, K]."""
+        qkv, b = self.in_proj(hidden).split((3 * self.qkv_dim, self.num_heads), dim=-1)
+        f = self.f_b_proj(self.f_a_proj(hidden))
+        gate = self.g_b_proj(self.g_a_proj(hidden)).reshape(-1, self.num_heads, self.head_dim)
+        return qkv, (b, f, gate)
+
+    def operands(self, conv_out: torch.Tensor, side: tuple[torch.Tensor, ...]) -> Operands:
+        """l2-normalised q, k [N, H, K], v [N, H, K]; g [N, H, K] float32 log-decay; beta [N, H]."""
+        b, f, _ = side
+        q, k = qk_l2norm(conv_out, self.num_heads, self.head_dim)
+        v = conv_out[:, 2 * self.qkv_dim:].reshape(-1, self.num_heads, self.head_dim)
+        g = F.softplus(f.float() + self.dt_bias).reshape(-1, self.num_heads, self.head_dim)
+        g = g * -self.A_log.exp()[:, None]
+        return Operands(q, k, v, g, torch.sigmoid(b.float()).to(b.dtype))
+
+    def output(self, o: torch.Tensor, conv_out: torch.Tensor, side: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Sigmoid-gated RMSNorm per head, then o_proj: [N, H, K] -> [N, hidden]."""
+        return self.o_proj(self.o_norm(o, side[2]).reshape(o.shape[0], self.qkv_dim))
