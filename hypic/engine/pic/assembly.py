@@ -125,7 +125,7 @@ class PicAssembler:
     @staticmethod
     def _add_piece(seq: Sequence, segment: PlannedSegment, entry, *, from_pool: bool) -> None:
         start, end = segment.span
-        seq.pic.add(Cached(start, end, entry, from_pool))
+        seq.pic.add(Cached(start, end, entry, from_pool, entry.source))
 
     def _job_sequence(self, job: SegmentJob) -> Sequence:
         job_info = RequestInfo(f"segment-{job.key.digest.hex()[:16]}", _PREFILL_ONLY,

@@ -30,9 +30,15 @@ class PicState:
         return [(p.start, p.end) for p in self.cached]
 
     @property
-    def pool_tokens(self) -> int:
-        """Tokens of the pieces still to compose that were hits of the request's own lookups."""
-        return sum(p.end - p.start for p in self.cached if p.from_pool)
+    def hit_tokens(self) -> dict[str, int]:
+        """Tokens of the pieces still to compose that were hits of the request's own lookups, by
+        cached-token kind: "pic" from the GPU pool, "pic_host" / "pic_disk" from a lower tier."""
+        hits: dict[str, int] = {}
+        for p in self.cached:
+            if p.from_pool:
+                kind = "pic" if p.source == "pool" else f"pic_{p.source}"
+                hits[kind] = hits.get(kind, 0) + p.end - p.start
+        return hits
 
     @property
     def scattered_end(self) -> int:
