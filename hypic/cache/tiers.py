@@ -11,6 +11,7 @@ it); the disk tier's writes run on its own thread.
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent import futures
 from dataclasses import dataclass
 
 import torch
@@ -87,7 +88,7 @@ class LowerTiers:
         self._flushed: list[_Held] = []  # dropped while pinned: freed on their last unpin
         self._copies = SideCopies(device)
         self._in_flight: list[tuple[torch.cuda.Event | None, _Held | None, torch.Tensor]] = []
-        self._writes: list[tuple[object, _Held]] = []  # (disk write future, host entry it reads)
+        self._writes: list[tuple[futures.Future, _Held]] = []  # (disk write future, host entry it reads)
         self.disk = disk
         self._counts = dict.fromkeys(("hits", "misses", "promotions", "demotions", "evictions"), 0)
 
@@ -164,8 +165,7 @@ class LowerTiers:
         for event, _, _ in self._in_flight:
             if event is not None:
                 event.synchronize()
-        for future, _ in self._writes:
-            future.result()
+        futures.wait([future for future, _ in self._writes])
         self.reap()
 
     def stats(self) -> TierStats:
