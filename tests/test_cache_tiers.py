@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hypic.cache.disk_tier import DiskTier
-from hypic.cache.segment_store import SegmentStore
+from hypic.cache.segment_store import SegmentStore, SegmentTuple
 from hypic.cache.tiers import LowerTiers
 from tests.test_segment_store_pool import key, layout, random_tuple
 
@@ -108,3 +108,25 @@ def test_a_failed_write_costs_only_the_entry(tmp_path) -> None:
     store.lower.drain()
     assert disk.stats().errors == 2 and disk.stats().entries == 0
     assert store.lower.stats().pinned == 0 and key("b") in store
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_copies_run_on_a_side_stream_and_entries_land_intact() -> None:
+    lay = layout(state_dtype=torch.bfloat16, model_dtype=torch.bfloat16)
+    store = SegmentStore(lay, 2 * lay.entry_bytes(LEN), "cuda",
+                         LowerTiers(4 * lay.entry_bytes(LEN), torch.device("cuda"), None))
+    tuples = {n: random_tuple(lay, LEN, seed=ord(n)) for n in "abcd"}
+    for name, tup in tuples.items():
+        assert store.put(key(name), SegmentTuple(tup.interior, *[[t.cuda() for t in getattr(tup, part)]
+                                                                 for part in ("T", "S0", "conv_tail", "K", "V")]))
+    assert store.stats().demotions == 2 and store.lower._arena.is_pinned()
+    entry = store.get(key("a"))
+    assert entry.source == "host" and entry.ready is not None  # queued on the side stream, not done inline
+    entry.ready.synchronize()
+    assert entry.landed
+    expected = SegmentStore(lay, lay.entry_bytes(LEN), "cpu")
+    expected.put(key("a"), tuples["a"])
+    assert torch.equal(store._bytes(entry).cpu(), expected._bytes(expected.get(key("a"))))
+    store.unpin(entry)
+    store.lower.drain()
+    assert store.lower.stats().pinned == 0 and store.stats().pinned == 0

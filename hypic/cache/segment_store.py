@@ -171,6 +171,12 @@ class SegmentEntry:
     arena: torch.Tensor = field(repr=False)
     pins: int = 0
     source: str = "pool"  # where its last `get` found it: "pool", or the lower tier it was promoted from
+    ready: torch.cuda.Event | None = field(default=None, repr=False)  # the promotion copy still filling it
+
+    @property
+    def landed(self) -> bool:
+        """Its bytes are in place (a promotion copy on a side stream may still be filling them)."""
+        return self.ready is None or self.ready.query()
 
     @property
     def interior_len(self) -> int:
@@ -369,7 +375,7 @@ class SegmentStore:
             self.lower.release(claim)
             return None
         entry = SegmentEntry(key, claim.interior, offset, claim.nbytes, self.layout, self._arena, source=claim.tier)
-        self.lower.copy_up(claim, self._bytes(entry))
+        entry.ready = self.lower.copy_up(claim, self._bytes(entry))
         self._index[key] = entry
         self._promotions += 1
         return entry

@@ -4,9 +4,10 @@ An entry the pool evicts is demoted (its bytes copied down, whatever its layout)
 lower-tier hit is promoted back into the pool before assembly. Each tier is LRU over its own budget,
 and an entry is pinned while a copy still reads it. On a GPU engine the host arena is pinned memory
 and every copy between it and the pool runs on one side stream, so copies are ordered among
-themselves and overlap the engine's work; the engine's stream waits on a promotion's event before it
-reads the entry. On a CPU engine copies are plain memcpys. Single-threaded (the engine loop owns
-it); the disk tier's writes run on its own thread.
+themselves and overlap the engine's work: a request using a promoted entry is scheduled once its
+copy's event has completed (no other request waits), and an evicted entry's pool space is reused
+once its demotion copy has. On a CPU engine copies are plain memcpys. Single-threaded (the engine
+loop owns it); the disk tier's writes run on a thread of their own.
 """
 from __future__ import annotations
 
@@ -125,15 +126,15 @@ class LowerTiers:
         held.pins += 1
         return Claim(key, held.interior, self._bytes(held), "host", held)
 
-    def copy_up(self, claim: Claim, dst: torch.Tensor) -> None:
-        """Copy a claimed entry into the pool; the engine's stream waits for it before reading."""
+    def copy_up(self, claim: Claim, dst: torch.Tensor) -> torch.cuda.Event | None:
+        """Copy a claimed entry into the pool; returns the copy's event (None: done). Only the
+        requests using the entry wait for it (they are scheduled once it has landed)."""
         event = self._copies.copy(dst, claim.data)
-        if event is not None:
-            torch.cuda.current_stream(dst.device).wait_event(event)
         self._in_flight.append((event, claim.held, claim.data))  # pins and buffers live until it lands
         if claim.tier == "host":
             self._counts["promotions"] += 1
         self.reap()
+        return event
 
     def release(self, claim: Claim) -> None:
         """Give a claim back unused (the pool had no room: the request recomputes instead of waiting)."""

@@ -21,8 +21,9 @@ class PicState:
 
     @property
     def blocked(self) -> bool:
-        """Waiting for cold segments to be prefilled before it can be assembled."""
-        return bool(self.awaiting)
+        """Waiting for cold segments to be prefilled, or for its promoted entries' copies to land,
+        before it can be assembled."""
+        return bool(self.awaiting) or not all(p.entry.landed for p in self.cached)
 
     @property
     def interiors(self) -> list[tuple[int, int]]:
