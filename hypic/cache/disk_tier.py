@@ -3,10 +3,11 @@
 The directory `<root>/<identity>/` belongs to one model: its identity hashes the format version, the
 engine's fingerprint (which covers the weights: `hypic.models.checkpoint.weights_digest`), and the
 entry layout (tuple dtypes and shapes). A directory of another model, version or layout has another
-name and is never read. Each file is a header (magic, version, identity, key digest, a hash of the
+name and is never read. Reads and writes run on threads of their own; the index is the engine
+thread's. Each file is a header (magic, version, identity, key digest, a hash of the
 salt — never the salt itself —, interior, byte count, checksum) and the entry's bytes. A file that
-fails any check is deleted and counts as a miss: it costs a recompute, never a wrong answer. Writes
-run on a thread of their own (to a temporary name, then renamed); the index is the engine thread's.
+fails any check is deleted and counts as a miss: it costs a recompute, never a wrong answer. A
+file is written under a temporary name, then renamed.
 """
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ class DiskTier:
         self._index: OrderedDict[bytes, _File] = OrderedDict()  # key digest -> file, LRU first
         self._pending: list[tuple[Future, SegmentKey, _File]] = []
         self._doomed: set[bytes] = set()  # flushed while their write was under way
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="hypic-disk")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="hypic-disk-write")
+        self._readers = ThreadPoolExecutor(2, thread_name_prefix="hypic-disk-read")
         self._counts = dict.fromkeys(("hits", "misses", "promotions", "demotions", "evictions", "errors"), 0)
         self._scan()
         self.read_bytes_per_s = self._measure_read_rate()
@@ -93,22 +95,24 @@ class DiskTier:
         self._pending.append((future, key, record))
         return future
 
-    def read(self, key: SegmentKey) -> tuple[tuple[int, int], torch.Tensor] | None:
-        """(interior, bytes) of a stored entry that passes every check, or None (a miss)."""
+    def start_read(self, key: SegmentKey) -> Future | None:
+        """Read a stored entry on a reader thread (finish with `finish_read`); None on a miss."""
         if key not in self:
             self._counts["misses"] += 1
             return None
-        record = self._index[key.digest]
-        try:
-            data = self._read_file(key.digest, record)
-        except (OSError, ValueError):
+        return self._readers.submit(self._read_file, key.digest, self._index[key.digest])
+
+    def finish_read(self, key: SegmentKey, read: Future) -> tuple[tuple[int, int], torch.Tensor] | None:
+        """(interior, bytes) of a finished read that passed every check, or None (a miss)."""
+        if read.exception() is not None:
             self._drop(key.digest, error=True)
+        if read.exception() is not None or key not in self:  # failed, or flushed meanwhile
             self._counts["misses"] += 1
             return None
         self._index.move_to_end(key.digest)
         self._counts["hits"] += 1
         self._counts["promotions"] += 1
-        return record.interior, data
+        return self._index[key.digest].interior, read.result()
 
     def flush(self, salt: str | None = None) -> int:
         wanted = salt_hash(salt)

@@ -366,6 +366,14 @@ class SegmentStore:
         entry.pins += 1
         return entry
 
+    def start_read(self, key: SegmentKey) -> bool:
+        """Start promoting an entry only the disk tier holds: True while its read is under way
+        (off the engine thread); once `finished_reads` lists it, `get` promotes it."""
+        return self.lower is not None and self.lower.start_read(key)
+
+    def finished_reads(self) -> list[SegmentKey]:
+        return self.lower.finished_reads() if self.lower is not None else []
+
     def _promote(self, key: SegmentKey) -> SegmentEntry | None:
         claim = self.lower.claim(key) if self.lower is not None else None
         if claim is None:

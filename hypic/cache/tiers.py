@@ -90,6 +90,8 @@ class LowerTiers:
         self._copies = SideCopies(device)
         self._in_flight: list[tuple[torch.cuda.Event | None, _Held | None, torch.Tensor]] = []
         self._writes: list[tuple[futures.Future, _Held]] = []  # (disk write future, host entry it reads)
+        self._reads: dict[SegmentKey, futures.Future] = {}  # disk reads under way
+        self._read: dict[SegmentKey, futures.Future] = {}  # finished, until claimed or the next poll
         self.disk = disk
         self._counts = dict.fromkeys(("hits", "misses", "promotions", "demotions", "evictions"), 0)
 
@@ -113,13 +115,30 @@ class LowerTiers:
             self._write_down(held, event)
         return event
 
+    def start_read(self, key: SegmentKey) -> bool:
+        """Start reading an entry only the disk holds (off the engine thread); True while one is
+        under way (`finished_reads` tells when)."""
+        if key not in self._reads and key not in self._index and self.disk is not None:
+            read = self.disk.start_read(key)
+            if read is not None:
+                self._reads[key] = read
+        return key in self._reads
+
+    def finished_reads(self) -> list[SegmentKey]:
+        """Keys whose disk reads finished since the last call: `claim` them now (what is left
+        unclaimed is dropped at the next call)."""
+        self._read = {key: read for key, read in self._reads.items() if read.done()}
+        self._reads = {key: read for key, read in self._reads.items() if key not in self._read}
+        return list(self._read)
+
     def claim(self, key: SegmentKey) -> Claim | None:
-        """Hold a lower-tier entry for promotion (host first, then disk), or None on a miss."""
+        """Hold a lower-tier entry for promotion (host, or a finished disk read), or None on a miss."""
         self.reap()
         held = self._index.get(key)
         if held is None:
             self._counts["misses"] += 1
-            found = self.disk.read(key) if self.disk is not None else None
+            read = self._read.pop(key, None)
+            found = self.disk.finish_read(key, read) if read is not None else None
             return None if found is None else Claim(key, found[0], found[1], "disk")
         self._counts["hits"] += 1
         self._index.move_to_end(key)
@@ -162,11 +181,11 @@ class LowerTiers:
             self.disk.reap()
 
     def drain(self) -> None:
-        """Wait for every copy and disk write under way (shutdown, tests)."""
+        """Wait for every copy, disk write and disk read under way (shutdown, tests)."""
         for event, _, _ in self._in_flight:
             if event is not None:
                 event.synchronize()
-        futures.wait([future for future, _ in self._writes])
+        futures.wait([future for future, _ in self._writes] + list(self._reads.values()))
         self.reap()
 
     def stats(self) -> TierStats:

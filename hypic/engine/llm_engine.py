@@ -140,6 +140,8 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        for job in self.pic.poll():  # disk reads finished since the last step
+            self.scheduler.add(job, first=True)
         batch = self.scheduler.schedule()
         self.last_step_ran = bool(batch.chunks)
         if not batch.chunks:
