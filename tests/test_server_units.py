@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hypic.cache.prefix_cache import PrefixCacheStats
 from hypic.cache.disk_tier import DiskStats
 from hypic.cache.segment_store import SegmentStoreStats
-from hypic.cache.tiers import TierStats
+from hypic.cache.tier_stats import TierStats
 from hypic.config import EngineConfig
 from hypic.engine.llm_engine import EngineStats
 from hypic.errors import EngineOverloadedError, InvalidRequestError, PromptTooLongError

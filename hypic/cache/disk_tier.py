@@ -23,6 +23,7 @@ import torch
 import xxhash
 
 from hypic.cache.segment_store import SegmentKey, SegmentLayout
+from hypic.cache.tier_stats import TierStats
 
 FORMAT_VERSION = 1
 _MAGIC = b"HYPICSEG"
@@ -38,18 +39,11 @@ class _File:
 
 
 @dataclass(frozen=True)
-class DiskStats:
-    entries: int
-    bytes: int
-    capacity_bytes: int
-    pinned: int
-    hits: int
-    misses: int
-    promotions: int
-    demotions: int  # files written
-    evictions: int
-    errors: int  # failed writes, and files found missing, truncated or corrupt
-    read_bytes_per_s: float  # measured at start-up
+class DiskStats(TierStats):
+    """`pinned`: writes under way; `demotions`: files written; `errors`: failed writes, and files
+    found missing, truncated or corrupt."""
+
+    read_bytes_per_s: float = 0.0  # measured at start-up
 
 
 def layout_signature(layout: SegmentLayout) -> str:

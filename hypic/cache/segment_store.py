@@ -21,7 +21,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import torch
 import xxhash
@@ -29,9 +28,6 @@ import xxhash
 from hypic.cache.model_caches import CacheShape, LinearShape
 from hypic.kernels.compose import CachedPieces
 from hypic.kernels.host_copy import host_to_device
-
-if TYPE_CHECKING:
-    from hypic.cache.tiers import LowerTiers
 
 ALIGN = 256  # bytes: every entry and block starts here, so any dtype view of the arena is aligned
 STATE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
@@ -269,7 +265,7 @@ class SegmentStore:
     """LRU, pinning, byte-budgeted store of segment tuples over one preallocated arena."""
 
     def __init__(self, layout: SegmentLayout, capacity_bytes: int, device: torch.device | str,
-                 lower: LowerTiers | None = None) -> None:
+                 lower: LowerTiers | None = None) -> None:  # noqa: F821 (hypic.cache.tiers imports this module)
         self.layout, self.lower = layout, lower
         self.capacity_bytes = capacity_bytes // ALIGN * ALIGN
         # past the budget, an all-zero tuple that is never evicted: composing it keeps any state
@@ -416,14 +412,8 @@ class SegmentStore:
     def flush(self, salt: str | None = None) -> int:
         """Drop every entry (of one salt when given), in every tier: no later hit; pinned ones are
         freed on unpin. Returns the number of entries dropped (a key in two tiers counts twice)."""
-        doomed = [key for key in self._index if salt is None or key.salt == salt]
-        for key in doomed:
-            entry = self._index.pop(key)
-            if entry.pins:
-                self._flushed.append(entry)
-            else:
-                self._free.release(entry.offset, entry.nbytes)
-        return len(doomed) + (self.lower.flush(salt) if self.lower is not None else 0)
+        dropped = drop_salt(self._index, self._flushed, self._free, salt)
+        return dropped + (self.lower.flush(salt) if self.lower is not None else 0)
 
     def stats(self) -> SegmentStoreStats:
         pinned = sum(1 for e in self._index.values() if e.pins) + len(self._flushed)
@@ -492,6 +482,19 @@ class SegmentStore:
             got = [tuple(p.shape) for p in getattr(tup, name)]
             if got != shapes:
                 raise ValueError(f"segment tuple {name}: expected {shapes}, got {got}")
+
+
+def drop_salt(index: OrderedDict, flushed: list, free: FreeList, salt: str | None) -> int:
+    """Drop an arena's entries of one salt (all when None) from its `index`: pinned ones wait in
+    `flushed` for their last unpin, the others' bytes are freed now. Returns how many were dropped."""
+    doomed = [key for key in index if salt is None or key.salt == salt]
+    for key in doomed:
+        entry = index.pop(key)
+        if entry.pins:
+            flushed.append(entry)
+        else:
+            free.release(entry.offset, entry.nbytes)
+    return len(doomed)
 
 
 class FreeList:

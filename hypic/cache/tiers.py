@@ -14,26 +14,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from concurrent import futures
 from dataclasses import dataclass
-
 import torch
 
 from hypic.cache.disk_tier import DiskTier
-from hypic.cache.segment_store import ALIGN, FreeList, SegmentKey
-
-
-@dataclass(frozen=True)
-class TierStats:
-    entries: int
-    bytes: int
-    capacity_bytes: int
-    pinned: int
-    hits: int
-    misses: int
-    promotions: int  # entries copied up into the pool from this tier
-    demotions: int  # entries copied down into this tier
-    evictions: int  # entries this tier dropped for room
-    errors: int = 0  # failed reads or writes (each one cost a recompute, never a wrong answer)
-
+from hypic.cache.segment_store import ALIGN, FreeList, SegmentKey, drop_salt
+from hypic.cache.tier_stats import TierStats
 
 @dataclass(eq=False)
 class Claim:
@@ -162,14 +147,8 @@ class LowerTiers:
 
     def flush(self, salt: str | None = None) -> int:
         """Drop every entry (of one salt) from both tiers; returns how many were dropped."""
-        doomed = [key for key in self._index if salt is None or key.salt == salt]
-        for key in doomed:
-            held = self._index.pop(key)
-            if held.pins:
-                self._flushed.append(held)
-            else:
-                self._free.release(held.offset, held.nbytes)
-        return len(doomed) + (self.disk.flush(salt) if self.disk is not None else 0)
+        dropped = drop_salt(self._index, self._flushed, self._free, salt)
+        return dropped + (self.disk.flush(salt) if self.disk is not None else 0)
 
     def reap(self) -> None:
         """Unpin what finished copies and disk writes held."""

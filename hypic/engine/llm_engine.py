@@ -16,7 +16,7 @@ from hypic.cache.prefix_cache import PrefixCache, PrefixCacheStats
 from hypic.cache.disk_tier import DiskStats
 from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentStore, SegmentStoreStats, SegmentTuple
 from hypic.cache.slot_pool import SlotPool
-from hypic.cache.tiers import TierStats
+from hypic.cache.tier_stats import TierStats
 from hypic.config import CACHE_MODES, EngineConfig
 from hypic.engine.pic.assembly import PicAssembler
 from hypic.engine.pic.plan import SegmentJob
