@@ -220,10 +220,13 @@ def _parse(*argv: str) -> argparse.Namespace:
 def test_options_map_into_engine_config_and_settings() -> None:
     args = _parse("--cpu-cache-bytes", "64MiB", "--cache-mode", "none", "--max-waiting", "7", "--api-key", "k",
                   "--served-model-name", "tiny", "--shutdown-grace", "2", "--seam-width", "4",
-                  "--segment-pool-bytes", "1G", "--segment-state-dtype", "bfloat16")
+                  "--segment-pool-bytes", "1G", "--segment-state-dtype", "bfloat16", "--segment-host-bytes", "2G",
+                  "--segment-disk-dir", "/tmp/tuples", "--segment-disk-bytes", "3G")
     config, settings = engine_config(args), server_settings(args)
     assert (config.cpu_cache_bytes, config.cache_mode, config.max_waiting) == (64 << 20, "none", 7)
     assert (config.seam_width, config.segment_pool_bytes, config.segment_state_dtype) == (4, 1 << 30, "bfloat16")
+    assert (config.segment_host_bytes, config.segment_disk_dir, config.segment_disk_bytes) == (
+        2 << 30, "/tmp/tuples", 3 << 30)
     assert (settings.api_key, settings.served_model_name, settings.shutdown_grace_s) == ("k", "tiny", 2.0)
     assert engine_config(_parse()) == EngineConfig()  # no options: the engine's own defaults
     with pytest.raises(SystemExit):
