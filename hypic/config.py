@@ -50,8 +50,8 @@ class EngineConfig:
     """Byte budget of the public segment pool; None: a quarter of the cache budget."""
     segment_host_bytes: int | None = None
     """Byte budget of the host-memory tier below the segment pool (pinned memory on a GPU): entries
-    the pool evicts are demoted there and promoted back on a hit. None: half the free host memory
-    on a GPU engine, off on a CPU engine; 0 turns it off."""
+    the pool evicts are demoted there and promoted back on a hit. None: on a GPU engine ten times
+    the pool, at most half the free host memory; off on a CPU engine; 0 turns it off."""
     segment_disk_dir: str | None = None
     """Directory of the disk tier below the host tier (needs the host tier); None: no disk tier."""
     segment_disk_bytes: int | None = None

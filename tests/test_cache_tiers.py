@@ -8,6 +8,8 @@ import torch
 from hypic.cache.disk_tier import DiskTier
 from hypic.cache.segment_store import SegmentStore, SegmentTuple
 from hypic.cache.tiers import LowerTiers
+from hypic.config import EngineConfig
+from hypic.engine.setup import segment_host_bytes
 from tests.test_segment_store_pool import key, layout, random_tuple
 
 LEN = 5
@@ -138,3 +140,12 @@ def test_on_a_gpu_copies_run_on_a_side_stream_and_entries_land_intact() -> None:
     store.unpin(entry)
     store.lower.drain()
     assert store.lower.stats().pinned == 0 and store.stats().pinned == 0
+
+
+def test_host_tier_budget_defaults() -> None:
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert segment_host_bytes(EngineConfig(), cpu, 1 << 30) == 0  # off on a CPU engine unless asked for
+    assert segment_host_bytes(EngineConfig(segment_host_bytes=5 << 20), cpu, 1 << 30) == 5 << 20
+    assert segment_host_bytes(EngineConfig(), gpu, 1 << 20) == 10 << 20  # ten pools
+    assert segment_host_bytes(EngineConfig(segment_host_bytes=0), gpu, 1 << 20) == 0
+    assert segment_host_bytes(EngineConfig(), gpu, 1 << 50) < 1 << 50  # never more than the host has

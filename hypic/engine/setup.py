@@ -71,20 +71,21 @@ def cache_budget_bytes(config: EngineConfig, device: torch.device, activation_to
     return min(int(total * config.gpu_memory_utilization) - weight_bytes, free) - reserve
 
 
-def segment_host_bytes(config: EngineConfig, device: torch.device) -> int:
-    """The host tier's budget: as configured, else half the free host memory on a GPU engine
-    (pinned memory the OS cannot page out: the other half is headroom), off on a CPU engine."""
+def segment_host_bytes(config: EngineConfig, device: torch.device, pool_bytes: int) -> int:
+    """The host tier's budget: as configured, else on a GPU engine ten pools' worth, at most half
+    the free host memory (pinned memory the OS cannot page out: the other half is headroom, and
+    pinning takes time, so engines that share a host do not each pin half of it); off on a CPU engine."""
     if config.segment_host_bytes is not None:
         return config.segment_host_bytes
     if device.type != "cuda":
         return 0
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    return min(10 * pool_bytes, os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2)
 
 
-def build_lower_tiers(config: EngineConfig, device: torch.device, layout: SegmentLayout, fingerprint: str,
-                      model_dir: Path) -> LowerTiers | None:
+def build_lower_tiers(config: EngineConfig, device: torch.device, layout: SegmentLayout, pool_bytes: int,
+                      fingerprint: str, model_dir: Path) -> LowerTiers | None:
     """The segment pool's host tier and, under it, the disk tier (None when the host tier is off)."""
-    host_bytes = segment_host_bytes(config, device)
+    host_bytes = segment_host_bytes(config, device, pool_bytes)
     if config.segment_disk_dir is not None and host_bytes == 0:
         raise InvalidRequestError("segment_disk_dir needs the host tier: set segment_host_bytes > 0 "
                                   "(disk entries are written from host memory)")

@@ -56,7 +56,7 @@ def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                        help="budget of the shared segment cache (default: a quarter of the cache budget)")
     group.add_argument("--segment-host-bytes", type=_size, metavar="SIZE",
                        help="budget of the host-memory tier the segment pool demotes to; 0 turns it off "
-                            "(default: half the free host memory on a GPU, off on CPU)")
+                            "(default on a GPU: ten times the pool, at most half the free host memory; off on CPU)")
     group.add_argument("--segment-disk-dir", metavar="DIR",
                        help="directory of a disk tier below the host tier (default: none)")
     group.add_argument("--segment-disk-bytes", type=_size, metavar="SIZE",
