@@ -439,7 +439,7 @@ class SegmentStore:
             return False
         entry = self._index.pop(victim)
         self._evictions += 1
-        copying = self.lower.demote(entry.key, entry.interior, self._bytes(entry)) if self.lower else None
+        copying = self.lower.demote(entry.key, entry.interior, self._bytes(entry)) if self.lower is not None else None
         self._demotions += self.lower is not None and entry.key in self.lower
         if copying is None:
             self._free.release(entry.offset, entry.nbytes)
