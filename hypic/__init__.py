@@ -1,11 +1,18 @@
 """hypic: async serving of hybrid-attention LLMs with position-independent caching."""
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
+
 from hypic.config import CACHE_MODES, PIC_SEPARATOR, EngineConfig
 from hypic.errors import (EngineDeadError, EngineOverloadedError, HypicError, InvalidRequestError,
                           OutOfMemoryError, PromptTooLongError, UnsupportedModelError)
 from hypic.outputs import CompletionDelta, RequestMetrics, RequestOutput, TokenLogprob
 from hypic.sampling_params import SamplingParams
+
+try:
+    __version__ = version("hypic")
+except PackageNotFoundError:  # a source tree on PYTHONPATH that pip never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "AsyncEngine", "CACHE_MODES", "CompletionDelta", "EngineConfig", "EngineDeadError",

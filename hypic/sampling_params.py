@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hypic.fields import Rule, check_fields, conforms
+from hypic.structured_outputs import StructuredOutputs
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and k alternatives
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured: StructuredOutputs | None = None  # constrained decoding (JSON schema, regex, choice, grammar)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop))

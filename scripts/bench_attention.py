@@ -8,12 +8,11 @@ engine runs assembly steps, and checks both against the torch reference. The war
 also time the split path in each tile of `--tiles` (rows x KV block, 8 warps, 2 stages; the engine
 uses WIDE_SPLIT_TILING), to pick the split grids' tile. Prints a table and writes JSON.
 
-    python scripts/bench_attention.py --out bench/results/attention_h200.json
+    python scripts/bench_attention.py
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from hypic.config import EngineConfig
 from hypic.kernels.paged_attention import Tiling, paged_attention_ref, paged_attention_triton
 from hypic.kernels.triton_lazy import next_power_of_2
+from results import device_label, result_path, run_record
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 2, 256  # Qwen3.5-35B-A3B full attention
 BLOCK_SIZE = EngineConfig.block_size  # the engine's KV page
@@ -153,7 +153,7 @@ def within_tolerance(result: Result) -> bool:
 
 
 def write_report(out: Path, results: list[Result]) -> None:
-    report = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    report = dict(**run_record(),
                   device=torch.cuda.get_device_name(), torch=torch.__version__, dtype=str(DTYPE),
                   heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE,
                   segments=SEGMENTS, seam_tokens=SEAM_TOKENS, query_tokens=QUERY_TOKENS,
@@ -164,12 +164,13 @@ def write_report(out: Path, results: list[Result]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/attention.json"))
+    parser.add_argument("--out", type=Path, help="default: bench/results/attention_<device>_qwen3_5_moe.json")
     parser.add_argument("--tiles", type=lambda s: s.split(","), default=["64x32", "128x32", "64x64", "128x64"],
                         help="split-path tiles ROWSxKV_BLOCK timed on the warm assembly cases")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention.py times the Triton kernel: it needs a CUDA device")
+    args.out = args.out or result_path("attention", device_label(torch.cuda.get_device_name()), "qwen3_5_moe")
     gen = torch.Generator().manual_seed(0)
     print(f"{torch.cuda.get_device_name()}: {HEADS} heads / {KV_HEADS} KV heads x {HEAD_DIM}, {DTYPE}, "
           f"pages of {BLOCK_SIZE}")

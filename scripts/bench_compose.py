@@ -9,12 +9,11 @@ absolute errors of the outputs and of the end state against `compose_and_recur_r
 shape that fails to compile or run is reported and skipped; shapes not started within --budget-s are
 listed as skipped. Prints a table, writes JSON.
 
-    python scripts/bench_compose.py --out bench/results/compose_h200.json
+    python scripts/bench_compose.py
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import time
@@ -28,6 +27,7 @@ from hypic.config import SEGMENT_STATE_DTYPES
 from hypic.kernels.compose import (CachedPieces, StateCheckpoints, WalkConfig, compose_and_recur_ref,
                                    compose_and_recur_triton, walk_config)
 from hypic.kernels.linear_families import LinearFamily, get_family
+from results import device_label, result_path, run_record
 
 KEY_HEADS, VALUE_HEADS, DIM = 16, 32, 128  # Qwen3.5 Gated DeltaNet layers
 DEVICE = "cuda"
@@ -162,7 +162,7 @@ def write_report(out: Path, results: list[Result], skipped: list[str], defaults:
             best[key] = dict(block_v=r.block_v, num_warps=r.num_warps, us_per_call=r.us_per_call)
     import triton
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                  **run_record(),
                   heads=dict(key_heads=KEY_HEADS, value_heads=VALUE_HEADS, key_dim=DIM, value_dim=DIM),
                   tuple_dtype=tuple_dtype,
                   engine_default=defaults, best=best, results=[asdict(r) for r in results], skipped=skipped)
@@ -176,7 +176,7 @@ def int_list(text: str) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/compose.json"))
+    parser.add_argument("--out", type=Path, help="default: bench/results/compose_<device>_qwen3_5_moe_<tuple dtype>.json")
     parser.add_argument("--families", default="gdn,diagonal")
     parser.add_argument("--walks", default="64x4,64x16,256x4,256x16", help="tokens x pieces, comma-separated")
     parser.add_argument("--block-v", type=int_list, default=[8, 16, 32])
@@ -187,6 +187,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=40.0,
                         help="shared equally by the families: no new shape starts past a family's share")
     args = parser.parse_args()
+    args.out = args.out or result_path(
+        "compose", device_label(torch.cuda.get_device_name()), f"qwen3_5_moe_{args.tuple_dtype}")
     started, gen = time.perf_counter(), torch.Generator(DEVICE).manual_seed(0)
     families = [get_family(name) for name in args.families.split(",")]
     results: list[Result] = []

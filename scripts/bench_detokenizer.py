@@ -7,21 +7,20 @@ decode: decode(context + output) minus decode(context), context being the prompt
 broken model emits). DecodeStream has no flush, so an incomplete last character is lost there;
 when it raises, the case counts as different. Prints a table and writes JSON:
 
-    PYTHONPATH=. python scripts/bench_detokenizer.py --out bench/results/detokenizer_cpu_corpus.json
+    PYTHONPATH=. python scripts/bench_detokenizer.py
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import random
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from results import result_path, run_record
 from tokenizers.decoders import DecodeStream
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -92,7 +91,7 @@ def measure(name: str, tokenizer: Tokenizer, count: int) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", type=int, default=300)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/detokenizer_cpu_corpus.json"))
+    parser.add_argument("--out", type=Path, default=result_path("detokenizer", "cpu", "corpus"))
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp())
     rows = [measure(name, Tokenizer.from_dir(write(root / name)), args.cases)
@@ -103,9 +102,7 @@ def main() -> None:
               for kind in ("valid", "random")),
               f"us/token: hypic {row['hypic_us_per_token']:.2f}, DecodeStream {row['decode_stream_us_per_token']:.2f}",
               sep="  ")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": commit,
-              "command": " ".join(["python", *sys.argv]), "rows": rows}
+    result = {**run_record(), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
 

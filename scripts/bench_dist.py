@@ -9,8 +9,8 @@ fig14     On several GPUs (issue 7): 11 cold segments x 2.4k tokens on 1/2/4/8 w
           NCCL: TTFT and its breakdown (dispatch forward / comm / combine) against full recompute
           (`none`) and serial cold hypic (1 worker); then LPT against round-robin on uneven segments.
 
-    python scripts/bench_dist.py one-gpu --out bench/results/dist_one_gpu_h200.json
-    python scripts/bench_dist.py fig14 --workers 1,2,4,8 --out bench/results/dist_fig14_h200.json
+    python scripts/bench_dist.py one-gpu
+    python scripts/bench_dist.py fig14 --workers 1,2,4,8
     python scripts/bench_dist.py one-gpu --model DIR --device cpu --docs 3 --doc-tokens 64   # smoke run
 
 Weights are random (bf16, on each GPU, from one seed: every process builds the same model) on a
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import datetime
 import functools
 import gc
 import json
@@ -37,9 +36,10 @@ from bench_engine import model_dir, random_weights, shape_config
 
 from hypic import EngineConfig, SamplingParams
 from hypic.dist.config import DistConfig
-from hypic.dist.launch import start_cluster
+from hypic.dist.client import start_cluster
 from hypic.engine.text.tokenizer import Tokenizer
-from hypic.serve.engine_client import EngineClient, GenerateRequest, InProcessEngineClient
+from hypic.engine.client import EngineClient, GenerateRequest, InProcessEngineClient
+from results import device_label, result_path, run_record
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -266,6 +266,13 @@ def chart_rows(experiment: str, result: dict) -> dict:
     return {"rows": rows, "none_ttft_s": none, "title": "Fig. 14: cold TTFT vs workers"}
 
 
+def default_out(args: argparse.Namespace, result: dict) -> Path:
+    """One engine a GPU, so fig14 ran on as many GPUs as its largest cluster that was not skipped."""
+    gpus = 1 if args.experiment == "one-gpu" else min(max(args.workers), max(torch.cuda.device_count(), 1))
+    shape = Path(args.model).name if args.model else args.shape
+    return result_path(f"dist_{args.experiment.replace('-', '_')}", device_label(result["device"], gpus), shape)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment", choices=("one-gpu", "fig14"))
@@ -279,16 +286,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=Path, help="default: bench/results/dist_<experiment>_<device>_<shape>.json")
     args = parser.parse_args()
     args.shape = args.shape or ("qwen3_5" if args.experiment == "one-gpu" else "qwen3_5_moe")
-    args.out = args.out or Path(f"bench/results/dist_{args.experiment.replace('-', '_')}.json")
     base, configure, directory = setup(args)
     texts = Texts(Tokenizer.from_dir(directory), seed=0)
     result = (one_gpu if args.experiment == "one-gpu" else fig14)(args, base, configure, texts)
-    result.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), experiment=args.experiment,
+    result.update(**run_record(), experiment=args.experiment,
                   device=torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
                   shape=None if args.model else args.shape, docs=args.docs, doc_tokens=args.doc_tokens)
+    args.out = args.out or default_out(args, result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     plot(chart_rows(args.experiment, result), args.out.with_suffix(".png"))

@@ -1,15 +1,15 @@
 """Engine-core speed on one GPU: prefill tokens/s and decode tokens/s, hypic against transformers.
 
 Both run the same random bf16 weights (built on the GPU from a seed, in the checkpoint's own
-naming) of a released shape (default: the Qwen3.5-35B-A3B text model). Prints a table and writes
-JSON under bench/results/.
+naming) of a released shape (default: the Qwen3.5-35B-A3B text model; nemotron3_nano is Nemotron 3
+Nano 30B-A3B, granite4_h_small Granite-4.0-H-Small). Prints a table and writes JSON under bench/results/.
 
-    python scripts/bench_engine.py --out bench/results/engine_h200.json
+    python scripts/bench_engine.py
+    python scripts/bench_engine.py --shape nemotron3_nano --skip-transformers
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import shutil
@@ -23,20 +23,53 @@ from hypic import EngineConfig, SamplingParams
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.setup import BUNDLED_MODEL
-from hypic.models.config import HybridConfig
+from hypic.models.mamba2_config import MAMBA2_MODEL_TYPES, Mamba2HybridConfig
 from hypic.models.random_weights import random_state_dict
+from hypic.models.registry import architecture
+from results import device_label, result_path, run_record
 
 H200_BF16_FLOPS = 790e12  # measured dense bf16 matmul rate on this workplace's H200 (KINDS.md)
+H200_HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak bandwidth (NVIDIA's figure)
+SHAPES = ("qwen3_5_moe", "qwen3_5", "qwen3_next", "nemotron3_nano", "granite4_h_small")
+
+# Released configs' fields (transformers' defaults fill the rest). Nemotron 3 Nano 30B-A3B as issue 24
+# gives it; Granite-4.0-H-Small from its config.json (4 attention layers of 40; its Mamba2 heads
+# 128 x 64 and one group are transformers' defaults, taken as the release's).
+MAMBA2_SHAPES = {
+    "nemotron3_nano": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        vocab_size=131072, hidden_size=2688, hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        num_attention_heads=32, num_key_value_heads=2, head_dim=128, mamba_num_heads=64, mamba_head_dim=64,
+        ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=128, expand=2, n_routed_experts=128,
+        num_experts_per_tok=6, moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712,
+        mlp_hidden_act="relu2", routed_scaling_factor=2.5, norm_topk_prob=True, n_group=1, topk_group=1,
+        intermediate_size=1856)),
+    "granite4_h_small": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        vocab_size=100352, hidden_size=4096, num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8,
+        layer_types=["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)], num_local_experts=72,
+        num_experts_per_tok=10, intermediate_size=768, shared_intermediate_size=1536, mamba_n_heads=128,
+        mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
+        tie_word_embeddings=True)),
+}
 
 
 def shape_config(name: str, max_len: int) -> dict:
     import transformers as tf
+    if name in MAMBA2_SHAPES:
+        config_cls, arch, fields = MAMBA2_SHAPES[name]
+        config = getattr(tf, config_cls)(max_position_embeddings=max_len, **fields).to_dict()
+        config["architectures"] = [arch]
+        return config
     configs = {"qwen3_5_moe": tf.Qwen3_5MoeTextConfig, "qwen3_5": tf.Qwen3_5TextConfig,
                "qwen3_next": tf.Qwen3NextConfig}
     config = configs[name](max_position_embeddings=max_len).to_dict()
     config["architectures"] = [{"qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
                                 "qwen3_next": "Qwen3NextForCausalLM"}[name]]
     return config
+
+
+def parsed_config(config: dict):
+    """hypic's parsed config of a shape (HybridConfig or Mamba2HybridConfig)."""
+    return architecture(config).config_cls.from_dict(config)
 
 
 def model_dir(config: dict) -> Path:
@@ -49,12 +82,13 @@ def model_dir(config: dict) -> Path:
 
 def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     """Every checkpoint tensor of the shape, random, bf16, on the GPU (transformers' names)."""
-    return random_state_dict(HybridConfig.from_dict(config), device=torch.device("cuda"),
-                             dtype=torch.bfloat16, seed=seed)
+    return random_state_dict(parsed_config(config), device=torch.device("cuda"), dtype=torch.bfloat16, seed=seed)
 
 
 def flops_per_token(c: dict, context: int) -> float:
     """Matmul FLOPs of one prefill token (active parameters) plus attention over `context / 2` keys."""
+    if c["model_type"] in MAMBA2_MODEL_TYPES:
+        return mamba2_flops_per_token(parsed_config(c), context)
     h, layers = c["hidden_size"], c["layer_types"]
     attn_proj = h * c["num_attention_heads"] * c["head_dim"] * 3 + 2 * h * c["num_key_value_heads"] * c["head_dim"]
     k, v = c["linear_num_key_heads"] * c["linear_key_head_dim"], c["linear_num_value_heads"] * c["linear_value_head_dim"]
@@ -68,6 +102,35 @@ def flops_per_token(c: dict, context: int) -> float:
     per_layer = [(attn_proj + mlp) * 2 + 2 * attn_scores if t == "full_attention" else (lin_proj + mlp) * 2 + gdn
                  for t in layers]
     return float(sum(per_layer))
+
+
+def mamba2_flops_per_token(c: Mamba2HybridConfig, context: int) -> float:
+    """The same count per residual block: projections, the SSD recurrence (state write and read, and
+    the chunk's masked products, ~6 H N P as for GDN), attention scores, active experts and router."""
+    h = c.hidden_size
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    mlp_mats = 2 if c.mlp_act == "relu2" else 3
+    shared = c.shared_intermediate_size if c.router == "sigmoid_grouped" else c.intermediate_size
+    per_block = {
+        "mamba": 2 * h * (c.mamba_intermediate + c.mamba_conv_dim + c.mamba_num_heads) + 2 * c.mamba_intermediate * h
+        + 6 * c.mamba_num_heads * c.ssm_state_size * c.mamba_head_dim,
+        "attention": 2 * (2 * h * q + 2 * h * kv) + 2 * 2 * q * context / 2,
+        "mlp": 2 * mlp_mats * h * c.intermediate_size,
+        "moe": 2 * mlp_mats * h * (c.moe_intermediate_size * c.num_experts_per_tok + shared) + 2 * h * c.num_experts}
+    return float(sum(per_block[b] for b in c.blocks))
+
+
+def decode_floor(weights: dict, config: dict, batch: int, state_bytes: int, kv_bytes: int) -> float:
+    """Decode tokens/s if a step only read what it must at H200 bandwidth: the dense weights, the
+    experts that `batch` tokens touch (expected count under uniform routing), every sequence's state
+    and KV; a ceiling to compare against."""
+    parsed = parsed_config(config)
+    experts, top_k = parsed.num_experts, parsed.num_experts_per_tok
+    expert_bytes = sum(w.numel() * w.element_size() for n, w in weights.items() if ".experts." in n)
+    dense_bytes = sum(w.numel() * w.element_size() for w in weights.values()) - expert_bytes
+    touched = 1.0 - (1.0 - top_k / experts) ** batch if experts else 0.0
+    step_bytes = dense_bytes + expert_bytes * touched + batch * (state_bytes + kv_bytes)
+    return batch * H200_HBM_BYTES_PER_S / step_bytes
 
 
 def hypic_prefill(engine: LLMEngine, n: int) -> float:
@@ -116,9 +179,14 @@ def bench_hypic(path: Path, weights: dict, args: argparse.Namespace) -> dict:
         hypic_prefill(engine, n)
         out["prefill"][n] = n / min(hypic_prefill(engine, n) for _ in range(2))
         print(f"hypic prefill {n}: {out['prefill'][n]:.0f} tok/s", flush=True)
+    shape = engine.model.cache_shape()
+    state_bytes, kv_bytes = shape.slot_bytes(engine.dtype), shape.page_bytes(1, engine.dtype) * (128 + args.steps)
+    out["decode_floor"] = {}
     for b in args.batches:
         out["decode"][b] = hypic_decode(engine, b, args.steps)
-        print(f"hypic decode batch {b}: {out['decode'][b]:.0f} tok/s", flush=True)
+        out["decode_floor"][b] = decode_floor(weights, args.config, b, state_bytes, kv_bytes)
+        print(f"hypic decode batch {b}: {out['decode'][b]:.0f} tok/s "
+              f"(bandwidth floor {out['decode_floor'][b]:.0f} tok/s)", flush=True)
     if args.profile:
         profile_hypic(engine, args)
     del engine
@@ -160,7 +228,9 @@ def bench_transformers(config: dict, weights: dict, args: argparse.Namespace) ->
 def _rebuild_rotary(model) -> None:
     """Built on meta, the rotary embedding's inv_freq buffers (not in the state dict) have no data:
     make the module again on the GPU from the config."""
-    rotary = model.model.rotary_emb
+    rotary = getattr(model.model, "rotary_emb", None)
+    if rotary is None:  # NoPE models (Nemotron-H)
+        return
     with torch.device("cuda"):
         model.model.rotary_emb = type(rotary)(model.config)
 
@@ -195,7 +265,7 @@ def _hf_step(model, cache, token: torch.Tensor):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="qwen3_5_moe", choices=["qwen3_5_moe", "qwen3_5", "qwen3_next"])
+    parser.add_argument("--shape", default="qwen3_5_moe", choices=SHAPES)
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384, 65536])
     parser.add_argument("--hf-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384, 32768])
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32, 128])
@@ -205,12 +275,14 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's top kernels of hypic")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for hypic's decode")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/engine_h200.json"))
+    parser.add_argument("--out", type=Path, help="default: bench/results/engine_<device>_<shape>.json")
     args = parser.parse_args()
+    args.out = args.out or result_path("engine", device_label(torch.cuda.get_device_name()), args.shape)
     config = shape_config(args.shape, max(max(args.lengths) + 64, 32768))
+    args.config = config
     weights = random_weights(config, args.seed)
     path = model_dir(config)
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    result = {**run_record(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
               "params_b": sum(w.numel() for w in weights.values()) / 1e9, "chunk": args.chunk,
               "cuda_graphs": not args.enforce_eager,

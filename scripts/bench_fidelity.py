@@ -8,7 +8,6 @@ layer, for hypic and naive, with 2 and 4 segments.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import random
@@ -20,6 +19,7 @@ from hypic import EngineConfig, SamplingParams
 from hypic.config import SEGMENT_STATE_DTYPES
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
+from results import device_label, result_path, run_record, variant
 
 
 def state_after_prefill(engine: LLMEngine, prompt: SegmentedPrompt, mode: str, layers: list[int]) -> list[torch.Tensor]:
@@ -86,13 +86,13 @@ def main() -> None:
     parser.add_argument("--slow-decay", action="store_true",
                         help="set every linear layer's decay slow (A_log=-4, dt_bias=-2): random weights "
                              "otherwise forget within a few tokens, which hides composition errors")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/fidelity_cpu.json"))
+    parser.add_argument("--out", type=Path, help="default: bench/results/fidelity_<device>_<model>[_<dtype>][_slow_decay].json")
     args = parser.parse_args()
     engine = build_engine(args)
     if args.slow_decay:
         slow_down(engine.model)
     rng = random.Random(0)
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    result = {**run_record(),
               "device": torch.cuda.get_device_name() if args.shape else "cpu",
               "model": args.shape or engine.model_dir.name, "segment_len": args.segment_len,
               "seam_width": args.seam_width,
@@ -103,6 +103,8 @@ def main() -> None:
         for mode, layers in modes.items():
             print(f"{n} segments {mode:>6}: " + "  ".join(
                 f"{name} rel L2 {v['rel_l2']:.4f} angle {v['angle_deg']:.2f} deg" for name, v in layers.items()))
+    args.out = args.out or result_path("fidelity", device_label(result["device"]), variant(
+        result["model"], args.segment_state_dtype, "slow_decay" if args.slow_decay else None))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
 

@@ -10,12 +10,11 @@ here and count as host time, though on a GPU they are queued kernels: an upper b
 The prefix cache is full, so each request also evicts an older one's checkpoints, as on a busy
 server. Prints a table and writes JSON under bench/results/. PYTHONPATH picks the tree measured:
 
-    PYTHONPATH=. python scripts/bench_host.py --label after --out bench/results/host_cpu.json
+    PYTHONPATH=. python scripts/bench_host.py --label after
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import gc
 import json
@@ -36,6 +35,7 @@ from hypic.engine.pic import assembly as pic_assembly
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.setup import BUNDLED_MODEL
+from results import result_path, run_record
 
 
 class HostClock:
@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--doc-len", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--label", default="", help="what was measured (e.g. a commit), kept in the JSON")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/host_cpu.json"))
+    parser.add_argument("--out", type=Path, default=result_path("host", "cpu", "default_model"))
     args = parser.parse_args()
     torch.set_num_threads(1)  # the model's CPU work is excluded; one thread keeps the host quiet
     engine = engine_for(args.doc_len, max(args.counts))
@@ -152,7 +152,7 @@ def main() -> None:
     by_count = {f"{n}x{args.doc_len}": measure(engine, clock, n, args.doc_len, args.repeats, rng)
                 for n in args.counts}
     stages = by_count[f"{args.counts[0]}x{args.doc_len}"]
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    result = {**run_record(),
               "device": f"cpu ({platform.processor() or platform.machine()}), python {platform.python_version()}",
               "label": args.label, "doc_len": args.doc_len, "repeats": args.repeats, "host_ms": by_count,
               "host_ms_per_extra_segment": {  # least-squares slope over the counts

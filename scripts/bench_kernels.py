@@ -4,12 +4,11 @@ For every case: median time (triton.testing.do_bench), the fewest bytes the kern
 the FLOPs it must do, and the fractions of this machine's ceilings they reach. Prints a table and
 writes JSON.
 
-    python scripts/bench_kernels.py --out bench/results/kernels_h200.json
+    python scripts/bench_kernels.py
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 from collections.abc import Callable, Iterator
@@ -23,6 +22,7 @@ from hypic.kernels.conv1d import causal_conv1d
 from hypic.kernels.gdn import gated_delta_rule
 from hypic.kernels.moe import moe_grouped_mm, moe_triton
 from hypic.kernels.paged_attention import paged_attention
+from results import device_label, result_path, run_record
 
 HBM_BYTES_PER_S = 4.3e12  # device-to-device copy measured on this workplace's H200 (KINDS.md)
 BF16_FLOPS = 790e12  # dense bf16 matmul measured there
@@ -164,8 +164,9 @@ def cases() -> Iterator[Callable[[], Case]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/kernels.json"))
+    parser.add_argument("--out", type=Path, help="default: bench/results/kernels_<device>_qwen3_5_moe.json")
     args = parser.parse_args()
+    args.out = args.out or result_path("kernels", device_label(torch.cuda.get_device_name()), "qwen3_5_moe")
     torch.manual_seed(0)
     results = []
     print(f"{'kernel':34} {'shape':28} {'ms':>9} {'GB/s':>8} {'TFLOP/s':>8} {'%bw':>6} {'%flop':>6}  bound")
@@ -189,7 +190,7 @@ def main() -> None:
 def write_report(out: Path, results: list[Result], failures: list[str]) -> None:
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype=str(DTYPE),
                   hbm_bytes_per_s=HBM_BYTES_PER_S, bf16_flops=BF16_FLOPS,
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(), results=[asdict(r) for r in results],
+                  **run_record(), results=[asdict(r) for r in results],
                   failures=failures)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

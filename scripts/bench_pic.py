@@ -7,12 +7,11 @@ document. Also: the same hypic prompt once more (`repeat`: it resumes from its l
 checkpoint, past every document), the marginal TTFT of one more cached segment, and the
 tuple-building overhead of a cold segment prefill. Prints a table, writes JSON under bench/results/.
 
-    python scripts/bench_pic.py --out bench/results/pic_h200.json
+    python scripts/bench_pic.py
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import random
@@ -26,6 +25,7 @@ from hypic import EngineConfig, SamplingParams
 from hypic.config import SEGMENT_STATE_DTYPES
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
+from results import device_label, result_path, run_record, variant
 
 SYSTEM_TOKENS, QUERY_TOKENS = 64, 64
 
@@ -111,16 +111,16 @@ def main() -> None:
     parser.add_argument("--profile", type=lambda s: [tuple(map(int, x.split("x"))) for x in s.split(",")], default=[],
                         metavar="NxLEN,...", help="print profiles of a warm request of each prompt shape (and a "
                         "cold one of the first), e.g. 4x1024,16x1024")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/pic_h200.json"))
+    parser.add_argument("--out", type=Path, help="default: bench/results/pic_<device>_<shape>[_<dtype>].json")
     args = parser.parse_args()
     engine = LLMEngine(engine_config(args))
     rng = random.Random(0)
     measure(engine, 2, 512, rng, 1)  # warm-up: compile and autotune every kernel
     for i, (num_docs, doc_len) in enumerate(args.profile):
         profile(engine, rng, num_docs, doc_len, cold=i == 0)
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    result = {**run_record(),
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "shape": args.model or args.shape, "seam_width": args.seam_width,
+              "shape": Path(args.model).name if args.model else args.shape, "seam_width": args.seam_width,
               "segment_state_dtype": str(engine.store.layout.state_dtype).removeprefix("torch."),
               "by_length": {}, "by_count": {}}
     for doc_len in args.lengths:
@@ -133,6 +133,8 @@ def main() -> None:
         result[f"marginal_ms_per_segment_{mode}"] = slope * 1e3
     result["tuple_overhead_fraction"] = tuple_overhead(engine, 8, 2048, rng, args.repeats)
     report(result)
+    args.out = args.out or result_path(
+        "pic", device_label(result["device"]), variant(result["shape"], args.segment_state_dtype))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
 

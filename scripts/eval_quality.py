@@ -24,10 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import datetime
 import gc
 import json
-import re
 import statistics
 import sys
 import time
@@ -39,13 +37,13 @@ from pathlib import Path
 import torch
 import xxhash
 from plot_quality import write_report
+from results import device_label, result_path, run_record, variant
 from tqdm import tqdm
 
 from hypic import CACHE_MODES, AsyncEngine, EngineConfig, RequestMetrics, SamplingParams
 from hypic.config import SEGMENT_STATE_DTYPES
 from hypic.data import EVAL_SPEC, EVAL_SPEC_SINGLE_NAMES, KINDS, Prompt, eval_prompts, is_correct
 
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "bench" / "results"
 ERRORS_KEPT = 2  # wrong replies kept per kind in the JSON, to see how a setting fails
 
 
@@ -231,7 +229,7 @@ def assemble(args: argparse.Namespace, header: dict, num_prompts: int, samples: 
            "kinds": list(KINDS), "max_tokens": args.max_tokens, "concurrency": args.concurrency,
            "ttft_samples": samples, "state_drift": "scripts/bench_fidelity.py"}
     entries = [{"label": s.label, "mode": s.mode, "seam_width": s.seam_width, **found} for s, found in done]
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), **header, **run, "settings": entries}
+    return {**run_record(), **header, **run, "settings": entries}
 
 
 # -- command line ----------------------------------------------------------------------------------
@@ -280,17 +278,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="prompts per setting timed one at a time, cold then warm")
     parser.add_argument("--out-prefix", type=Path, default=None,
                         help="writes PREFIX.json, PREFIX.md, PREFIX_ttft.png, PREFIX_seam.png "
-                             "(default: bench/results/quality_<device>)")
+                             "(default: bench/results/quality_<device>_<model>)")
     return parser.parse_args(argv)
 
 
-def default_prefix(device: str) -> Path:
-    return RESULTS_DIR / ("quality_" + re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_"))
+def default_prefix(result: dict) -> Path:
+    names = "single_names" if result["names"] == "single" else None
+    return result_path("quality", device_label(result["device"]), variant(result["model"], names), suffix="")
 
 
 def save_result(result: dict, out_prefix: Path | None) -> list[Path]:
     """PREFIX.json and the report beside it; returns the paths written."""
-    prefix = out_prefix or default_prefix(result["device"])
+    prefix = out_prefix or default_prefix(result)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     json_path = prefix.parent / f"{prefix.name}.json"
     json_path.write_text(json.dumps(result, indent=2) + "\n")

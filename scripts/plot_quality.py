@@ -1,7 +1,7 @@
 """The report of scripts/eval_quality.py, from its JSON: a markdown table and two PNG plots
 (exact match vs TTFT per setting; exact match vs seam width w).
 
-    python scripts/plot_quality.py bench/results/quality_nvidia_h200.json   # rewrites the .md and .png beside it
+    python scripts/plot_quality.py bench/results/quality_h200_default_model.json   # rewrites the .md and .png beside it
 """
 from __future__ import annotations
 

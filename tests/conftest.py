@@ -12,7 +12,7 @@ if os.environ.get("HYPIC_TRITON_INTERPRET") == "1":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from models_util import make_hf_model, save_checkpoint  # noqa: E402
+from models_util import make_hf_model, save_checkpoint, slow_decay as slow_down  # noqa: E402
 from tokenizer_util import write_byte_level  # noqa: E402
 
 EOS_ID = 2  # <|im_end|> in the byte-level test tokenizer
@@ -37,12 +37,7 @@ def make_model_dir(path: Path, kind: str = "qwen3_5_text", seed: int = 0, slow_d
     that errors early in a prompt still show in the final state."""
     model = make_hf_model(kind, seed=seed, eos_token_id=EOS_ID, **overrides)
     if slow_decay:
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("A_log"):
-                    param.fill_(-4.0)  # exp(A_log) = 0.018
-                elif name.endswith("dt_bias"):
-                    param.fill_(-2.0)
+        slow_down(model)
     save_checkpoint(model, path)
     write_byte_level(path, vocab_size=300)
     return path

@@ -154,12 +154,28 @@ def conv_loop_f64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def moe_dense_f64(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
-    """Per token, per chosen expert, in float64."""
+                  topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """Per token, per chosen expert, in float64; relu2 experts have up rows only."""
     inter = w_down.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float64)
     for n in range(x.shape[0]):
         for weight, expert in zip(topk_weights[n].tolist(), topk_ids[n].tolist()):
             h = w_gate_up[expert].double() @ x[n].double()
-            out[n] += weight * (w_down[expert].double() @ (F.silu(h[:inter]) * h[inter:]))
+            act = F.relu(h) ** 2 if activation == "relu2" else F.silu(h[:inter]) * h[inter:]
+            out[n] += weight * (w_down[expert].double() @ act)
     return out
+
+
+def check_spans_against_recurrence(recurrence, inputs: tuple[torch.Tensor, ...], vl: Varlen, before: torch.Tensor,
+                                   after: torch.Tensor, o: torch.Tensor, scale: float) -> None:
+    """Every span's outputs and end state (slot after) equal `recurrence(*span inputs, initial state,
+    scale)` (float64) from its slot's state before (zeros without state); other slots are untouched."""
+    for b, slot in enumerate(vl.slots.tolist()):
+        s, e = vl.starts[b], vl.starts[b + 1]
+        initial = before[slot] if vl.has_state[b] else torch.zeros_like(before[slot])
+        ref_o, ref_state = recurrence(*(x[s:e] for x in inputs), initial, scale)
+        torch.testing.assert_close(o[s:e].double(), ref_o, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(after[slot].double(), ref_state, rtol=1e-4, atol=1e-5)
+    untouched = torch.ones(before.shape[0], dtype=torch.bool)
+    untouched[vl.slots] = False
+    assert torch.equal(after[untouched], before[untouched])

@@ -16,6 +16,8 @@ from safetensors.torch import load_file, save_file
 from hypic.cache.model_caches import ModelCaches
 from hypic.models.batch import ForwardBatch
 from hypic.models.config import HybridConfig
+from hypic.models.mamba2_config import Mamba2HybridConfig
+from hypic.models.mamba2_hybrid import Mamba2HybridModel
 from hypic.models.qwen3_next import HybridModel
 
 TOKENIZER_VOCAB = 300  # ids the tests feed; the model's vocab_size (320) is padded past it
@@ -135,11 +137,12 @@ class BatchBuilder:
     """Caches for one model plus a trivial page allocator. Slots and pages start full of junk so that a
     fresh sequence (has_state False) that read them would show."""
 
-    def __init__(self, config: HybridConfig, *, block_size: int = 4, num_blocks: int = 96, num_slots: int = 8,
+    def __init__(self, config: HybridConfig | Mamba2HybridConfig, *, block_size: int = 4, num_blocks: int = 96, num_slots: int = 8,
                  dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu")) -> None:
         self.block_size, self.device = block_size, device
+        model_cls = Mamba2HybridModel if isinstance(config, Mamba2HybridConfig) else HybridModel
         with torch.device("meta"):
-            shape = HybridModel(config).cache_shape()
+            shape = model_cls(config).cache_shape()
         self.caches = ModelCaches(shape, num_blocks, block_size, num_slots, dtype, device)
         for i in config.linear_layers:
             for pool in self.caches.state(i):
@@ -195,3 +198,61 @@ def random_ids(n: int, seed: int) -> list[int]:
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm())
+
+
+def assert_decode_replays(model: torch.nn.Module, builder: BatchBuilder, batch: ForwardBatch) -> None:
+    """A decode step captured in a CUDA graph and replayed from the same caches gives the eager step's
+    hidden states."""
+    config, caches = model.config, builder.caches
+    tensors = [t for i in config.full_layers for t in caches.kv(i)]
+    tensors += [t for i in config.linear_layers for t in caches.state(i)]
+    saved = [t.clone() for t in tensors]
+
+    def restore() -> None:
+        for t, s in zip(tensors, saved):
+            t.copy_(s)
+
+    eager = model(batch, caches).clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        restore()
+        model(batch, caches)  # warm-up (Triton compilation) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = model(batch, caches)
+    restore()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, eager, rtol=1e-3, atol=1e-3)
+
+
+def slow_decay(model: torch.nn.Module) -> None:
+    """Linear layers remember hundreds of tokens (random init forgets within a few), so that errors
+    early in a prompt still show in the final state: exp(A_log) = 0.018, softplus(dt_bias) ~ 0.13."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.fill_(-4.0)
+            elif name.endswith("dt_bias"):
+                param.fill_(-2.0)
+
+
+def mixed_steps_logits(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
+                       ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Two fresh prefills, then a decode beside a continued prefill and a third fresh one, then decodes
+    of two: the prompts and each sequence's logits over the steps (150, 64 and 33 tokens, on the CPU)."""
+    builder = BatchBuilder(model.config, block_size=16, num_blocks=64, num_slots=8, dtype=dtype, device=device)
+    prompts = [random_ids(n, seed=n) for n in (150, 70, 33)]
+    seqs = [builder.new_seq(slot=s) for s in (5, 1, 7)]
+    logits: list[list[torch.Tensor]] = [[], [], []]
+    steps = [[(seqs[0], prompts[0][:100]), (seqs[1], prompts[1][:60])],
+             [(seqs[1], prompts[1][60:61]), (seqs[0], prompts[0][100:]), (seqs[2], prompts[2][:30])]]
+    steps += [[(seqs[b], prompts[b][n:n + 1]) for b, n in ((1, 61 + i), (2, 30 + i))] for i in range(3)]
+    for pieces in steps:
+        out, start = run(model, builder, pieces).float().cpu(), 0
+        for seq, tokens in pieces:
+            logits[seqs.index(seq)].append(out[start:start + len(tokens)])
+            start += len(tokens)
+    return prompts, [torch.cat(per_seq) for per_seq in logits]

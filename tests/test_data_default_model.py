@@ -80,7 +80,7 @@ def test_bundled_model_answers_held_out_questions_in_none_and_hypic_and_naive_lo
     facts cut between two segments (type d) of the benchmark (4-8 notes, invented multi-token names) in
     none and hypic; naive, whose cut value was prefilled in isolation, loses type d (125 prompts a kind
     on the CPU: 100 % of each in none and hypic w=8 but long 99.2 % in hypic, naive long 2.4 %,
-    bench/results/quality_cpu_step21146_cut.md; these 8 a kind: all 8 in none and hypic, naive 1 of 8 long)."""
+    bench/results/quality_cpu_default_model.md; these 8 a kind: all 8 in none and hypic, naive 1 of 8 long)."""
     import asyncio
 
     from hypic.data import is_correct

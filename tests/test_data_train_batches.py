@@ -1,4 +1,4 @@
-"""Training batches (scripts/train_data.py): the loss covers exactly the replies, and their value tokens
+"""Training batches (scripts/train/train_data.py): the loss covers exactly the replies, and their value tokens
 are the tokens the notes state."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 import sys
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "train"
 sys.path.insert(0, str(SCRIPTS))
 
 import numpy as np
@@ -16,7 +16,7 @@ from train_data import STAGES, collate, encode  # noqa: E402
 from hypic.data import KINDS, make_prompt  # noqa: E402
 from hypic.data.tasks import reply_text  # noqa: E402
 
-MODEL_DIR = SCRIPTS.parent / "hypic" / "assets" / "default_model"
+MODEL_DIR = SCRIPTS.parents[1] / "hypic" / "assets" / "default_model"
 FACT = {"Where": r" {name} lives in (\w+)\.", "job?": r" {name} works as an? (\w+)\.",
         "code?": r" {name}'s locker code is (\d+)\."}
 

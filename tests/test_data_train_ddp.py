@@ -1,4 +1,4 @@
-"""scripts/train_model.py data parallel under torchrun: two CPU ranks (gloo), fresh start and resume."""
+"""scripts/train/train_model.py data parallel under torchrun: two CPU ranks (gloo), fresh start and resume."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_model.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train" / "train_model.py"
 
 
 def torchrun(ckpt: Path, *flags: str) -> str:

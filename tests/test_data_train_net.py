@@ -1,4 +1,4 @@
-"""The training-side model and loop (scripts/train_*.py) against transformers and a plain recurrence."""
+"""The training-side model and loop (scripts/train/train_*.py) against transformers and a plain recurrence."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "train"
 sys.path.insert(0, str(SCRIPTS))
 
 from make_default_model import model_config  # noqa: E402
@@ -16,7 +16,7 @@ from train_data import init_worker, make_group  # noqa: E402
 from train_model import SMOKE_DIMS, Checkpoint, answer_loss, run_over, to_device  # noqa: E402
 from train_net import Qwen35ForTraining, chunked_delta_rule  # noqa: E402
 
-MODEL_DIR = SCRIPTS.parent / "hypic" / "assets" / "default_model"
+MODEL_DIR = SCRIPTS.parents[1] / "hypic" / "assets" / "default_model"
 
 
 def tiny_config() -> dict:

@@ -1,6 +1,8 @@
 """Segment parallelism across processes (CPU): three engine nodes joined by the TCP transport give the
 single-process `hypic` engine's greedy tokens and logprobs for cold, warm and mixed requests, and
-survive a worker killed or frozen in the middle of a request.
+survive a worker killed or frozen in the middle of a request, the generating node killed mid-stream
+included (`--workers 3` behind the HTTP server); a node busy for longer than the hang timeout is not
+declared hung.
 
 One cluster serves the whole module (starting engine processes is the expensive part); the tests
 run in file order and each builds on the state the previous ones left.
@@ -8,6 +10,7 @@ run in file order and each builds on the state the previous ones left.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
@@ -16,16 +19,21 @@ from contextlib import aclosing
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 from engine_util import Finished, collect, greedy
 from test_pic_engine import SEP, SYSTEM, pic_config
 
 from hypic import AsyncEngine, PromptTooLongError
+from hypic.engine.text.tokenizer import Tokenizer
 from hypic.dist.client import DistributedEngineClient
 from hypic.dist.config import DistConfig
-from hypic.dist.launch import start_cluster
+from hypic.dist.client import start_cluster
 from hypic.dist.messages import Build
-from hypic.serve.engine_client import GenerateRequest
+from hypic.engine.client import GenerateRequest
+from hypic.serve.app import build_app, runner_for
+from hypic.serve.state import ServerSettings
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -243,3 +251,100 @@ def test_flush_reaches_every_node_and_the_directory(cluster):
     assert loop.run(client.flush_cache(None)) > 0  # the earlier tests left segments on the nodes
     assert len(client.router.directory) == 0
     assert loop.run(client.flush_cache(None)) == 0
+
+
+RESUMED = prompt([3, 5, 7], "name every street you know, one by one:")
+STREAMED = {"prompt": RESUMED, "n": 2, "max_tokens": 64, "temperature": 0, "ignore_eos": True, "stream": True,
+            "frequency_penalty": 0.6, "presence_penalty": 0.4, "repetition_penalty": 1.3}
+
+
+async def stream_texts(url: str, on_first_text: Callable[[], None] = lambda: None) -> dict[int, str]:
+    """The completions' texts as an SSE client reads them; `on_first_text` runs once text arrived."""
+    texts: dict[int, str] = {}
+    async with aiohttp.ClientSession() as session, session.post(url, json=STREAMED) as response:
+        assert response.status == 200
+        async for line in response.content:
+            if not line.startswith(b"data: {"):
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+            if any(texts.values()) and on_first_text is not None:
+                on_first_text()
+                on_first_text = None
+    return texts
+
+
+def kill_generating_node(client: DistributedEngineClient) -> None:
+    [node] = [n for n in client.cluster.nodes.values() if n.running]
+    os.kill(client.nodes.pid(node.node_id), signal.SIGKILL)
+
+
+def test_the_generating_node_killed_mid_stream_costs_the_stream_nothing(cluster):
+    loop, client = cluster
+    before = client.stats().dist
+
+    async def main() -> tuple[dict[int, str], dict[int, str]]:
+        runner = runner_for(build_app(client, ServerSettings()), access_log=False)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
+        try:
+            return await stream_texts(url), await stream_texts(url, lambda: kill_generating_node(client))
+        finally:
+            await runner.cleanup()
+    undisturbed, killed = loop.run(main())
+    assert killed == undisturbed and set(killed) == {0, 1} and all(killed.values())
+    after = client.stats().dist
+    assert after.requests_resumed == before.requests_resumed + 1
+    assert after.node_deaths == before.node_deaths + 1
+    loop.run(client.cluster.wait_until(settled(time.monotonic()), timeout=300), timeout=310)  # it restarted
+
+
+def huge_prompt(model_dir, seconds: float) -> str:
+    """A prompt that takes a node about `seconds` to tokenize (timed here on a small part)."""
+    part = " ".join(WORDS) + "; "
+    sample = part * 4000
+    start = time.monotonic()
+    Tokenizer.from_dir(model_dir).encode(sample)
+    return sample * max(1, int(seconds / (time.monotonic() - start)))
+
+
+def test_a_node_busy_tokenizing_a_huge_prompt_is_not_declared_hung(cluster, slow_decay_model_dir):
+    loop, client = cluster
+    timeout = client.dist.node_timeout_s
+    huge = huge_prompt(slow_decay_model_dir, 2 * timeout)
+    before = client.stats().dist
+
+    async def main() -> tuple[float, float, float, str]:
+        silences = [0.0]
+        big = asyncio.ensure_future(collect_error(client.stream(GenerateRequest(huge, greedy(4), "huge"))))
+        while not any(time.monotonic() - n.last_heartbeat > 1.0 for n in client.cluster.nodes.values()):
+            await asyncio.sleep(0.02)  # its planner is tokenizing: its event loop no longer heartbeats
+        small = generate_async(client, prompt([0]), "beside-huge")
+        small_done = asyncio.ensure_future(small)
+        while not big.done():
+            silences.append(max(time.monotonic() - n.last_heartbeat for n in client.cluster.nodes.values()))
+            await asyncio.sleep(0.05)
+        await small_done
+        return max(silences), small_done.result(), time.monotonic(), big.result()
+    longest_silence, small_finished, big_failed, error = loop.run(main())
+    assert longest_silence > timeout  # heartbeats alone would have called it hung
+    assert error == "PromptTooLongError"  # the request's own answer, not a 503 for a lost node
+    assert small_finished < big_failed  # the other request was served meanwhile, on another node
+    assert client.stats().dist.node_hangs == before.node_hangs
+
+
+async def collect_error(outputs) -> str:
+    try:
+        async for _ in outputs:
+            pass
+    except Exception as error:  # noqa: BLE001 - the test reads which error it was
+        return type(error).__name__
+    return "none"
+
+
+async def generate_async(client: DistributedEngineClient, text: str, request_id: str) -> float:
+    """Runs a short request; when it finished."""
+    async for out in client.stream(GenerateRequest(text, PARAMS, request_id)):
+        assert out.deltas
+    return time.monotonic()

@@ -13,7 +13,7 @@ from test_pic_engine import pic_config
 
 from hypic import AsyncEngine
 from hypic.dist.config import DistConfig
-from hypic.dist.launch import start_cluster
+from hypic.dist.client import start_cluster
 from hypic.dist.tcp_transport import TcpTransport
 from hypic.dist.transport import allocate, spec_of
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hypic.kernels.gdn import gated_delta_rule, gated_delta_rule_ref, gdn_decode_triton
-from kernel_cases import GdnInputs, Varlen, gdn_recurrence_f64, interpreted, make_gdn_inputs, make_varlen, rel_err
+from kernel_cases import (GdnInputs, Varlen, check_spans_against_recurrence, gdn_recurrence_f64, interpreted,
+                          make_gdn_inputs, make_varlen, rel_err)
 
 HEADS, KEY_DIM, VALUE_DIM, SLOTS = 2, 16, 8, 12
 
@@ -14,20 +15,6 @@ HEADS, KEY_DIM, VALUE_DIM, SLOTS = 2, 16, 8, 12
 def run_ref(x: GdnInputs, vl: Varlen, pool: torch.Tensor, scale: float) -> torch.Tensor:
     return gated_delta_rule_ref(x.q, x.k, x.v, x.g, x.beta, pool, vl.slots, vl.has_state, vl.cu_seqlens,
                                 scale=scale, num_decodes=vl.num_decodes, seq_lens_cpu=vl.seq_lens)
-
-
-def check_against_recurrence(x: GdnInputs, vl: Varlen, before: torch.Tensor, after: torch.Tensor,
-                             o: torch.Tensor, scale: float) -> None:
-    starts = vl.starts
-    for b, slot in enumerate(vl.slots.tolist()):
-        s, e = starts[b], starts[b + 1]
-        initial = before[slot] if vl.has_state[b] else torch.zeros_like(before[slot])
-        ref_o, ref_state = gdn_recurrence_f64(x.q[s:e], x.k[s:e], x.v[s:e], x.g[s:e], x.beta[s:e], initial, scale)
-        torch.testing.assert_close(o[s:e].double(), ref_o, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(after[slot].double(), ref_state, rtol=1e-4, atol=1e-5)
-    untouched = torch.ones(SLOTS, dtype=torch.bool)
-    untouched[vl.slots] = False
-    assert torch.equal(after[untouched], before[untouched])
 
 
 @pytest.mark.parametrize("ratio", [1, 2, 3])
@@ -46,7 +33,8 @@ def test_reference_matches_float64_recurrence(ratio: int, prefill_lens: tuple[in
     pool[vl.slots[~vl.has_state]] = float("nan")  # a fresh sequence must not read its recycled slot
     before = pool.clone()
     o = run_ref(x, vl, pool, scale=KEY_DIM ** -0.5)
-    check_against_recurrence(x, vl, before, pool, o, KEY_DIM ** -0.5)
+    inputs = (x.q, x.k, x.v, x.g, x.beta)
+    check_spans_against_recurrence(gdn_recurrence_f64, inputs, vl, before, pool, o, KEY_DIM ** -0.5)
 
 
 def test_reference_keeps_value_dtype_and_float32_state() -> None:

@@ -10,10 +10,12 @@ from kernel_cases import interpreted, moe_dense_f64, rel_err
 
 
 def make_case(tokens: int, experts: int, topk: int, hidden: int, inter: int, seed: int,
-              dtype: torch.dtype = torch.float32, device: str = "cpu") -> tuple[torch.Tensor, ...]:
+              dtype: torch.dtype = torch.float32, device: str = "cpu", activation: str = "silu"
+              ) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator(device).manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen, device=device)
-    w_gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen, device=device) / hidden ** 0.5
+    rows = 2 * inter if activation == "silu" else inter  # relu2 experts: up rows only
+    w_gate_up = torch.randn(experts, rows, hidden, generator=gen, device=device) / hidden ** 0.5
     w_down = torch.randn(experts, hidden, inter, generator=gen, device=device) / inter ** 0.5
     weights, ids = torch.randn(tokens, experts, generator=gen, device=device).softmax(-1).topk(topk)
     return (*(t.to(dtype) for t in (x, w_gate_up, w_down)), weights, ids)
@@ -23,6 +25,13 @@ def make_case(tokens: int, experts: int, topk: int, hidden: int, inter: int, see
 def test_reference_matches_dense_per_token(tokens: int, experts: int, topk: int) -> None:
     case = make_case(tokens, experts, topk, hidden=32, inter=16, seed=tokens)
     torch.testing.assert_close(fused_moe_ref(*case).double(), moe_dense_f64(*case), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens,experts,topk", [(1, 8, 2), (13, 6, 3)])
+def test_relu2_reference_matches_dense_per_token(tokens: int, experts: int, topk: int) -> None:
+    case = make_case(tokens, experts, topk, hidden=32, inter=16, seed=tokens, activation="relu2")
+    expected = moe_dense_f64(*case, activation="relu2")
+    torch.testing.assert_close(fused_moe_ref(*case, activation="relu2").double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_reference_keeps_dtype() -> None:
@@ -62,6 +71,25 @@ def test_triton_interpreted_matches_reference(tokens: int, monkeypatch: pytest.M
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     case = make_case(tokens, 6, 3, hidden=48, inter=24, seed=tokens)
     torch.testing.assert_close(moe_triton(*case), fused_moe_ref(*case), rtol=1e-5, atol=1e-5)
+
+
+@interpreted
+def test_relu2_triton_interpreted_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    case = make_case(9, 6, 3, hidden=48, inter=24, seed=4, activation="relu2")
+    torch.testing.assert_close(moe_triton(*case, activation="relu2"), fused_moe_ref(*case, activation="relu2"),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", [fused_moe, moe_triton])
+@pytest.mark.parametrize("tokens", [1, 37, 2048])
+def test_gpu_relu2_matches_reference(path, tokens: int) -> None:
+    """Nemotron 3 Nano's experts: 128 of width 1856 over hidden 2688, top-6, bf16."""
+    case = make_case(tokens, 128, 6, 2688, 1856, seed=tokens, dtype=torch.bfloat16, device="cuda",
+                     activation="relu2")
+    out = path(*case, activation="relu2")
+    assert out.dtype == torch.bfloat16 and rel_err(out, fused_moe_ref(*case, activation="relu2")) < 2e-2
 
 
 # ----------------------------------------------------------------------------- GPU (Qwen3.5-35B-A3B MoE)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hypic.models.registry import load_model
-from models_util import BatchBuilder, make_hf_model, random_ids, rel_err, run, save_checkpoint
+from models_util import (BatchBuilder, assert_decode_replays, make_hf_model, mixed_steps_logits, random_ids, rel_err,
+                         run, save_checkpoint)
 
 # transformers binds FLA's kernels whenever FLA imports, CPU tensors or not (they then fail): its CPU
 # reference runs in a child process where FLA cannot import, so it takes its own torch code path.
@@ -49,23 +50,11 @@ def checkpoint(request, tmp_path_factory):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_chunks_batches_and_decodes_match_transformers(checkpoint, dtype) -> None:
     _, path = checkpoint
-    model = load_model(str(path), device=CUDA, dtype=dtype)
-    builder = BatchBuilder(model.config, block_size=16, num_blocks=64, num_slots=8, dtype=dtype, device=CUDA)
-    prompts = [random_ids(n, seed=n) for n in (150, 70, 33)]
-    seqs = [builder.new_seq(slot=s) for s in (5, 1, 7)]
-    logits: list[list[torch.Tensor]] = [[], [], []]
-    steps = [[(seqs[0], prompts[0][:100]), (seqs[1], prompts[1][:60])],  # two fresh prefills
-             [(seqs[1], prompts[1][60:61]), (seqs[0], prompts[0][100:]), (seqs[2], prompts[2][:30])]]
-    steps += [[(seqs[b], prompts[b][n:n + 1]) for b, n in ((1, 61 + i), (2, 30 + i))] for i in range(3)]
-    for pieces in steps:
-        out, start = run(model, builder, pieces).float().cpu(), 0
-        for seq, tokens in pieces:
-            logits[seqs.index(seq)].append(out[start:start + len(tokens)])
-            start += len(tokens)
+    prompts, logits = mixed_steps_logits(load_model(str(path), device=CUDA, dtype=dtype), CUDA, dtype)
     lengths = (150, 64, 33)
     expected = hf_torch_logits(path, [prompts[b][:n] for b, n in enumerate(lengths)])
     for b in range(len(lengths)):
-        assert rel_err(torch.cat(logits[b]), expected[b]) < TOLERANCE[dtype], f"sequence {b}"
+        assert rel_err(logits[b], expected[b]) < TOLERANCE[dtype], f"sequence {b}"
 
 
 def test_decode_step_replays_from_a_cuda_graph(checkpoint) -> None:
@@ -75,27 +64,4 @@ def test_decode_step_replays_from_a_cuda_graph(checkpoint) -> None:
                            device=CUDA)
     seqs = [builder.new_seq(slot=s) for s in (2, 6, 3)]
     run(model, builder, [(seq, random_ids(20 + 9 * i, seed=i)) for i, seq in enumerate(seqs)])
-    batch = builder.batch([(seq, [7 + i]) for i, seq in enumerate(seqs)])
-    config, caches = model.config, builder.caches
-    tensors = [t for i in config.full_layers for t in caches.kv(i)]
-    tensors += [t for i in config.linear_layers for t in caches.state(i)]
-    saved = [t.clone() for t in tensors]
-
-    def restore() -> None:
-        for t, s in zip(tensors, saved):
-            t.copy_(s)
-
-    eager = model(batch, builder.caches).clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        restore()
-        model(batch, builder.caches)  # warm-up (Triton compilation) outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = model(batch, builder.caches)
-    restore()
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(captured, eager, rtol=1e-3, atol=1e-3)
+    assert_decode_replays(model, builder, builder.batch([(seq, [7 + i]) for i, seq in enumerate(seqs)]))

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from hypic.config import EngineConfig
 from hypic.serve.app import build_app, runner_for
-from hypic.serve.engine_client import InProcessEngineClient
+from hypic.engine.client import InProcessEngineClient
 from hypic.serve.server import drain
 from hypic.serve.state import ServerSettings
 
@@ -153,8 +153,9 @@ def _idle_and_accounted(client: InProcessEngineClient) -> bool:
         ("/v1/completions", {"prompt": [1, 999999]}, 400, "prompt"),
         ("/v1/completions", {"prompt": ""}, 400, "any"),
         ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
-        ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
-        ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
+        ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, 400, "functions"),
+        ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, 400, "any"),
         ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "any"),

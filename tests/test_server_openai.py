@@ -157,7 +157,8 @@ def test_max_tokens_zero_returns_an_empty_completion_with_usage(client) -> None:
 
 def test_bad_request_raises_the_clients_typed_error(client) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=NAME, messages=CHAT, tools=[{"type": "function", "function": {"name": "f"}}])
+        tool = {"type": "function", "function": {"name": "f"}}
+        client.chat.completions.create(model=NAME, messages=CHAT, tools=[tool, tool])  # duplicate names
     assert caught.value.body["param"] == "tools"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x", max_tokens=1)

@@ -79,11 +79,11 @@ def test_malformed_json_is_a_400() -> None:
 
 
 def test_unimplemented_fields_are_rejected_but_null_is_accepted() -> None:
-    names, messages = ("tools", "tool_choice", "response_format"), [{"role": "user", "content": "hi"}]
-    assert unsupported_fields(_decode({"messages": messages, "tools": None}, ChatRequest), names) == []
-    assert unsupported_fields(_decode({"messages": messages, "tool_choice": "none"}, ChatRequest), names) == []
-    body = _decode({"messages": messages, "response_format": {"type": "json_object"}}, ChatRequest)
-    assert unsupported_fields(body, names) == ["response_format"]
+    names, messages = ("functions", "function_call"), [{"role": "user", "content": "hi"}]
+    assert unsupported_fields(_decode({"messages": messages, "functions": None}, ChatRequest), names) == []
+    assert unsupported_fields(_decode({"messages": messages, "function_call": "none"}, ChatRequest), names) == []
+    body = _decode({"messages": messages, "functions": [{"name": "f"}]}, ChatRequest)
+    assert unsupported_fields(body, names) == ["functions"]
 
 
 def test_engine_errors_map_to_statuses() -> None:

@@ -7,7 +7,7 @@ from hypic.dist.client import DistributedEngineClient
 import argparse
 
 from hypic.serve.args import add_serve_arguments, engine_config, server_settings
-from hypic.serve.engine_client import InProcessEngineClient
+from hypic.engine.client import InProcessEngineClient
 from hypic.serve.server import engine_client
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from hypic.data import lexicon
+import hypic.data.lexicon as lexicon
 
 RELATIONS: tuple[str, ...] = ("lives", "job", "code", "based")
 """Relations of a random fact sentence; "based" ("Oslo hosts Acme.") answers no lookup itself."""

@@ -1,5 +1,5 @@
 """Segment parallelism (DESIGN §6): engine processes that prefill a request's cold segments in
-parallel and assemble it on one combine node, behind the server's EngineClient interface.
+parallel and assemble it on one combine node, behind the EngineClient interface (hypic.engine.client).
 
     from hypic.dist import DistConfig, start_cluster
     client = start_cluster(EngineConfig(...), workers=4, gpus=None, device="auto", dist=DistConfig())
@@ -19,6 +19,6 @@ def __getattr__(name: str):
         from hypic.dist.client import DistributedEngineClient
         return DistributedEngineClient
     if name == "start_cluster":
-        from hypic.dist.launch import start_cluster
+        from hypic.dist.client import start_cluster
         return start_cluster
     raise AttributeError(f"module 'hypic.dist' has no attribute {name!r}")

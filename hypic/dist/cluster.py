@@ -2,8 +2,10 @@
 
 Nodes connect to the router's address and say `Hello`; the router answers `Welcome` with the node's
 id (its own if it asked for one — a restarted node rejoins under its old id). A node whose
-connection drops is dead; one whose heartbeats stop for `node_timeout_s` is hung, and is usable
-again once they resume. Everything else a node says goes to the listener (the client).
+connection drops is dead. One whose heartbeats stop is busy while its pulse (`pulse.py`, a process
+of its own) shows its CPU time growing, and hung once neither has moved for `node_timeout_s`; it is
+usable again when its heartbeats resume. Everything else a node says goes to the listener (the
+client).
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from typing import Any, Protocol
 
 from hypic.dist.config import DistConfig
 from hypic.dist.link import Link
-from hypic.dist.messages import (NODE_CODEC, FlushReply, Heartbeat, Hello, NodeCounters, PlanReply, ProbeReply, Welcome,
-                                 read_message, write_message)
+from hypic.dist.messages import (NODE_CODEC, FlushReply, Heartbeat, Hello, NodeCounters, PlanReply, ProbeReply, Pulse,
+                                 PulseHello, Welcome, read_message, write_message)
 from hypic.dist.net import listen
 from hypic.dist.router import NodeLoad
 
@@ -39,6 +41,8 @@ class NodeHandle:
     hello: Hello
     link: Link
     last_heartbeat: float = field(default_factory=time.monotonic)
+    last_progress: float = 0.0  # when its pulse last showed its CPU time growing
+    cpu_seconds: float = 0.0  # as its pulse last reported
     stats: dict[str, Any] | None = None  # last heartbeat's EngineStats (builtins)
     counters: NodeCounters = field(default_factory=NodeCounters)
     hung: bool = False
@@ -60,12 +64,27 @@ class NodeHandle:
     def load(self) -> NodeLoad:
         return NodeLoad(self.node_id, self.pending_tokens, self.running)
 
+    def last_sign_of_life(self) -> float:
+        return max(self.last_heartbeat, self.last_progress)
+
+    def pulse(self, cpu_seconds: float) -> None:
+        if cpu_seconds > self.cpu_seconds:
+            self.cpu_seconds, self.last_progress = cpu_seconds, time.monotonic()
+
+    async def send(self, message: Any) -> bool:
+        """False when the node's connection is gone (its death is handled where it is noticed)."""
+        try:
+            await self.link.send(message)
+            return True
+        except ConnectionError:
+            return False
+
 
 class Cluster:
     def __init__(self, config: DistConfig, listener: ClusterListener) -> None:
         self.config = config
         self.nodes: dict[int, NodeHandle] = {}
-        self.deaths = self.hangs = self.rejoins = 0
+        self.deaths = self.hangs = 0
         self._listener = listener
         self._seen: set[int] = set()
         self._changed = asyncio.Condition()
@@ -94,6 +113,12 @@ class Cluster:
     def alive(self) -> list[NodeHandle]:
         return [n for n in self.nodes.values() if n.alive]
 
+    def responsive(self, nodes: list[NodeHandle]) -> list[NodeHandle]:
+        """Those of `nodes` heartbeating now (not busy with something long), or all if none is."""
+        now = time.monotonic()
+        fresh = [n for n in nodes if now - n.last_heartbeat <= 2 * self.config.heartbeat_s]
+        return fresh or nodes
+
     async def wait_until(self, predicate: Any, timeout: float) -> None:
         """Until predicate(self) holds (re-checked whenever a node joins, heartbeats, or leaves)."""
         async with self._changed:
@@ -103,6 +128,9 @@ class Cluster:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         hello = await read_message(reader, NODE_CODEC)
+        if isinstance(hello, PulseHello):
+            await self._read_pulses(hello, reader, writer)
+            return
         if not isinstance(hello, Hello):
             log.error("a connection opened with %s, not Hello; closing it", type(hello).__name__)
             writer.close()
@@ -115,13 +143,25 @@ class Cluster:
         if previous is not None:
             previous.link.close()  # a stale connection of the same node (it restarted)
         self.nodes[node_id] = handle
-        self.rejoins += node_id in self._seen
         self._seen.add(node_id)
         handle.link.start()
         self._spawn(self._watch_link(handle))
         log.info("%s joined (data %s over %s)", handle.name, hello.data_address, hello.transport)
         self._listener.node_up(handle)
         await self.notify()
+
+    async def _read_pulses(self, hello: PulseHello, reader: asyncio.StreamReader,
+                           writer: asyncio.StreamWriter) -> None:
+        handle = self.nodes.get(hello.node_id)
+        try:
+            while handle is not None and handle.hello.pid == hello.pid and handle.alive:
+                message = await read_message(reader, NODE_CODEC)
+                if isinstance(message, Pulse):
+                    handle.pulse(message.cpu_seconds)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the pulse exited with its node
+        finally:
+            writer.close()
 
     def _id_for(self, hello: Hello) -> int:
         if hello.node_id >= 0:
@@ -151,16 +191,23 @@ class Cluster:
         self._spawn(self.notify())
 
     async def _watch_heartbeats(self) -> None:
+        tick = time.monotonic()
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
-            now = time.monotonic()
+            now, last = time.monotonic(), tick
+            tick = now
+            if now - last > 2 * self.config.heartbeat_s:
+                continue  # this event loop was held up: what the nodes sent meanwhile is not read yet
             for handle in list(self.nodes.values()):
-                if not handle.hung and handle.stats is not None and now - handle.last_heartbeat > self.config.node_timeout_s:
-                    handle.hung = True
-                    self.hangs += 1
-                    log.warning("%s sent no heartbeat for %.1f s: treating it as hung", handle.name,
-                                now - handle.last_heartbeat)
-                    self._listener.node_down(handle, "hung")
+                silent = now - handle.last_sign_of_life()
+                if not handle.hung and handle.stats is not None and silent > self.config.node_timeout_s:
+                    self._hung(handle, silent)
+
+    def _hung(self, handle: NodeHandle, silent: float) -> None:
+        handle.hung = True
+        self.hangs += 1
+        log.warning("%s sent no heartbeat and used no CPU for %.1f s: treating it as hung", handle.name, silent)
+        self._listener.node_down(handle, "hung")
 
     async def notify(self) -> None:
         async with self._changed:

@@ -20,7 +20,8 @@ class DistConfig:
     heartbeat_s: float = 0.5
     """How often a node reports its stats (also its liveness)."""
     node_timeout_s: float = 10.0
-    """A node silent this long is treated as hung: its segment work is re-dispatched."""
+    """A node that neither heartbeats nor uses CPU (its pulse tells) this long is treated as hung: its
+    segment work is re-dispatched, its requests go on elsewhere. A busy node is never hung."""
     segment_timeout_s: float = 120.0
     """A dispatched segment not in the combine node's store by then is re-dispatched."""
     rpc_timeout_s: float = 30.0

@@ -1,7 +1,5 @@
-"""Starting a cluster on this host: one engine process per GPU (or N CPU processes), supervised.
-
-    client = start_cluster(EngineConfig(model=...), workers=4, gpus=None, device="auto")
-    await client.start()        # spawns the nodes, waits until every one has joined
+"""A cluster's processes on this host: one engine process per GPU (or N CPU processes), supervised
+(`hypic.dist.client.start_cluster` builds the client over them).
 
 Processes are started with multiprocessing's 'spawn' method (CUDA cannot be forked). A node that
 dies after it joined is started again under the same id and rejoins; one that dies before it ever
@@ -19,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hypic.config import EngineConfig
-from hypic.dist.client import DistributedEngineClient
 from hypic.dist.cluster import Cluster
 from hypic.dist.config import DistConfig
 from hypic.dist.worker import NodeSpec, node_main
@@ -36,17 +33,6 @@ class NodePlan:
     gpu: int | None  # physical GPU; the process sees only it
     threads: int | None  # torch threads of a CPU node
     after: int | None = None  # a node sharing the GPU that must have joined before this one starts
-
-
-def start_cluster(config: EngineConfig, workers: int, gpus: list[int] | None, device: str,
-                  dist: DistConfig | None = None,
-                  configure: Callable[[EngineConfig], EngineConfig] | None = None) -> DistributedEngineClient:
-    """A client for `workers` engine processes (one per GPU of `gpus`, round robin when there are
-    more workers than GPUs; `device="cpu"`: CPU processes). Nothing starts before `await start()`.
-    `configure` runs in each node process before its engine is built (see NodeSpec)."""
-    dist = dist or DistConfig()
-    plans, transport = plan_nodes(config, workers, gpus, device, dist.transport)
-    return DistributedEngineClient(config, LocalNodes(plans, dist, transport, configure), dist)
 
 
 def plan_nodes(config: EngineConfig, workers: int, gpus: list[int] | None, device: str,

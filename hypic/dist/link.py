@@ -57,10 +57,6 @@ class Link:
             self._task.cancel()
         self._shut()
 
-    async def wait_closed(self) -> None:
-        if self._task is not None:
-            await asyncio.gather(self._task, return_exceptions=True)
-
     async def _read_loop(self) -> None:
         try:
             while True:

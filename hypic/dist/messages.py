@@ -2,7 +2,8 @@
 
 Two conversations, each a tagged union:
 - router <-> engine node (`NodeMessage`): joining, requests and their outputs, segment dispatch,
-  progress, cancel, heartbeats, probes, shutdown;
+  progress, cancel, heartbeats, probes, shutdown; and a node's pulse process -> router (its own
+  connection: `PulseHello`, then `Pulse`s);
 - engine node -> engine node on a data connection (`DataMessage`): the header of each tensor
   transfer, and the NCCL unique id when the payload goes through NCCL.
 
@@ -100,6 +101,17 @@ class Welcome(msgspec.Struct, frozen=True, tag=True):
     node_id: int
 
 
+class PulseHello(msgspec.Struct, frozen=True, tag=True):
+    """First message of a node's pulse process, on a connection of its own (`hypic.dist.pulse`)."""
+
+    node_id: int
+    pid: int  # the node process it watches
+
+
+class Pulse(msgspec.Struct, frozen=True, tag=True):
+    cpu_seconds: float  # CPU time the node process has used: grows while it is busy, not while hung
+
+
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     stats: dict[str, Any]  # the engine's EngineStats as builtins
     counters: NodeCounters
@@ -107,11 +119,12 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
 
 class Generate(msgspec.Struct, frozen=True, tag=True):
     request_id: str
-    prompt: str | list[str | int]
+    prompt: str | list[str | int | list[int]]
     params: SamplingParams
     cache_salt: str | None = None
     cache_mode: str | None = None
     add_special_tokens: bool = True
+    resume: dict[int, list[int]] = {}  # completion -> ids it generated on a node that died
 
 
 class Output(msgspec.Struct, frozen=True, tag=True):
@@ -134,7 +147,7 @@ class Plan(msgspec.Struct, frozen=True, tag=True):
     """Split and hash a prompt: which PIC segments it has, and its prefix hashes (affinity)."""
 
     call_id: int
-    prompt: str | list[str | int]
+    prompt: str | list[str | int | list[int]]
     cache_salt: str | None = None
     cache_mode: str | None = None
     add_special_tokens: bool = True
@@ -228,7 +241,7 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
     grace_s: float = 0.0
 
 
-NodeMessage = (Hello | Welcome | Heartbeat | Generate | Output | Failed | Abort | Plan | PlanReply | Build
+NodeMessage = (Hello | Welcome | PulseHello | Pulse | Heartbeat | Generate | Output | Failed | Abort | Plan | PlanReply | Build
                | Pull | Expect | Progress | Arrived | Cancel | Probe | ProbeReply | Flush | FlushReply | Shutdown)
 
 

@@ -3,7 +3,7 @@
 As a worker it prefills the segments a `Build` names together, in one engine step, and ships each as
 soon as the step is done (or a stored tuple on a `Pull`). DESIGN §6 overlaps segment i's transfer with
 segment i+1's prefill instead; on the H200 a step per segment made two workers slower than one
-(bench/results/dist_fig14_h200.json: 1.4-1.8 s to build what one engine batches in 0.8-1.2 s),
+(an earlier `scripts/bench_dist.py fig14` run: 1.4-1.8 s to build what one engine batches in 0.8-1.2 s),
 while all transfers together took 5-7 ms. As a combine node it allocates the destination of every expected tuple when the
 router announces it (`Expect`), before anything is dispatched, and imports each into its segment
 store as it lands. Every milestone is reported to the router; `cancel` drops a request's jobs and

@@ -67,7 +67,8 @@ class DistStats:
     node_restarts: int = 0
     segment_errors: int = 0  # failed or missing reports from source nodes
     segment_timeouts: int = 0
-    combine_retries: int = 0
+    combine_retries: int = 0  # combine nodes lost before the request's first output
+    requests_resumed: int = 0  # generating nodes lost mid-stream: the request went on elsewhere
     transfer_bytes: int = 0
     plan_seconds: float = 0.0
     dispatch_seconds: float = 0.0

@@ -2,7 +2,9 @@
 
 A node serves its own requests (it is their combine node: `Generate` -> `Output`s) and prefills or
 ships segments for other nodes' requests (`SegmentWork`). It joins by connecting to the router's
-address and saying `Hello` — a restarted node does the same and rejoins — then heartbeats its stats.
+address and saying `Hello` — a restarted node does the same and rejoins — then heartbeats its stats,
+and starts its pulse (`pulse.py`), which tells the router it is busy, not hung, while long work
+holds its event loop.
 It exits when told to (`Shutdown`) or when the router goes away.
 
 Started by `hypic.dist.launch` (multiprocessing, spawn), or by hand on another machine:
@@ -25,6 +27,7 @@ import msgspec
 import torch
 
 from hypic.config import EngineConfig
+from hypic.dist.pulse import start_pulse
 from hypic.dist.affinity import prefix_hashes
 from hypic.dist.link import Link
 from hypic.dist.messages import (NODE_CODEC, Abort, Build, Cancel, Expect, Failed, Generate, Heartbeat,
@@ -103,6 +106,7 @@ class EngineNode:
         self.transport = make_transport(self.spec.transport, self.engine.device)
         await self.transport.start(f"tcp://{self.spec.data_host}:0")
         self.link = await self._join()
+        self.pulse = start_pulse(self.spec.router_address, self.node_id, self.spec.heartbeat_s)
         self.work = SegmentWork(self.node_id, self.engine, self.transport, self.link.send)
         self.link.start()
         waits = [asyncio.create_task(self._heartbeats()), asyncio.create_task(self.link.closed.wait()),
@@ -135,6 +139,9 @@ class EngineNode:
         await self.engine.shutdown(self._grace_s)
         await self.transport.close()
         self.link.close()
+        if self.pulse is not None:
+            self.pulse.terminate()
+            await asyncio.to_thread(self.pulse.wait)
 
     # -- messages ---------------------------------------------------------------------------------
 
@@ -170,7 +177,8 @@ class EngineNode:
     async def _generate(self, message: Generate) -> None:
         outputs = self.engine.generate(message.prompt, message.params, request_id=message.request_id,
                                        cache_salt=message.cache_salt, cache_mode=message.cache_mode,
-                                       add_special_tokens=message.add_special_tokens)
+                                       add_special_tokens=message.add_special_tokens,
+                                       resume=message.resume or None)
         try:
             async with aclosing(outputs):  # leaving early (router gone) aborts the request here
                 async for output in outputs:

@@ -36,6 +36,7 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None
     cache_mode: str | None
+    resume: dict[int, list[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -108,19 +109,20 @@ class AsyncEngine:
 
     # -- public API ------------------------------------------------------------------------------
 
-    async def generate(self, prompt: str | list[str] | list[int], params: SamplingParams | None = None, *,
+    async def generate(self, prompt: str | list[str] | list[int] | list[list[int]], params: SamplingParams | None = None, *,
                        request_id: str | None = None, cache_salt: str | None = None,
-                       cache_mode: str | None = None,
-                       add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+                       cache_mode: str | None = None, add_special_tokens: bool = True,
+                       resume: dict[int, list[int]] | None = None) -> AsyncIterator[RequestOutput]:
         """Yields outputs as tokens arrive; leaving the loop early aborts the request.
-        add_special_tokens=False for text that already has them (a rendered chat template)."""
+        add_special_tokens=False for text that already has them (a rendered chat template).
+        resume: completion index -> the ids it generated on a node that died (LLMEngine.add_request)."""
         self._check_accepting()
         request_id = request_id or uuid.uuid4().hex
         segmented = SegmentedPrompt.build(self.tokenizer, prompt, separator=self.config.segment_separator,
                                           add_special_tokens=add_special_tokens)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._inbox.put(_Add(request_id, segmented, params or SamplingParams(), cache_salt, cache_mode))
+        self._inbox.put(_Add(request_id, segmented, params or SamplingParams(), cache_salt, cache_mode, resume))
         finished = False
         try:
             while not finished:
@@ -263,7 +265,8 @@ class AsyncEngine:
         if isinstance(command, _Add):
             try:
                 core.add_request(command.prompt, command.params, request_id=command.request_id,
-                                 cache_salt=command.cache_salt, cache_mode=command.cache_mode)
+                                 cache_salt=command.cache_salt, cache_mode=command.cache_mode,
+                                 resume=command.resume)
             except HypicError as error:
                 self._send(command.request_id, error)
         elif isinstance(command, _Abort):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ from hypic.engine.request_state import Completion, RequestState
 from hypic.engine.runner import ModelRunner, RunnerSettings
 from hypic.engine.sampler import Sampler, SamplingRow, make_generator, validate_for_vocab
 from hypic.engine.scheduler import ScheduledBatch, ScheduledChunk, Scheduler, SchedulerLimits
+from hypic.engine.structured import StructuredDecoding
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.sequence import RequestInfo, Sequence
 from hypic.engine.setup import (build_lower_tiers, cache_budget_bytes, resolve_device, resolve_dtype,
@@ -74,6 +76,8 @@ class LLMEngine:
         self._build_caches(self.plan, pool_bytes)
         self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.token_text, seed=config.seed)
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self.structured = StructuredDecoding((self.model_dir / "tokenizer.json").read_text(encoding="utf-8"),
+                                             self.tokenizer.vocab_size, self.eos_ids)
         self.requests: dict[str, RequestState] = {}
         self.finished_segments: list[tuple[SegmentKey, bool]] = []
         self.last_step_ran = True  # False when the last step found nothing it could schedule
@@ -85,19 +89,26 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, prompt: SegmentedPrompt, params: SamplingParams, *, request_id: str | None = None,
-                    cache_salt: str | None = None, cache_mode: str | None = None) -> str:
+                    cache_salt: str | None = None, cache_mode: str | None = None,
+                    resume: Mapping[int, list[int]] | None = None) -> str:
+        """resume: completion index -> the ids it generated elsewhere (a node that died); only those
+        completions run here, each continuing from its own tokens as if it had made them here."""
         request_id = request_id or uuid.uuid4().hex
         if len(prompt.segments) > 2 and not prompt.segments[-1]:
             params = dataclasses.replace(params, max_tokens=0)  # a warm-up: it only fills the caches
         info = self._request_info(prompt, params, request_id, cache_salt, cache_mode)
+        _check_resume(resume or {}, params)
         state = RequestState(info)
         self.requests[request_id] = state
-        seq = Sequence(info, 0)
-        self._new_completion(state, seq)
+        self.structured.add(request_id, params.structured)
         planned = self.pic.plan(prompt, info.cache_mode, cache_salt)
-        for job in self.pic.attach(seq, planned):
-            self.scheduler.add(job, first=True)
-        self.scheduler.add(seq)
+        for index, output_ids in (resume or {0: []}).items():
+            seq = Sequence(info, index, output_ids)
+            self._new_completion(state, seq)
+            self.structured.replay(seq, output_ids)
+            for job in self.pic.attach(seq, planned):
+                self.scheduler.add(job, first=True)
+            self.scheduler.add(seq)
         self.counters["prompt"] += len(info.prompt_ids)
         return request_id
 
@@ -131,6 +142,7 @@ class LLMEngine:
         if state is None:
             return None
         deltas = [self._finish(c, "abort") for c in state.completions.values() if not c.seq.finished]
+        self.structured.release(request_id)
         self.counters["aborted"] += 1
         return state.output([d for d in deltas if d is not None])
 
@@ -147,6 +159,7 @@ class LLMEngine:
         if not batch.chunks:
             return []
         self.pic.scatter(batch)
+        masks = self.structured.fill(batch)  # beside the forward
         logits, capture = self.runner.execute(batch)
         self.scheduler.after_step(batch)
         self.finished_segments = []  # (key, stored) of the cold segments this step finished
@@ -156,8 +169,9 @@ class LLMEngine:
         rows = self._sampling_rows(batch)
         deltas: dict[str, list[CompletionDelta]] = {}
         if rows:
-            picked = self.sampler.sample(logits[host_to_device([i for i, _ in rows], torch.long, logits.device)],
-                                         [self._sampling_row(c) for _, c in rows])
+            index = [i for i, _ in rows]
+            picked = self.sampler.sample(logits[host_to_device(index, torch.long, logits.device)],
+                                         [self._sampling_row(c) for _, c in rows], masks and masks.rows(index))
             for (_, completion), token, logprob in zip(rows, picked.token_ids, picked.logprobs):
                 self._take_token(completion, token, logprob, deltas)
         for chunk in batch.chunks:
@@ -192,8 +206,9 @@ class LLMEngine:
         self.requests[seq.info.request_id].mark_first_token()
         seq.append(token)
         self.counters["generated"] += 1
+        grammar_done = self.structured.advance(seq, token)
         stopped_by_text = completion.add_token(token, logprob)
-        reason = self._finish_reason(seq, token, stopped_by_text)
+        reason = self._finish_reason(seq, token, stopped_by_text or grammar_done)
         delta = completion.delta(None) if reason is None else self._finish(completion, reason)
         self._collect(deltas, seq, delta)
 
@@ -221,6 +236,7 @@ class LLMEngine:
 
     def _retire(self, request_id: str) -> None:
         state = self.requests.pop(request_id)
+        self.structured.release(request_id)
         self.counters["finished"] += 1
         self.counters["cached"] += state.info.cached_tokens
 
@@ -238,6 +254,8 @@ class LLMEngine:
     def _new_completion(self, state: RequestState, seq: Sequence) -> None:
         seed = state.info.params.seed
         generator = None if seed is None else make_generator(seed + seq.index, self.device)
+        if generator is not None:
+            self.sampler.skip(generator, state.info.params, len(seq.output_ids))  # resumed: its draws so far
         state.completions[seq.index] = Completion(seq, self.tokenizer, generator)
 
     def _sampling_row(self, completion: Completion) -> SamplingRow:
@@ -337,6 +355,15 @@ class LLMEngine:
             requests_finished=c["finished"], requests_aborted=c["aborted"], prompt_tokens=c["prompt"],
             generated_tokens=c["generated"], cached_tokens=c["cached"],
             preemptions=self.scheduler.preemptions)
+
+
+def _check_resume(resume: Mapping[int, list[int]], params: SamplingParams) -> None:
+    for index, output_ids in resume.items():
+        if not 0 <= index < params.n:
+            raise InvalidRequestError(f"resume: completion {index} is outside the request's n={params.n}")
+        if params.max_tokens is not None and len(output_ids) >= params.max_tokens:
+            raise InvalidRequestError(f"resume: completion {index} has {len(output_ids)} tokens, "
+                                      f"max_tokens={params.max_tokens} already")
 
 
 def _tokens_that_fit(shape, budget: int, block_size: int, dtype: torch.dtype) -> int:

@@ -21,6 +21,8 @@ class Completion:
         self.detok = IncrementalDetokenizer(tokenizer, seq.info.prompt_ids,
                                             skip_special_tokens=params.skip_special_tokens)
         self.stop = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        for token_id in seq.output_ids:  # resumed: rebuild the text state; that text was emitted elsewhere
+            self.stop.push(self.detok.push([token_id]))
         self.stopped_by_text = False
         self.pending_text = ""
         self.pending_ids: list[int] = []

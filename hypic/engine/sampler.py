@@ -12,7 +12,8 @@ top_k keeps every token tied with the k-th).
   A row with its own torch.Generator (a request seed) draws its E alone, so the same seed gives the
   same tokens whatever else is in the batch; unseeded rows share one batched draw.
 - Logprobs are those of the raw model distribution (log_softmax of the logits before bias,
-  penalties, temperature and filtering; vLLM's default "raw_logprobs"), cut to the vocab.
+  penalties, temperature and filtering; vLLM's default "raw_logprobs"), cut to the vocab; a grammar's
+  token mask comes first (as in vLLM), so a constrained row's chosen token always has a finite logprob.
 - All-greedy batches without penalties, bias or logprobs cost one argmax and one host read.
 """
 from __future__ import annotations
@@ -79,9 +80,13 @@ class Sampler:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
-        """logits: [M, V] (any float dtype, any device), one SamplingRow per row."""
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+               token_mask: torch.Tensor | None = None) -> SampleResult:
+        """logits: [M, V] (any float dtype, any device), one SamplingRow per row. token_mask: [M, ceil(V/32)]
+        int32 bitmask on the host (bit t of word w allows token 32w + t) or None (constrained decoding)."""
         logits = logits[:, : self.vocab_size]
+        if token_mask is not None:
+            logits = apply_token_mask(logits, token_mask)
         if all(_is_plain_greedy(row.params) for row in rows):
             return self._result(logits.argmax(dim=-1), rows, None)
         raw_logprobs = None
@@ -122,6 +127,14 @@ class Sampler:
                 noise[i].exponential_(generator=row.generator)  # this row's draws depend on its seed only
         return noise.clamp_(min=_TINY)
 
+    def skip(self, generator: torch.Generator, params: SamplingParams, samples: int) -> None:
+        """Advances a row's own generator past `samples` picks, as if this sampler had made them:
+        a completion resumed here continues the random stream its seed gives."""
+        if is_greedy(params):
+            return  # greedy rows draw nothing
+        for _ in range(samples):
+            torch.empty(self.vocab_size, device=generator.device).exponential_(generator=generator)
+
     def _default_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
             self._generators[device] = make_generator(self._seed, device)
@@ -156,6 +169,14 @@ def _is_plain_greedy(params: SamplingParams) -> bool:
 def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
     """[M, 1] float32 tensor on like's device (one small host-to-device copy)."""
     return host_to_device(list(values), torch.float32, like.device).unsqueeze(1)
+
+
+def apply_token_mask(logits: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+    """logits with the tokens the bitmask forbids at -inf (a copy; logprobs see the constrained distribution)."""
+    words = token_mask.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : logits.shape[1]]
+    return logits.masked_fill(allowed == 0, float("-inf"))
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

@@ -203,8 +203,8 @@ def launch_constants(family: LinearFamily, key_heads: int, value_heads: int, key
     """The kernel's compile-time constants (shared with scripts/kernel_resources.py)."""
     # KC: columns of T a compose step. Each step waits on its loads, so fewer steps win although 32 columns
     # spill 32 bytes a thread at K=128, BV 8, one warp: a 256-token, 16-piece walk 301 us against 324 at 16
-    # (bench/results/compose_kc_h200_experiment.txt). A bf16 T fits 64 without spilling but takes more
-    # instructions a compose (bench/results/compose_kernel_resources.txt)
+    # (compose_kc_h200_experiment.txt, bench/RESULTS.md). A bf16 T fits 64 without spilling but takes more
+    # instructions a compose (scripts/kernel_resources.py --tuple-dtype bfloat16)
     return dict(H=key_heads, HV=value_heads, K=key_dim, V=value_dim, BK=max(16, next_power_of_2(key_dim)),
                 BV=config.block_v, KC=32, FAMILY=FAMILY_CODES[family.name])
 
@@ -279,7 +279,7 @@ def _tokens(S, start, stop, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov,
     hide it) into the registers of operands just used: a rotation `now = next` would be a register
     move that waits on the load it copies. Tokens from `stop` on have zero operands, an identity in
     every family. H200, 256 tokens and 16 pieces: 209 -> 188 us with bf16 T, 243 -> 238 with float32
-    T against one token ahead (bench/results/walk_unroll_h200_s13.txt)."""
+    T against one token ahead (walk_unroll_h200_s13.txt, bench/RESULTS.md)."""
     a = _load_token(start, stop, q, k, v, g, beta, i_h, i_hv, ok, ov, H, HV, K, V, FAMILY)
     b = _load_token(start + 1, stop, q, k, v, g, beta, i_h, i_hv, ok, ov, H, HV, K, V, FAMILY)
     for t in range(start, stop, 4):

@@ -15,10 +15,10 @@ import itertools
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from hypic.kernels.host_copy import host_to_device
 from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
+from hypic.kernels.varlen import expand_key_heads, initial_states, to_chunks
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -64,30 +64,22 @@ def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                          num_decodes: int, seq_lens_cpu: tuple[int, ...]) -> torch.Tensor:
     """Same contract as `gated_delta_rule`, in pure torch with float32 math."""
     hv, out_dtype = v.shape[1], v.dtype
-    q, k = _expand_heads(q.float(), hv), _expand_heads(k.float(), hv)
+    q, k = expand_key_heads(q.float(), hv), expand_key_heads(k.float(), hv)
     v, g, beta = v.float(), g.float(), beta.float()
     o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     nd = num_decodes
     if nd:
-        state = _initial_states(ssm_pool, slots[:nd], has_state[:nd])
+        state = initial_states(ssm_pool, slots[:nd], has_state[:nd])
         o[:nd], state = _recurrent_step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], state, scale)
         ssm_pool[slots[:nd]] = state
     starts = list(itertools.accumulate(seq_lens_cpu, initial=0))
     for b in range(nd, len(seq_lens_cpu)):
         s, e = starts[b], starts[b + 1]
-        state = _initial_states(ssm_pool, slots[b:b + 1], has_state[b:b + 1])[0]
+        state = initial_states(ssm_pool, slots[b:b + 1], has_state[b:b + 1])[0]
         o[s:e], ssm_pool[slots[b]] = _chunked_sequence(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state, scale)
     return o.to(out_dtype)
 
 
-def _expand_heads(x: torch.Tensor, num_value_heads: int) -> torch.Tensor:
-    """[N, H, K] -> [N, HV, K]: consecutive value heads share a key head (hv // (HV // H))."""
-    return x.repeat_interleave(num_value_heads // x.shape[1], dim=1)
-
-
-def _initial_states(ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
-    # where(), not a product: a recycled slot may hold inf/nan that must not leak into a fresh sequence
-    return torch.where(has_state[:, None, None, None], ssm_pool[slots], 0.0)
 
 
 def _recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -106,7 +98,7 @@ def _chunked_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     e_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t) solve a unit lower-triangular system, so
     E = U - W S0 with U, W independent of S0; outputs and end state follow by matmuls."""
     length = q.shape[0]
-    q, k, v, g, beta = (_to_chunks(t, length) for t in (q * scale, k, v, g, beta))  # [HV, n, C, ...]
+    q, k, v, g, beta = (to_chunks(t, length, CHUNK) for t in (q * scale, k, v, g, beta))  # [HV, n, C, ...]
     cum = g.cumsum(-1)
     decay = _pairwise_decay(cum)
     coupling = ((k @ k.transpose(-1, -2)) * decay * beta[..., None]).tril(-1)
@@ -124,14 +116,6 @@ def _chunked_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     o = torch.stack(outs, 1).flatten(1, 2)[:, :length]
     return o.transpose(0, 1), state
 
-
-def _to_chunks(x: torch.Tensor, length: int) -> torch.Tensor:
-    """[T, HV, ...] -> [HV, n, CHUNK, ...], zero-padded at the end (a zero token leaves the state as is)."""
-    pad = (-length) % CHUNK
-    x = x.movedim(0, 1)
-    if pad:
-        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
-    return x.unflatten(1, (-1, CHUNK))
 
 
 def _pairwise_decay(cum: torch.Tensor) -> torch.Tensor:
@@ -159,7 +143,7 @@ def _prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     cu_cpu = torch.tensor(list(itertools.accumulate(seq_lens, initial=0)), dtype=torch.long)
     o, final = chunk_gated_delta_rule(
         q[None], k[None], v[None], g[None].float(), beta[None], scale=scale,
-        initial_state=_initial_states(ssm_pool, slots, has_state), output_final_state=True,
+        initial_state=initial_states(ssm_pool, slots, has_state), output_final_state=True,
         use_qk_l2norm_in_kernel=False, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
         chunk_indices=_fla_chunk_indices(seq_lens, q.device), chunk_size=FLA_CHUNK)
     ssm_pool.index_copy_(0, slots, final)

@@ -30,6 +30,7 @@ from torch import Tensor
 from hypic.kernels.host_copy import host_to_device
 from hypic.errors import UnsupportedModelError
 from hypic.kernels.gdn import gated_delta_rule
+from hypic.kernels.scalar_gated import scalar_gated_rule
 from hypic.kernels.scatter_kv import apply_rope
 from hypic.kernels.varlen import Operands, StateSpans
 
@@ -119,6 +120,21 @@ class LinearFamily(ABC):
             o[rows], pool[slots[b]] = self.run(state, x.q[rows], x.k[rows], x.v[rows], x.g[rows], beta, scale=scale)
         return o
 
+    def _kernel(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, pool: Tensor,
+                cu_seqlens: Tensor, seq_lens: tuple[int, ...], scale: float) -> Tensor:
+        """Sequence b of the varlen batch runs from pool[b] through `recur_spans` and leaves its end state there."""
+        return self.recur_spans(Operands(q, k, v, g.float(), beta), pool,
+                                pool_spans(pool.shape[0], cu_seqlens.to(pool.device, torch.int32), seq_lens),
+                                scale=scale)
+
+    def _kernel_final_states(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor,
+                             cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> Tensor:
+        """`final_states` by a family's varlen kernel (one launch set per call, not a loop over spans and
+        chunks), from float32 copies of `initial`."""
+        pool = initial.to(torch.float32, copy=True).contiguous()
+        self._kernel(k, k, v, g, beta, pool, cu_seqlens, seq_lens, 1.0)
+        return pool
+
     def final_states(self, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor | None, initial: torch.Tensor,
                      cu_seqlens: torch.Tensor, seq_lens: tuple[int, ...]) -> torch.Tensor:
@@ -178,6 +194,10 @@ class ScalarFamily(LinearFamily):
     def as_matrix(self, T: Tensor, key_dim: int) -> Tensor:
         return T.exp()[..., None, None] * torch.eye(key_dim, dtype=T.dtype, device=T.device)
 
+    def recur_spans(self, x: Operands, pool: Tensor, spans: StateSpans, *, scale: float) -> Tensor:
+        return scalar_gated_rule(x.q, x.k, x.v, x.g, pool, spans.slots, spans.has_state, spans.cu_seqlens,
+                                 scale=scale, num_decodes=spans.num_decodes, seq_lens_cpu=spans.seq_lens)
+
     # Spans run chunk by chunk (SSD form, Mamba2's "state space duality"): inside a chunk the outputs are
     # a decay-masked attention plus the decayed carried-in state, and the state moves once per chunk.
 
@@ -192,6 +212,8 @@ class ScalarFamily(LinearFamily):
 
     def final_states(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor,
                      cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> Tensor:
+        if initial.dtype != torch.float64:  # tuple capture: the varlen kernel, not this chunk loop
+            return self._kernel_final_states(k, v, g, beta, initial, cu_seqlens, seq_lens)
         ends = []
         for b, (start, end) in enumerate(_spans(seq_lens)):
             _, k_b, v_b, g_b, state = self._operands(initial[b], None, k[start:end], v[start:end], g[start:end])
@@ -298,20 +320,11 @@ class GatedDeltaFamily(DenseFamily):
                      cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> Tensor:
         if initial.dtype == torch.float64:
             return super().final_states(k, v, g, beta, initial, cu_seqlens, seq_lens)
-        pool = initial.to(torch.float32, copy=True).contiguous()
-        self._kernel(k, k, v, g, beta, pool, cu_seqlens, seq_lens, 1.0)
-        return pool
+        return self._kernel_final_states(k, v, g, beta, initial, cu_seqlens, seq_lens)
 
     def recur_spans(self, x: Operands, pool: Tensor, spans: StateSpans, *, scale: float) -> Tensor:
         return gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, pool, spans.slots, spans.has_state, spans.cu_seqlens,
                                 scale=scale, num_decodes=spans.num_decodes, seq_lens_cpu=spans.seq_lens)
-
-    def _kernel(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, cu_seqlens: Tensor,
-                seq_lens: tuple[int, ...], scale: float) -> Tensor:
-        """Sequence b of the varlen batch runs from pool[b] and leaves its end state there."""
-        return self.recur_spans(Operands(q, k, v, g.float(), beta), pool,
-                                pool_spans(pool.shape[0], cu_seqlens.to(pool.device, torch.int32), seq_lens),
-                                scale=scale)
 
 
 class KimiDeltaFamily(DenseFamily):

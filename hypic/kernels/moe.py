@@ -1,4 +1,5 @@
-"""Mixture-of-experts MLP: y = sum_k w_k * down_e(silu(gate_e x) * up_e x), e = topk_ids[:, k].
+"""Mixture-of-experts MLP: y = sum_k w_k * down_e(act_e(x)), e = topk_ids[:, k], where act_e is
+SwiGLU's silu(gate_e x) * up_e x ("silu") or Nemotron's ungated relu(up_e x)^2 ("relu2").
 
 Paths: CPU -> `fused_moe_ref` (a loop over the experts that have tokens); CUDA -> token-expert
 pairs grouped by expert, then grouped GEMMs without a Python loop over experts and without host
@@ -23,18 +24,22 @@ tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
 TRITON_MAX_PAIRS = 4096  # token-expert pairs up to which the Triton path beats CUTLASS's sort and launches
 Shared = tuple[torch.Tensor, torch.Tensor]  # (shared expert output [N, H], its gate logit [N, 1])
+ACTIVATIONS = ("silu", "relu2")  # gated SwiGLU experts, ungated relu^2 experts
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, *, shared: Shared | None = None) -> torch.Tensor:
-    """x: [N, H]; w_gate_up: [E, 2I, H] (gate rows, then up rows); w_down: [E, H, I];
-    topk_weights: [N, k] float; topk_ids: [N, k] int64. Returns [N, H] in x's dtype, plus
-    sigmoid(gate logit) * shared output when `shared` is given."""
+              topk_ids: torch.Tensor, *, shared: Shared | None = None, activation: str = "silu") -> torch.Tensor:
+    """x: [N, H]; w_gate_up: [E, 2I, H] (gate rows, then up rows; relu2: [E, I, H], up rows only);
+    w_down: [E, H, I]; topk_weights: [N, k] float; topk_ids: [N, k] int64. Returns [N, H] in x's
+    dtype, plus sigmoid(gate logit) * shared output when `shared` is given."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fused_moe activation must be one of {ACTIVATIONS}, got {activation!r}")
+    args = (x, w_gate_up, w_down, topk_weights, topk_ids)
     if x.device.type != "cuda":
-        return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, shared=shared)
+        return fused_moe_ref(*args, shared=shared, activation=activation)
     if _cutlass_grouped_mm_applies(x, w_down) and topk_ids.numel() > TRITON_MAX_PAIRS:
-        return moe_grouped_mm(x, w_gate_up, w_down, topk_weights, topk_ids, shared=shared)
-    return moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, shared=shared)
+        return moe_grouped_mm(*args, shared=shared, activation=activation)
+    return moe_triton(*args, shared=shared, activation=activation)
 
 
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,16 +65,41 @@ def route_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
 # ----------------------------------------------------------------------------- torch reference
 
 def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, *, shared: Shared | None = None) -> torch.Tensor:
+                  topk_ids: torch.Tensor, *, shared: Shared | None = None, activation: str = "silu") -> torch.Tensor:
     """Same contract as `fused_moe`, float32 math, one matmul pair per expert that has tokens."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    inter = w_down.shape[2]
     for expert in topk_ids.unique().tolist():
         token, which = (topk_ids == expert).nonzero(as_tuple=True)
         h = x[token].float() @ w_gate_up[expert].float().T
-        y = (F.silu(h[:, :inter]) * h[:, inter:]) @ w_down[expert].float().T
+        y = expert_activation(h, activation) @ w_down[expert].float().T
         out.index_add_(0, token, y * topk_weights[token, which, None].float())
     return _add_shared(out.to(x.dtype), shared)
+
+
+def expert_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """[M, 2I] gate|up -> silu(gate) * up, or [M, I] up -> relu(up)^2 (in h's dtype)."""
+    if activation == "relu2":
+        return F.relu(h).square()
+    return silu_and_mul(h)
+
+
+def route_grouped_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                          renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router (Nemotron 3), float32: sigmoid scores; experts are chosen by score + bias
+    within the topk_group groups whose two best biased scores sum highest; their unbiased scores
+    are the weights, renormalised when asked, times `scaling`. Torch ops only (graph-capturable)."""
+    scores = logits.float().sigmoid()
+    choice = scores + bias.float()
+    tokens, experts = choice.shape
+    grouped = choice.view(tokens, n_group, experts // n_group)
+    best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(topk_group, dim=-1).indices
+    keep = torch.zeros(tokens, n_group, dtype=torch.bool, device=logits.device).scatter_(1, best_groups, True)
+    choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(tokens, experts)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
 
 
 def route_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,12 +165,12 @@ def _cutlass_grouped_mm_applies(x: torch.Tensor, w_down: torch.Tensor) -> bool:
 
 
 def moe_grouped_mm(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor, *, shared: Shared | None = None) -> torch.Tensor:
+                   topk_ids: torch.Tensor, *, shared: Shared | None = None, activation: str = "silu") -> torch.Tensor:
     order, counts = _sort_by_expert(topk_ids, w_gate_up.shape[0])
     offsets = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
     rows = x[order // topk_ids.shape[1]]
     h = torch._grouped_mm(rows, w_gate_up.transpose(1, 2), offs=offsets)
-    y_sorted = torch._grouped_mm(silu_and_mul(h), w_down.transpose(1, 2), offs=offsets)
+    y_sorted = torch._grouped_mm(expert_activation(h, activation), w_down.transpose(1, 2), offs=offsets)
     row_of_pair = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     return moe_combine(y_sorted, topk_weights, row_of_pair, x.dtype, shared)
 
@@ -205,7 +235,7 @@ def expert_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block: int) -
 
 
 def moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-               topk_ids: torch.Tensor, *, shared: Shared | None = None) -> torch.Tensor:
+               topk_ids: torch.Tensor, *, shared: Shared | None = None, activation: str = "silu") -> torch.Tensor:
     num_experts, inter, hidden = w_down.shape[0], w_down.shape[2], x.shape[1]
     pairs = topk_ids.numel()
     # 64-row blocks once experts average 32+ rows; float32 always 16 (its 64-row tiles spill)
@@ -218,7 +248,7 @@ def moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, t
     _moe_gate_up_kernel[(blocks.num_blocks, -(-inter // block_n))](
         x, w_gate_up, blocks.rows, blocks.block_expert, act, pairs, x.stride(0), w_gate_up.stride(0),
         w_gate_up.stride(1), act.stride(0), TOPK=topk_ids.shape[1], NUM_EXPERTS=num_experts, I=inter,
-        H=hidden, **launch)
+        H=hidden, GATED=activation == "silu", **launch)
     pair_out = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     _moe_down_kernel[(blocks.num_blocks, -(-hidden // block_n))](
         act, w_down, blocks.rows, blocks.block_expert, pair_out, pairs, act.stride(0), w_down.stride(0),
@@ -229,8 +259,10 @@ def moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, t
 @triton_kernel
 def _moe_gate_up_kernel(x, w, rows, block_expert, act, num_pairs, stride_x, stride_we, stride_wn, stride_a,
                         TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr, I: tl.constexpr, H: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """act[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, I + n]) for one block of pairs."""
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        GATED: tl.constexpr):
+    """act[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, I + n]) for one block of pairs;
+    ungated (relu2): act[pair, n] = relu(x[token] . w[e, n])^2."""
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert + i_m)
     if expert >= NUM_EXPERTS:
@@ -248,11 +280,16 @@ def _moe_gate_up_kernel(x, w, rows, block_expert, act, num_pairs, stride_x, stri
         m_k = o_k < H
         b_x = tl.load(x + token[:, None] * stride_x + o_k[None, :], mask=m_row[:, None] & m_k[None, :], other=0.0)
         m_w = m_k[:, None] & m_n[None, :]
-        b_gate = tl.load(p_w + o_k[:, None], mask=m_w, other=0.0)
-        b_up = tl.load(p_w + I * stride_wn + o_k[:, None], mask=m_w, other=0.0)
-        acc_gate = tl.dot(b_x, b_gate, acc_gate, input_precision=DOT_PRECISION)
+        b_up = tl.load(p_w + (I * stride_wn if GATED else 0) + o_k[:, None], mask=m_w, other=0.0)
         acc_up = tl.dot(b_x, b_up, acc_up, input_precision=DOT_PRECISION)
-    h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+        if GATED:
+            b_gate = tl.load(p_w + o_k[:, None], mask=m_w, other=0.0)
+            acc_gate = tl.dot(b_x, b_gate, acc_gate, input_precision=DOT_PRECISION)
+    if GATED:
+        h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    else:
+        h = tl.maximum(acc_up, 0.0)
+        h = h * h
     tl.store(act + pair[:, None] * stride_a + o_n[None, :], h.to(act.dtype.element_ty),
              mask=m_row[:, None] & m_n[None, :])
 

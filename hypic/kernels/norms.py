@@ -6,6 +6,9 @@ elementwise launches: what the decode step's launch count and prefill's memory t
 - `rms_norm_rope`: the same norm per head, then NeoX RoPE on the first rotary_dim channels (the query
   path); with norm=False the rotation alone (the key path, after the PIC capture of un-rotated keys).
 - `gated_rms_norm`: y = w * (x / rms(x)) * silu(gate), the weight not an offset (Gated DeltaNet output).
+- `grouped_gated_rms_norm`: Mamba2's: gate first, y = w * norm_per_group(x * silu(gate)).
+`rms_norm` / `add_rms_norm` with offset=False are the plain RMSNorm y = w * round(x / rms(x))
+(Nemotron-H, Granite, Bamba).
 
 Every function dispatches on the device: CPU runs the torch reference (the model's original
 arithmetic, intermediate roundings included), CUDA the Triton kernel, which rounds at the same
@@ -25,21 +28,22 @@ tl: Any  # triton.language, bound by triton_lazy on first GPU use
 MAX_TILE = 4096  # elements of one program's [rows, D] tile: big rows get one program each
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm over the last dim of x ([N, D] or [N, heads, D]); returns a dense tensor."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = True) -> torch.Tensor:
+    """Zero-centred (or plain, offset=False) RMSNorm over the last dim of x ([N, D] or [N, heads, D]);
+    returns a dense tensor."""
     if x.device.type != "cuda":
-        return rms_norm_ref(x, weight, eps)
-    return norm_triton(x, weight, eps, offset=True)
+        return rms_norm_ref(x, weight, eps) if offset else plain_rms_norm_ref(x, weight, eps)
+    return norm_triton(x, weight, eps, offset=offset)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, offset: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) for [N, D] tensors; the sum is rounded to x's dtype."""
     if x.device.type != "cuda":
         total = x + residual
-        return rms_norm_ref(total, weight, eps), total
+        return rms_norm(total, weight, eps, offset), total
     total = torch.empty_like(x)
-    return norm_triton(x, weight, eps, offset=True, residual=residual, total=total), total
+    return norm_triton(x, weight, eps, offset=offset, residual=residual, total=total), total
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,6 +51,15 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     if x.device.type != "cuda":
         return gated_rms_norm_ref(x, gate, weight, eps)
     return norm_triton(x, weight, eps, offset=False, gate=gate)
+
+
+def grouped_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group: int,
+                           eps: float) -> torch.Tensor:
+    """x, gate: [N, D]; weight [D]. Torch on every device (a few elementwise passes of one layer)."""
+    gated = x.float() * F.silu(gate.float())
+    grouped = gated.unflatten(-1, (-1, group))
+    normed = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
+    return (weight * normed.to(x.dtype)).to(x.dtype)
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
@@ -65,6 +78,12 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+def plain_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight * normed).to(x.dtype)
 
 
 def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

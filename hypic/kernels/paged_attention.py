@@ -139,7 +139,7 @@ WIDE_PREFILL_TILINGS = ((64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 6
                         (128, 32, 8, 3))
 # A split wide-head prefill (a warm assembly step) re-reads its keys once per query tile: the widest
 # tile re-reads least (H200, 320 seam and query tokens over 16k keys: 0.29 ms vs 0.58 in 64 x 32;
-# bench/results/attention_h200.json).
+# bench/results/attention_h200_qwen3_5_moe.json).
 WIDE_SPLIT_TILING = (128, 64, 8, 2)
 _FASTEST: dict[tuple, Tiling] = {}
 

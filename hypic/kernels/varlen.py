@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -35,3 +36,24 @@ class Operands:
         """The operands of some tokens (a gather per tensor)."""
         beta = None if self.beta is None else self.beta[index]
         return Operands(self.q[index], self.k[index], self.v[index], self.g[index], beta)
+
+
+def expand_key_heads(x: torch.Tensor, num_value_heads: int) -> torch.Tensor:
+    """[N, H, K] -> [N, HV, K]: consecutive value heads share a key head (hv // (HV // H))."""
+    return x.repeat_interleave(num_value_heads // x.shape[1], dim=1)
+
+
+def initial_states(ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+    """Each span's starting state: its slot's, or zeros without state."""
+    # where(), not a product: a recycled slot may hold inf/nan that must not leak into a fresh sequence
+    return torch.where(has_state[:, None, None, None], ssm_pool[slots], 0.0)
+
+
+def to_chunks(x: torch.Tensor, length: int, chunk: int) -> torch.Tensor:
+    """One sequence [T, HV, ...] -> [HV, n, chunk, ...], zero-padded at the end (zero tokens, with
+    zero log-gates, leave a chunked recurrence's state as is; their outputs are dropped)."""
+    pad = (-length) % chunk
+    x = x.movedim(0, 1)
+    if pad:
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+    return x.unflatten(1, (-1, chunk))

@@ -1,4 +1,5 @@
-"""The full-attention layer: GQA over paged KV with q/k RMSNorm, partial NeoX RoPE and a sigmoid output gate.
+"""The full-attention layer: GQA over paged KV with q/k RMSNorm, partial NeoX RoPE and a sigmoid output gate
+(Qwen), or without q/k norm and gate, with RoPE or none (the Mamba2 hybrids), as the config says.
 
 `qkv` hands back K after k_norm and *before* RoPE, so position-independent caching can keep segment
 interiors un-rotated and rotate them at their global positions later; the pages hold rotated K.
@@ -11,6 +12,7 @@ from torch import nn
 from hypic.kernels.paged_attention import paged_attention, write_kv
 from hypic.models.batch import ForwardBatch
 from hypic.models.config import HybridConfig
+from hypic.models.mamba2_config import Mamba2HybridConfig
 from hypic.models.layers import RMSNorm, RotaryEmbedding
 
 
@@ -18,18 +20,18 @@ class GatedAttention(nn.Module):
     """Weights: qkv_proj rows are [q/gate interleaved per head (H * 2D, or H * D without the gate) |
     k (Hkv * D) | v (Hkv * D)]; o_proj [hidden, H * D]."""
 
-    def __init__(self, config: HybridConfig) -> None:
+    def __init__(self, config: HybridConfig | Mamba2HybridConfig) -> None:
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.gated = c.attn_output_gate
         self.q_size = self.num_heads * self.head_dim * (2 if self.gated else 1)
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = c.attention_scale
         self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=c.attention_bias)
-        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps) if c.attn_qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps) if c.attn_qk_norm else None
         self.rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta)
 
     def qkv(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -38,7 +40,8 @@ class GatedAttention(nn.Module):
         q_gate = q_gate.reshape(-1, self.num_heads, self.q_size // self.num_heads)
         q, gate = q_gate.chunk(2, dim=-1) if self.gated else (q_gate, None)
         q = self.rotary(q, positions, norm=self.q_norm)
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(k) if self.k_norm is not None else k
         gate = gate.reshape(hidden.shape[0], -1) if gate is not None else None
         return q, gate, k, v.reshape(-1, self.num_kv_heads, self.head_dim)
 

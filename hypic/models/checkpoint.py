@@ -12,8 +12,9 @@ from safetensors import safe_open
 
 from hypic.errors import UnsupportedModelError
 
-TEXT_PREFIXES: tuple[str, ...] = ("model.language_model.", "model.")  # multimodal saves first, then text-only
-SKIPPED_PREFIXES: tuple[str, ...] = ("mtp.", "model.mtp.", "model.visual.", "visual.")  # served by no one here
+# multimodal saves first, then text-only; Nemotron-H ships (and transformers saves) backbone.*
+TEXT_PREFIXES: tuple[str, ...] = ("model.language_model.", "model.", "backbone.")
+SKIPPED_PREFIXES: tuple[str, ...] = ("mtp.", "model.mtp.", "backbone.mtp.", "model.visual.", "visual.")  # served by no one here
 SKIPPED_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)  # stale buffers some older saves carry
 LM_HEAD = "lm_head.weight"
 

@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hypic.errors import UnsupportedModelError
 
@@ -24,6 +24,7 @@ _DEFAULTS: dict[str, Any] = {
     "shared_expert_intermediate_size": 0, "norm_topk_prob": True, "decoder_sparse_step": 1,
     "mlp_only_layers": (), "bos_token_id": None, "pad_token_id": None,
 }
+ConfigT = TypeVar("ConfigT")
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 
 
@@ -89,17 +90,7 @@ class HybridConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> HybridConfig:
         """Read <path>/config.json; eos ids of generation_config.json are added when that file exists."""
-        config_file = Path(path) / "config.json"
-        if not config_file.is_file():
-            raise UnsupportedModelError(f"{config_file} not found: a model directory needs a config.json")
-        config = json.loads(config_file.read_text())
-        parsed = cls.from_dict(config)
-        generation_file = Path(path) / "generation_config.json"
-        if generation_file.is_file():
-            extra = _as_ids(json.loads(generation_file.read_text()).get("eos_token_id"))
-            eos = parsed.eos_token_ids + tuple(i for i in extra if i not in parsed.eos_token_ids)
-            parsed = replace(parsed, eos_token_ids=eos)
-        return parsed
+        return with_generation_eos(cls.from_dict(read_config_json(path)), path)
 
     # ---- derived values -------------------------------------------------------------------------
 
@@ -120,6 +111,14 @@ class HybridConfig:
             return tuple(range(self.num_hidden_layers))
         return tuple(i for i in range(self.num_hidden_layers)
                      if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
+
+    @cached_property
+    def attention_scale(self) -> float:
+        return self.head_dim ** -0.5
+
+    @property
+    def attn_qk_norm(self) -> bool:
+        return True
 
     @cached_property
     def rotary_dim(self) -> int:
@@ -162,7 +161,7 @@ def _parse_text(text: dict[str, Any], outer: dict[str, Any]) -> dict[str, Any]:
     if "tie_word_embeddings" in outer:  # a multimodal model ties (or not) at its top level
         values["tie_word_embeddings"] = outer["tie_word_embeddings"]
     values["mlp_only_layers"] = tuple(values["mlp_only_layers"] or ())
-    values["eos_token_ids"] = _as_ids(text.get("eos_token_id", outer.get("eos_token_id")))
+    values["eos_token_ids"] = as_ids(text.get("eos_token_id", outer.get("eos_token_id")))
     values["model_type"] = text["model_type"]
     values["layer_types"] = _layer_types(text)
     values.update(_rope(text))
@@ -189,7 +188,23 @@ def _rope(text: dict[str, Any]) -> dict[str, float]:
     return {"rope_theta": float(theta), "partial_rotary_factor": float(factor)}
 
 
-def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise UnsupportedModelError(f"{config_file} not found: a model directory needs a config.json")
+    return json.loads(config_file.read_text())
+
+
+def with_generation_eos(config: ConfigT, path: str | Path) -> ConfigT:
+    """`config` with the eos ids of <path>/generation_config.json added, when that file exists."""
+    generation_file = Path(path) / "generation_config.json"
+    if not generation_file.is_file():
+        return config
+    extra = as_ids(json.loads(generation_file.read_text()).get("eos_token_id"))
+    return replace(config, eos_token_ids=config.eos_token_ids + tuple(i for i in extra if i not in config.eos_token_ids))
+
+
+def as_ids(value: int | list[int] | None) -> tuple[int, ...]:
     if value is None:
         return ()
     return (value,) if isinstance(value, int) else tuple(value)

@@ -1,29 +1,30 @@
-"""Building blocks shared by the hybrid layers: norms, RoPE, SwiGLU MLP, sparse MoE with a shared expert."""
+"""Building blocks shared by the hybrid layers: norms, RoPE, SwiGLU and relu^2 MLPs, sparse MoE blocks."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from hypic.kernels.activation import silu_and_mul
-from hypic.kernels.moe import fused_moe, route_topk
-from hypic.kernels.norms import add_rms_norm, gated_rms_norm, rms_norm, rms_norm_rope
+from hypic.kernels.moe import fused_moe, route_grouped_sigmoid, route_topk
+from hypic.kernels.norms import add_rms_norm, gated_rms_norm, grouped_gated_rms_norm, rms_norm, rms_norm_rope
 from hypic.kernels.scatter_kv import rope_inv_freq
 
 
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm: the weight is stored as an offset, y = x / rms(x) * (1 + w), in float32.
+    """Zero-centred RMSNorm (Qwen): the weight is stored as an offset, y = x / rms(x) * (1 + w), in
+    float32; with offset=False the plain y = w * round(x / rms(x)) (Nemotron-H, Granite, Bamba).
     Given a residual it first adds it (rounded to the model dtype) and returns the sum as well."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: bool = True) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, self.offset)
+        return add_rms_norm(x, residual, self.weight, self.eps, self.offset)
 
 
 class GatedRMSNorm(nn.Module):
@@ -36,6 +37,19 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return gated_rms_norm(x, gate, self.weight, self.eps)
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """Mamba2's gated norm: gate first, then RMSNorm over groups of `group` channels:
+    y = w * norm_per_group(x * silu(gate))."""
+
+    def __init__(self, dim: int, group: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group, self.eps = group, eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return grouped_gated_rms_norm(x, gate, self.weight, self.group, self.eps)
 
 
 class RotaryEmbedding:
@@ -54,6 +68,8 @@ class RotaryEmbedding:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
         """Rotate x [N, heads, D] at positions [N] (float32 math), after `norm` per head if given."""
+        if not self.rotary_dim and norm is None:  # no positional encoding (NoPE attention)
+            return x.contiguous()  # dense, as the rotation's output is
         weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
         return rms_norm_rope(x, weight, eps, positions, self.inv_freq(positions.device))
 
@@ -94,3 +110,63 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:  # added inside the MoE's combine pass
             shared = (self.shared_expert(x), self.shared_expert_gate(x))
         return fused_moe(x, self.experts_gate_up, self.experts_down, weights, ids, shared=shared)
+
+
+class ReluSquaredMLP(nn.Module):
+    """down(relu(up x)^2), ungated (Nemotron-H's MLP blocks and shared expert)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.relu(self.up_proj(x)).square())
+
+
+class SoftmaxRouter(nn.Module):
+    """Softmax over the experts, top-k, renormalised (Granite's softmax over the top-k logits)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route_topk(torch.nn.functional.linear(x, self.weight), self.top_k, True)
+
+
+class GroupedSigmoidRouter(nn.Module):
+    """DeepSeek-V3-style router (Nemotron 3): float32 weights and score-correction bias, group-limited
+    top-k over sigmoid scores, routed_scaling_factor on the weights."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
+                 norm_topk_prob: bool, scaling: float) -> None:
+        super().__init__()
+        self.router_weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = torch.nn.functional.linear(x.float(), self.router_weight)
+        return route_grouped_sigmoid(logits, self.e_score_correction_bias, self.top_k, self.n_group,
+                                     self.topk_group, self.norm_topk_prob, self.scaling)
+
+
+class RoutedMoeBlock(nn.Module):
+    """router -> top-k experts of `activation` ("silu" gated: [E, 2I, H]; "relu2": [E, I, H]), plus
+    an ungated shared MLP when given (Nemotron's shared expert, Granite's shared MLP)."""
+
+    def __init__(self, router: nn.Module, hidden_size: int, num_experts: int, intermediate_size: int,
+                 activation: str, shared: nn.Module | None) -> None:
+        super().__init__()
+        rows = 2 * intermediate_size if activation == "silu" else intermediate_size
+        self.router, self.activation, self.shared = router, activation, shared
+        self.experts_gate_up = nn.Parameter(torch.empty(num_experts, rows, hidden_size))
+        self.experts_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.router(x)
+        out = fused_moe(x, self.experts_gate_up, self.experts_down, weights, ids, activation=self.activation)
+        return out if self.shared is None else out + self.shared(x)

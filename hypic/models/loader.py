@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -18,15 +18,17 @@ from hypic.models.checkpoint import LM_HEAD, CheckpointReader
 from hypic.models.config import HybridConfig
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
-FLOAT32_PARAMS: tuple[str, ...] = ("A_log", "dt_bias")  # decay parameters stay float32 in any model dtype
+# decay parameters (and Mamba2's D, the DeepSeek-style router) stay float32 in any model dtype
+FLOAT32_PARAMS: tuple[str, ...] = ("A_log", "dt_bias", "D", "router_weight", "e_score_correction_bias")
 Tensors = list[torch.Tensor]
+RecipesFn = Callable[[Any, Iterable[str]], dict[str, "Recipe"]]  # (config, checkpoint names) -> recipes
 
 
 def _first(tensors: Tensors) -> torch.Tensor:
     return tensors[0]
 
 
-def _concat_rows(tensors: Tensors) -> torch.Tensor:
+def concat_rows(tensors: Tensors) -> torch.Tensor:
     return torch.cat(tensors, dim=0)
 
 
@@ -36,10 +38,10 @@ class Recipe:
     build: Callable[[Tensors], torch.Tensor] = _first
 
 
-def load_weights(model_cls: type[ModelT], config: HybridConfig, reader: CheckpointReader,
-                 device: torch.device, dtype: torch.dtype) -> ModelT:
+def load_weights(model_cls: type[ModelT], config: Any, reader: CheckpointReader, device: torch.device,
+                 dtype: torch.dtype, recipes_fn: RecipesFn) -> ModelT:
     """Instantiate model_cls on the meta device, then assign every parameter from its recipe."""
-    recipes = weight_recipes(config, reader.names.keys())
+    recipes = recipes_fn(config, reader.names.keys())
     _check_names(recipes, reader, config)
     with torch.device("meta"):
         model = model_cls(config)
@@ -59,7 +61,7 @@ def _build(name: str, recipe: Recipe, reader: CheckpointReader, device: torch.de
     return tensor.to(device=device, dtype=wanted).contiguous()
 
 
-def _check_names(recipes: dict[str, Recipe], reader: CheckpointReader, config: HybridConfig) -> None:
+def _check_names(recipes: dict[str, Recipe], reader: CheckpointReader, config: Any) -> None:
     needed = {source for recipe in recipes.values() for source in recipe.sources}
     present = set(reader.names)
     tied_head = {LM_HEAD} if config.tie_word_embeddings else set()  # ignored: the embedding serves as head
@@ -122,7 +124,7 @@ def _gdn_recipes(config: HybridConfig, p: str, names: set[str]) -> dict[str, Rec
                                                lambda t: _ungroup_qkvz_ba(config, *t))
     else:  # Qwen3.5: flat projections
         sources = tuple(p + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a"))
-        recipes[p + "in_proj.weight"] = Recipe(sources, _concat_rows)
+        recipes[p + "in_proj.weight"] = Recipe(sources, concat_rows)
     return recipes
 
 
@@ -142,14 +144,14 @@ def _attention_recipes(config: HybridConfig, p: str) -> dict[str, Recipe]:
     kinds = ("weight", "bias") if config.attention_bias else ("weight",)
     for kind in kinds:
         sources = tuple(f"{p}{n}_proj.{kind}" for n in ("q", "k", "v"))
-        recipes[f"{p}qkv_proj.{kind}"] = Recipe(sources, _concat_rows)
+        recipes[f"{p}qkv_proj.{kind}"] = Recipe(sources, concat_rows)
     if config.attention_bias:
         recipes.update(_same(p, ("o_proj.bias",)))
     return recipes
 
 
 def _mlp_recipes(p: str) -> dict[str, Recipe]:
-    return {p + "gate_up_proj.weight": Recipe((p + "gate_proj.weight", p + "up_proj.weight"), _concat_rows),
+    return {p + "gate_up_proj.weight": Recipe((p + "gate_proj.weight", p + "up_proj.weight"), concat_rows),
             p + "down_proj.weight": Recipe((p + "down_proj.weight",))}
 
 

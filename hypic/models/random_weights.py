@@ -1,6 +1,7 @@
 """Random checkpoint-named weights for a config, built on any device from a seed (benchmarks on real
-released shapes without downloading weights). Names and layout are those of a Qwen3.5 text-only save:
-prefix "model.", flat in_proj_qkv/z/b/a, fused 3-D experts; load them with load_model(state_dict=...)."""
+released shapes without downloading weights). Names and layout are those of a Qwen3.5 text-only save
+(prefix "model.", flat in_proj_qkv/z/b/a, fused 3-D experts) or, for a Mamba2 hybrid, of transformers'
+in-memory model (prefix "model.", fused experts); load them with load_model(state_dict=...)."""
 from __future__ import annotations
 
 import math
@@ -8,16 +9,21 @@ import math
 import torch
 
 from hypic.models.config import HybridConfig
+from hypic.models.mamba2_config import Mamba2HybridConfig
 
 Shapes = dict[str, tuple[int, ...]]
 
 
-def random_state_dict(config: HybridConfig, *, device: torch.device, dtype: torch.dtype, seed: int = 0,
-                      std: float = 0.02) -> dict[str, torch.Tensor]:
-    """Linear weights ~ N(0, std); norms at their identity (zero offsets, gated-norm weights 1);
-    A_log = log U(1, 16) and dt_bias = 1 as transformers initialises them."""
+def random_state_dict(config: HybridConfig | Mamba2HybridConfig, *, device: torch.device, dtype: torch.dtype,
+                      seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Linear weights ~ N(0, std); norms at their identity (Qwen's zero offsets, plain and gated-norm
+    weights 1); A_log = log U(1, 16), dt_bias = 1, D = 1 as transformers initialises them."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    return {name: _init(name, shape, gen, device, dtype, std) for name, shape in checkpoint_shapes(config).items()}
+    if isinstance(config, Mamba2HybridConfig):
+        shapes, norm_identity = mamba2_checkpoint_shapes(config), 1.0
+    else:
+        shapes, norm_identity = checkpoint_shapes(config), 0.0
+    return {name: _init(name, shape, gen, device, dtype, std, norm_identity) for name, shape in shapes.items()}
 
 
 def checkpoint_shapes(config: HybridConfig) -> Shapes:
@@ -74,15 +80,80 @@ def _moe_shapes(c: HybridConfig, p: str) -> Shapes:
     return shapes
 
 
+def mamba2_checkpoint_shapes(config: Mamba2HybridConfig) -> Shapes:
+    """transformers' in-memory names of each model type (the loader reads them as it reads the releases')."""
+    c, names = config, _MAMBA2_NAMES[config.model_type]
+    shapes: Shapes = {f"model.{names['embed']}.weight": (c.vocab_size, c.hidden_size),
+                      f"model.{names['final_norm']}.weight": (c.hidden_size,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for j, kind in enumerate(c.blocks):
+        layer = f"model.layers.{j}." if c.model_type == "nemotron_h" else f"model.layers.{j // 2}."
+        shapes[layer + names["norms"][j % len(names["norms"])] + ".weight"] = (c.hidden_size,)
+        shapes.update(_MAMBA2_BLOCKS[kind](c, layer + names[kind]))
+    return shapes
+
+
+_MAMBA2_NAMES = {  # module names: embedding, final norm, block norms, each block kind's module
+    "nemotron_h": {"embed": "embeddings", "final_norm": "norm_f", "norms": ("norm",), "mamba": "mixer.",
+                   "attention": "mixer.", "mlp": "mixer.", "moe": "mixer."},
+    "granitemoehybrid": {"embed": "embed_tokens", "final_norm": "norm", "mamba": "mamba.", "attention": "self_attn.",
+                         "norms": ("input_layernorm", "post_attention_layernorm"), "mlp": "shared_mlp.", "moe": ""},
+    "bamba": {"embed": "embed_tokens", "final_norm": "final_layernorm", "norms": ("input_layernorm", "pre_ff_layernorm"),
+              "mamba": "mamba.", "attention": "self_attn.", "mlp": "feed_forward.", "moe": ""}}
+
+
+def _mamba2_mixer_shapes(c: Mamba2HybridConfig, p: str) -> Shapes:
+    heads, inner, conv = c.mamba_num_heads, c.mamba_intermediate, c.mamba_conv_dim
+    shapes = {p + "in_proj.weight": (inner + conv + heads, c.hidden_size), p + "conv1d.weight": (conv, 1, c.conv_kernel),
+              p + "A_log": (heads,), p + "dt_bias": (heads,), p + "D": (heads,), p + "norm.weight": (inner,),
+              p + "out_proj.weight": (c.hidden_size, inner)}
+    if c.conv_bias:
+        shapes[p + "conv1d.bias"] = (conv,)
+    return shapes
+
+
+def _mamba2_attention_shapes(c: Mamba2HybridConfig, p: str) -> Shapes:
+    hidden, q_dim, kv_dim = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return {p + "q_proj.weight": (q_dim, hidden), p + "k_proj.weight": (kv_dim, hidden),
+            p + "v_proj.weight": (kv_dim, hidden), p + "o_proj.weight": (hidden, q_dim)}
+
+
+def _mamba2_mlp_shapes(c: Mamba2HybridConfig, p: str, width: int | None = None) -> Shapes:
+    width = width or c.intermediate_size
+    if c.mlp_act == "relu2":
+        return {p + "up_proj.weight": (width, c.hidden_size), p + "down_proj.weight": (c.hidden_size, width)}
+    if c.model_type == "granitemoehybrid":
+        return {p + "input_linear.weight": (2 * width, c.hidden_size), p + "output_linear.weight": (c.hidden_size, width)}
+    return _mlp_shapes(c.hidden_size, width, p)
+
+
+def _mamba2_moe_shapes(c: Mamba2HybridConfig, p: str) -> Shapes:
+    hidden, inter, experts = c.hidden_size, c.moe_intermediate_size, c.num_experts
+    if c.router == "sigmoid_grouped":  # Nemotron: relu2 experts [E, I, H], DeepSeek router, shared expert
+        shapes = {p + "gate.weight": (experts, hidden), p + "gate.e_score_correction_bias": (experts,),
+                  p + "experts.up_proj": (experts, inter, hidden), p + "experts.down_proj": (experts, hidden, inter)}
+        if c.shared_intermediate_size:
+            shapes.update(_mamba2_mlp_shapes(c, p + "shared_experts.", c.shared_intermediate_size))
+        return shapes
+    moe = p + "block_sparse_moe."
+    return {moe + "router.weight": (experts, hidden), moe + "experts.gate_up_proj": (experts, 2 * inter, hidden),
+            moe + "experts.down_proj": (experts, hidden, inter), **_mamba2_mlp_shapes(c, p + "shared_mlp.")}
+
+
+_MAMBA2_BLOCKS = {"mamba": _mamba2_mixer_shapes, "attention": _mamba2_attention_shapes, "mlp": _mamba2_mlp_shapes,
+                  "moe": _mamba2_moe_shapes}
+
+
 def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, device: torch.device, dtype: torch.dtype,
-          std: float) -> torch.Tensor:
+          std: float, norm_identity: float) -> torch.Tensor:
     if name.endswith("A_log"):
         return torch.empty(shape, device=device).uniform_(1.0, 16.0, generator=gen).log_()
-    if name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+    if name.endswith(("dt_bias", ".D", "linear_attn.norm.weight", "mamba.norm.weight", "mixer.norm.weight")):
         return torch.ones(shape, device=device, dtype=dtype)
-    if name.endswith("norm.weight"):
-        return torch.zeros(shape, device=device, dtype=dtype)
-    if name.endswith(".bias"):
+    if name.endswith(("norm.weight", "norm_f.weight")):
+        return torch.full(shape, norm_identity, device=device, dtype=dtype)
+    if name.endswith((".bias", "e_score_correction_bias")):
         return torch.zeros(shape, device=device, dtype=dtype)
     if name.endswith("conv1d.weight"):  # depthwise conv: fan-in is the kernel width
         std = 1.0 / math.sqrt(shape[-1])

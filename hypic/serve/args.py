@@ -7,6 +7,7 @@ import re
 
 from hypic.config import CACHE_MODES, SEGMENT_STATE_DTYPES, EngineConfig
 from hypic.errors import InvalidRequestError
+from hypic.serve.agent_args import add_agent_arguments, agent_options
 from hypic.serve.state import ServerSettings
 
 _DEFAULTS = EngineConfig()
@@ -20,6 +21,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add_cache_arguments(parser)
     _add_server_arguments(parser)
     _add_parallel_arguments(parser)
+    add_agent_arguments(parser)
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,7 +130,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         raise InvalidRequestError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
     return ServerSettings(args.served_model_name, args.api_key or None, args.shutdown_grace,
                           workers=args.workers, gpus=args.gpus, transport=args.transport,
-                          router_address=args.router_address)
+                          router_address=args.router_address, **agent_options(args))
 
 
 def _device(text: str) -> str:

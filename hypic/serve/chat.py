@@ -5,17 +5,18 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from functools import partial
 
 from aiohttp import web
 from msgspec.structs import replace
 
 from hypic.outputs import RequestOutput
+from hypic.serve.chat_reply import ReplyFormat, ReplyStream, reply_format, whole_reply
 from hypic.serve.choices import UsageCounter, collect, worth_sending
-from hypic.serve.engine_client import GenerateRequest
+from hypic.engine.client import GenerateRequest
 from hypic.serve.http_errors import bad_request, engine_errors
 from hypic.serve.logprobs import chat_logprobs
 from hypic.serve.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChunk,
     ChatChunkChoice,
@@ -27,12 +28,14 @@ from hypic.serve.protocol import (
 from hypic.serve.request_body import check_model, check_stream_options, read_body, reject_unsupported
 from hypic.serve.request_group import submitted
 from hypic.serve.responses import DONE, event, json_response, start_events, stream_errors
-from hypic.serve.sampling import sampling_params
+from hypic.serve.sampling import or_default, sampling_params
 from hypic.serve.state import STATE
 from hypic.serve.template import render_chat
+from hypic.serve.tool_segments import prompt_segments
+from hypic.serve.tools import check_tools, template_tools
 
 log = logging.getLogger(__name__)
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format")
+UNSUPPORTED = ("functions", "function_call")  # OpenAI's deprecated form of tools
 _PARAM_NAMES = {name: name for name in ChatRequest.__struct_fields__} | {"logprobs": "top_logprobs", "prompt": "messages"}
 
 
@@ -42,18 +45,24 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     check_model(state, body.model)
     reject_unsupported(unsupported_fields(body, UNSUPPORTED))
     check_stream_options(body.stream, body.stream_options)
-    prompt = render_chat(state.client.tokenizer, body.messages, body.chat_template_kwargs)
+    check_tools(body)
+    tools = template_tools(body)
+    prompt = render_chat(state.client.tokenizer, body.messages, body.chat_template_kwargs, tools)
+    form, constraint = reply_format(state.settings, body, prompt)
+    wanted = state.settings.tool_segments if body.tool_segments is None else body.tool_segments
+    render = partial(render_chat, state.client.tokenizer, body.messages, body.chat_template_kwargs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     log.debug("%s: %d message(s), n=%d, user=%s", request_id, len(body.messages), body.n, body.user)
     with engine_errors(_PARAM_NAMES):
-        params = sampling_params(body, max_tokens=_max_tokens(body), logprobs=_logprobs(body))
+        params = sampling_params(body, max_tokens=or_default(_max_tokens(body), state.settings),
+                                 logprobs=_logprobs(body), structured=constraint)
         # the template wrote every special token the model expects: the engine adds none
-        job = GenerateRequest(prompt, params, request_id, body.cache_salt, body.cache_mode, add_special_tokens=False)
+        job = GenerateRequest(prompt_segments(wanted, render, tools, prompt), params, request_id, body.cache_salt, body.cache_mode, add_special_tokens=False)
         async with submitted(state.client, [job], state.metrics) as outputs:
             if body.stream:
                 head = ChatChunk(request_id, int(time.time()), state.model_name, [])
-                return await _stream(request, outputs, head, body)
-            return await _respond(outputs, request_id, state.model_name, body)
+                return await _stream(request, outputs, head, body, form)
+            return await _respond(outputs, request_id, state.model_name, body, form)
 
 
 def _max_tokens(body: ChatRequest) -> int | None:
@@ -69,25 +78,24 @@ def _logprobs(body: ChatRequest) -> int | None:
 
 
 async def _respond(
-    outputs: AsyncIterator[tuple[int, RequestOutput]], request_id: str, model: str, body: ChatRequest
+    outputs: AsyncIterator[tuple[int, RequestOutput]], request_id: str, model: str, body: ChatRequest,
+    form: ReplyFormat,
 ) -> web.Response:
     buffers, usage = await collect(outputs, body.n, 1)
+    replies = [whole_reply(buffer.text, buffer.finish_reason, form) for buffer in buffers]
     choices = [
-        ChatChoice(
-            index,
-            AssistantMessage(buffer.text),
-            chat_logprobs(buffer.logprobs) if body.logprobs else None,
-            buffer.finish_reason,
-        )
-        for index, buffer in enumerate(buffers)
+        ChatChoice(index, message, chat_logprobs(buffer.logprobs) if body.logprobs else None, reason)
+        for index, (buffer, (message, reason)) in enumerate(zip(buffers, replies))
     ]
     return json_response(ChatResponse(request_id, int(time.time()), model, choices, usage.usage()))
 
 
 async def _stream(
-    request: web.Request, outputs: AsyncIterator[tuple[int, RequestOutput]], head: ChatChunk, body: ChatRequest
+    request: web.Request, outputs: AsyncIterator[tuple[int, RequestOutput]], head: ChatChunk, body: ChatRequest,
+    form: ReplyFormat,
 ) -> web.StreamResponse:
     response = await start_events(request)
+    replies = [ReplyStream(form) for _ in range(body.n)]
     usage = UsageCounter()
     roles = [ChatChunkChoice(index, ChatDelta(role="assistant", content=""), None, None) for index in range(body.n)]
     try:
@@ -95,7 +103,7 @@ async def _stream(
         async with stream_errors(response, _PARAM_NAMES):
             async for _, output in outputs:
                 usage.add(output)
-                await response.write(_chunks(head, output, body))
+                await response.write(_chunks(head, output, body, replies))
             if body.stream_options and body.stream_options.include_usage:
                 await response.write(event(replace(head, choices=[], usage=usage.usage())))
         await response.write(DONE)
@@ -104,10 +112,13 @@ async def _stream(
     return response
 
 
-def _chunks(head: ChatChunk, output: RequestOutput, body: ChatRequest) -> bytes:
+def _chunks(head: ChatChunk, output: RequestOutput, body: ChatRequest, replies: list[ReplyStream]) -> bytes:
     chunks = []
     for delta in filter(worth_sending, output.deltas):
         logprobs = chat_logprobs(delta.logprobs or ()) if body.logprobs else None
-        choice = ChatChunkChoice(delta.index, ChatDelta(content=delta.text), logprobs, delta.finish_reason)
+        message, reason = replies[delta.index].push(delta.text, delta.finish_reason)
+        if message is None and logprobs is None:
+            continue  # held back: it may be the start of a tag
+        choice = ChatChunkChoice(delta.index, message or ChatDelta(), logprobs, reason)
         chunks.append(event(replace(head, choices=[choice])))
     return b"".join(chunks)

@@ -11,20 +11,21 @@ from msgspec.structs import replace
 
 from hypic.outputs import RequestOutput
 from hypic.serve.choices import UsageCounter, choice_index, collect, worth_sending
-from hypic.serve.engine_client import GenerateRequest
+from hypic.engine.client import GenerateRequest
 from hypic.serve.http_errors import bad_request, engine_errors
 from hypic.serve.logprobs import completion_logprobs
 from hypic.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from hypic.serve.request_body import check_model, check_stream_options, read_body, reject_unsupported
 from hypic.serve.request_group import submitted
 from hypic.serve.responses import DONE, event, json_response, start_events, stream_errors
-from hypic.serve.sampling import sampling_params
+from hypic.serve.sampling import or_default, sampling_params
 from hypic.serve.state import STATE
+from hypic.serve.structured import requested_constraint
 
 log = logging.getLogger(__name__)
 _PARAM_NAMES = {name: name for name in CompletionRequest.__struct_fields__}
 
-Prompt = str | list[str] | list[int]
+Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
@@ -37,7 +38,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     log.debug("%s: %d prompt(s), n=%d, user=%s", request_id, len(prompts), body.n, body.user)
     with engine_errors(_PARAM_NAMES):
-        params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
+        params = sampling_params(body, max_tokens=or_default(body.max_tokens, state.settings), logprobs=body.logprobs,
+                                 structured=requested_constraint(body))
         jobs = [
             GenerateRequest(prompt, params, f"{request_id}-{index}", body.cache_salt, body.cache_mode)
             for index, prompt in enumerate(prompts)

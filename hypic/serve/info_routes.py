@@ -1,4 +1,4 @@
-"""GET /v1/models, /v1/models/{model}, /health, /metrics and POST /tokenize."""
+"""GET /v1/models, /v1/models/{model}, /health, /metrics, /version and POST /tokenize, /detokenize."""
 from __future__ import annotations
 
 import time
@@ -6,9 +6,11 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from hypic import __version__
 from hypic.errors import InvalidRequestError
 from hypic.serve.http_errors import ApiError, bad_request
-from hypic.serve.protocol import ModelCard, ModelList, TokenizeRequest, TokenizeResponse
+from hypic.serve.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                                  TokenizeResponse, VersionResponse)
 from hypic.serve.request_body import check_model, read_body
 from hypic.serve.responses import json_response
 from hypic.serve.state import STATE, ServerState
@@ -50,6 +52,21 @@ async def tokenize(request: web.Request) -> web.Response:
     except InvalidRequestError as error:
         raise bad_request(str(error), "prompt" if body.prompt is not None else "messages") from None
     return json_response(TokenizeResponse(tokens, len(tokens), state.client.info.max_model_len))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await read_body(request, DetokenizeRequest)
+    check_model(state, body.model)
+    vocab = state.client.tokenizer.vocab_size
+    bad = [token for token in body.tokens if not 0 <= token < vocab]
+    if bad:
+        raise bad_request(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+    return json_response(DetokenizeResponse(state.client.tokenizer.decode(body.tokens, skip_special_tokens=False)))
+
+
+async def version(request: web.Request) -> web.Response:
+    return json_response(VersionResponse(__version__))
 
 
 def _tokens(state: ServerState, body: TokenizeRequest) -> list[int]:

@@ -25,6 +25,78 @@ class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
+# ---- structured output and tools (docs/agents.md) ----------------------------------------------
+
+JsonSchema = dict[str, Any] | bool  # a JSON Schema document; its keywords are llguidance's to check
+FunctionName = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+
+
+class JsonSchemaFormat(Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str = "response"
+    description: str | None = None
+    schema: JsonSchema = msgspec.field(default_factory=dict)
+    strict: bool | None = None  # true: keywords llguidance lacks are an error; else they are ignored
+
+
+class TextFormat(Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+    pass
+
+
+class JsonObjectFormat(Struct, tag_field="type", tag="json_object", forbid_unknown_fields=True):
+    pass
+
+
+class JsonSchemaResponseFormat(Struct, tag_field="type", tag="json_schema", forbid_unknown_fields=True):
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaResponseFormat
+
+
+class StructuredOutputsField(Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json: JsonSchema | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark or GBNF
+    json_object: bool | None = None
+
+
+class FunctionDefinition(Struct, forbid_unknown_fields=True, kw_only=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of type object; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(Struct, tag_field="type", tag="function", forbid_unknown_fields=True):
+    function: FunctionDefinition
+
+
+class FunctionRef(Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionRef
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Struct, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class SamplingFields(Struct, forbid_unknown_fields=True, kw_only=True):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -49,12 +121,18 @@ class SamplingFields(Struct, forbid_unknown_fields=True, kw_only=True):
     user: str | None = None  # end-user id: logged with the request
     cache_salt: CacheSalt | None = None  # isolates one tenant's cached prefixes/segments from another's
     cache_mode: CacheMode | None = None  # extension: none | prefix | naive | hypic; None: server default
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None  # extension (vLLM)
+    guided_json: JsonSchema | str | None = None  # extension (vLLM, older names of structured_outputs)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[PromptItem] | None = None  # text, batch of texts, token ids, batch of token ids
-    segments: list[str] | None = None  # extension (DESIGN §7): prompt given as segments
-    max_tokens: TokenBudget | None = 16
+    segments: list[str | list[int]] | None = None  # extension (DESIGN §7): prompt given as segments (texts or ids)
+    max_tokens: TokenBudget | None = None  # None: the server's default (docs/agents.md)
     logprobs: TopLogprobs | None = None
     echo: bool = False  # unsupported when true
     suffix: str | None = None  # unsupported when set
@@ -66,26 +144,27 @@ class TextPart(Struct, tag_field="type", tag="text", forbid_unknown_fields=True)
 
 
 class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: Any = None  # unsupported when set
-    tool_call_id: Any = None  # unsupported when set
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's reasoning, for templates that show it
 
 
 class ChatRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_tokens: TokenBudget | None = None  # None: until the context is full
+    max_tokens: TokenBudget | None = None  # None: the server's default (docs/agents.md)
     max_completion_tokens: TokenBudget | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extension: variables of the chat template
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True
+    tool_segments: bool | None = None  # extension: each tool definition a PIC segment; None: server default
+    functions: Any = None  # OpenAI's deprecated form of tools: unsupported when set
     function_call: Any = None
-    parallel_tool_calls: Any = None
-    response_format: Any = None
 
 
 class TokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -94,6 +173,11 @@ class TokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -151,8 +235,10 @@ class ChatLogprobs(Struct):
 
 
 class AssistantMessage(Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
 
 
 class ChatChoice(Struct):
@@ -171,9 +257,25 @@ class ChatResponse(Struct):
     object: str = "chat.completion"
 
 
+class FunctionDelta(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Struct, omit_defaults=True):
+    """A call's first delta has its id, type and name; the later ones fragments of its arguments."""
+
+    index: int
+    function: FunctionDelta
+    id: str | None = None
+    type: str | None = None
+
+
 class ChatDelta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Struct):
@@ -209,6 +311,14 @@ class TokenizeResponse(Struct):
     tokens: list[int]
     count: int
     max_model_len: int
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+class VersionResponse(Struct):
+    version: str
 
 
 class ErrorDetail(Struct):

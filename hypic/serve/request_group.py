@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 
 from hypic.outputs import RequestOutput
-from hypic.serve.engine_client import EngineClient, GenerateRequest
+from hypic.engine.client import EngineClient, GenerateRequest
 from hypic.serve.metrics import ServerMetrics
 
 

@@ -7,12 +7,15 @@ import math
 from hypic.sampling_params import SamplingParams
 from hypic.serve.http_errors import bad_request
 from hypic.serve.protocol import SamplingFields
+from hypic.serve.state import ServerSettings
+from hypic.structured_outputs import StructuredOutputs
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _SEED_LIMIT = 1 << 63  # completion i seeds with seed + i: stays inside what torch.Generator takes
 
 
-def sampling_params(body: SamplingFields, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                    structured: StructuredOutputs | None = None) -> SamplingParams:
     """Raises ApiError, or InvalidRequestError from SamplingParams."""
     _check_finite(body)
     if body.seed is not None and not -_SEED_LIMIT <= body.seed < _SEED_LIMIT:
@@ -35,7 +38,13 @@ def sampling_params(body: SamplingFields, *, max_tokens: int | None, logprobs: i
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        structured=structured,
     )
+
+
+def or_default(max_tokens: int | None, settings: ServerSettings) -> int | None:
+    """A request without max_tokens (or with null) gets the server's one default."""
+    return settings.max_tokens_default if max_tokens is None else max_tokens
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:

@@ -15,7 +15,7 @@ from hypic.config import EngineConfig
 from hypic.errors import HypicError
 from hypic.serve.app import build_app, runner_for
 from hypic.serve.args import add_serve_arguments, engine_config, server_settings
-from hypic.serve.engine_client import EngineClient, InProcessEngineClient
+from hypic.engine.client import EngineClient, InProcessEngineClient
 from hypic.serve.state import STATE, ServerSettings
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from hypic.serve.engine_client import EngineClient
+from hypic.engine.client import EngineClient
 from hypic.serve.metrics import ServerMetrics
 
 
@@ -19,6 +19,11 @@ class ServerSettings:
     gpus: tuple[int, ...] | None = None
     transport: str = "auto"
     router_address: str = "tcp://127.0.0.1:0"
+    chat_template: str | None = None  # --chat-template: replaces the model's template
+    tool_call_parser: str | None = None  # hermes | qwen3_coder; None: what the chat template writes
+    reasoning_parser: str | None = None  # qwen3; None: replies are all content
+    tool_segments: bool = False  # each tool definition its own PIC segment (requests may override)
+    max_tokens_default: int | None = None  # a request without max_tokens; None: the rest of the context
 
 
 @dataclass

@@ -46,10 +46,11 @@ class SegmentedPrompt:
     segments: tuple[tuple[int, ...], ...]
 
     @classmethod
-    def build(cls, tokenizer: Tokenizer, prompt: str | Sequence[str] | Sequence[int], *, separator: str,
-              add_special_tokens: bool = True) -> SegmentedPrompt:
-        """From a string (split on `separator`), a list of segment strings, or token ids (one segment,
-        taken verbatim). Chat prompts rendered by a template pass add_special_tokens=False."""
+    def build(cls, tokenizer: Tokenizer, prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *,
+              separator: str, add_special_tokens: bool = True) -> SegmentedPrompt:
+        """From a string (split on `separator`), a list of segment strings, token ids (one segment,
+        taken verbatim) or a list of token-id segments (each verbatim: a client that tokenized them
+        itself, special tokens included). Chat prompts rendered by a template pass add_special_tokens=False."""
         if isinstance(prompt, str):
             return cls._from_texts(tokenizer, split_segments(prompt, separator), add_special_tokens)
         if not prompt:
@@ -57,7 +58,15 @@ class SegmentedPrompt:
         if all(isinstance(item, str) for item in prompt):
             _check_no_separator(prompt, separator)
             return cls._from_texts(tokenizer, prompt, add_special_tokens)
+        if all(isinstance(item, (list, tuple)) for item in prompt):
+            return cls._from_id_segments(prompt, tokenizer.vocab_size)
         return cls((_checked_token_ids(prompt, tokenizer.vocab_size),))
+
+    @classmethod
+    def _from_id_segments(cls, segments: Sequence[Sequence[object]], vocab_size: int) -> SegmentedPrompt:
+        if not any(segments):
+            raise InvalidRequestError("the prompt is empty (every token-id segment is empty)")
+        return cls(tuple(_checked_token_ids(segment, vocab_size) for segment in segments))
 
     @classmethod
     def _from_texts(cls, tokenizer: Tokenizer, texts: Sequence[str], add_special_tokens: bool) -> SegmentedPrompt:

@@ -81,6 +81,10 @@ class Tokenizer:
         """What one token decodes to on its own (for logprobs); a partial UTF-8 byte reads as U+FFFD."""
         return self._backend.decode([token_id], skip_special_tokens=False)
 
+    def use_chat_template(self, text: str) -> None:
+        """Replaces the model's chat template(s) (a server's --chat-template)."""
+        self._templates = {"default": _compile_template("--chat-template", text)}
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, **kwargs: Any) -> str:
         """Renders the conversation as the model's template does in transformers.

@@ -1,0 +1,1 @@
+"""Load generation against OpenAI-compatible servers: `hypic bench serve` (see docs/bench-serve.md)."""

@@ -1,0 +1,312 @@
+"""`hypic bench serve`: drive an OpenAI-compatible server with RAG, chat or traced traffic over a
+sweep of request rates; print and save per-rate statistics, the sustainable rate and plots.
+
+    hypic bench serve --request-rate 0.5,1,2,inf --out bench/results/bench_serve_cpu_bundled.json
+    hypic bench serve --url http://127.0.0.1:8000 --cache-modes none,prefix,hypic --preheat ...
+    hypic bench serve --url http://vllm:8000 --backend openai --tokenizer MODEL_DIR ...
+    hypic bench serve --url ... --trace requests.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import math
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import aiohttp
+
+from hypic.bench import arrivals, client, report, stats
+from hypic.bench.workloads import BenchRequest, ChatSpec, ChatWorkload, RagSpec, RagWorkload, TraceWorkload
+from hypic.engine.setup import BUNDLED_MODEL
+from hypic.engine.text.tokenizer import Tokenizer
+from hypic.errors import HypicError
+
+Workload = RagWorkload | ChatWorkload | TraceWorkload
+PREHEAT_CONCURRENCY = 8
+DEFAULT_SERVER = f"{shlex.quote(sys.executable)} -m hypic.serve --log-level warning"
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    _target_arguments(parser.add_argument_group("server"))
+    _workload_arguments(parser.add_argument_group("workload"))
+    _load_arguments(parser.add_argument_group("load and SLO"))
+    group = parser.add_argument_group("output")
+    group.add_argument("--out", type=Path, help="JSON path; the PNG goes beside it "
+                       "(default: bench/results/bench_serve_<device>_<model>.json)")
+    group.add_argument("--label", help="series name when --cache-modes is not given (default: the backend)")
+    group.add_argument("--no-plot", action="store_true", help="no PNG (matplotlib not needed)")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar (tqdm not needed)")
+
+
+def _target_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--url", help="a running server; without it one is started with --server-command")
+    group.add_argument("--server-command", default=DEFAULT_SERVER,
+                       help="command starting a hypic server (--port 0 is appended; default: %(default)s)")
+    group.add_argument("--backend", choices=("hypic", "openai"), default="hypic",
+                       help="hypic: prompts as segments, cache_mode per request; openai: one prompt (vLLM, SGLang, ...)")
+    group.add_argument("--model", help="model id to send (default: the server's first in /v1/models)")
+    group.add_argument("--api-key", default=os.environ.get("HYPIC_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                       help="sent as Authorization: Bearer (default: $HYPIC_API_KEY or $OPENAI_API_KEY)")
+    group.add_argument("--tokenizer", type=Path, default=BUNDLED_MODEL,
+                       help="model directory with tokenizer.json (default: the bundled model)")
+    group.add_argument("--prompt-form", choices=("ids", "text"), default="ids",
+                       help="send token ids (the same tokens to every server) or text (default: %(default)s)")
+    group.add_argument("--cache-modes", type=_names, help="hypic: one series per cache mode, e.g. none,prefix,hypic; "
+                       "the server's caches are flushed before each")
+    group.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (answers may end early)")
+    group.add_argument("--timeout", type=float, default=1800.0, help="seconds one request may take (default: %(default)s)")
+
+
+def _workload_arguments(group: argparse._ArgumentGroup) -> None:
+    rag, chat = RagSpec(), ChatSpec()
+    group.add_argument("--workload", choices=("rag", "chat"), default="rag", help="(default: %(default)s)")
+    group.add_argument("--trace", type=Path, help="replay a JSONL trace (timestamp, segments or messages, max_tokens)")
+    group.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    group.add_argument("--max-tokens", type=int, default=rag.max_tokens, help="output tokens (default: %(default)s)")
+    group.add_argument("--documents", type=int, default=rag.documents, help="rag: corpus size (default: %(default)s)")
+    group.add_argument("--doc-tokens", type=int, default=rag.doc_tokens, help="rag: mean document length (default: %(default)s)")
+    group.add_argument("--doc-tokens-range", type=float, default=rag.doc_tokens_range,
+                       help="rag: lengths uniform in mean·(1 ± this) (default: %(default)s)")
+    group.add_argument("--docs-per-request", type=int, default=rag.docs_per_request, help="rag: k (default: %(default)s)")
+    group.add_argument("--zipf-s", type=float, default=rag.zipf_s, help="rag: popularity exponent (default: %(default)s)")
+    group.add_argument("--system-tokens", type=int, default=rag.system_tokens, help="(default: %(default)s)")
+    group.add_argument("--question-tokens", type=int, default=rag.question_tokens, help="rag (default: %(default)s)")
+    group.add_argument("--cold-fraction", type=float, default=rag.cold_fraction,
+                       help="rag: each document is a new one with this probability (default: %(default)s)")
+    group.add_argument("--preheat", action="store_true", help="rag: send every document once before each series")
+    group.add_argument("--conversations", type=int, default=chat.conversations, help="chat: in flight (default: %(default)s)")
+    group.add_argument("--turns", type=int, default=chat.turns, help="chat: per conversation (default: %(default)s)")
+    group.add_argument("--user-tokens", type=int, default=chat.user_tokens, help="chat (default: %(default)s)")
+    group.add_argument("--answer-tokens", type=int, default=chat.answer_tokens,
+                       help="chat: a synthetic earlier answer's length (default: %(default)s)")
+
+
+def _load_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--request-rate", type=_rates,
+                       help="req/s, a comma list sweeps them, inf = all at once (default: inf; a trace: its timestamps)")
+    group.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson (default: %(default)s)")
+    group.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    group.add_argument("--num-requests", type=int, default=100, help="requests per rate (default: %(default)s)")
+    group.add_argument("--duration", type=float, help="seconds: a point also ends after this long of arrivals "
+                       "(rate x this many requests, if fewer than --num-requests)")
+    group.add_argument("--warmup", type=int, default=0, help="requests sent at once first, not measured (default: %(default)s)")
+    group.add_argument("--slo-ttft", type=float, default=1.0, help="seconds: p50 TTFT of a sustainable rate (default: %(default)s)")
+    group.add_argument("--slo-tpot", type=float, help="seconds: each good request's TPOT bound in goodput")
+    group.add_argument("--keep-up", type=float, default=0.9,
+                       help="a sustainable rate completes this fraction of the offered one (default: %(default)s)")
+
+
+def _names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(item) for item in _names(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"request rates are numbers or inf, comma-separated; got {text!r}") from None
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError(f"request rates must be positive; got {text!r}")
+    return sorted(rates)
+
+
+def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
+    """`argv` is recorded in the results (an --api-key value masked)."""
+    try:
+        if args.cache_modes and args.backend != "hypic":
+            raise HypicError("--cache-modes needs --backend hypic (other servers have no per-request cache mode)")
+        if not args.no_progress:
+            report.require("tqdm", "the progress bar", "--no-progress")
+        if not args.no_plot:
+            report.require("matplotlib", "the PNG plots", "--no-plot")
+        workload = build_workload(Tokenizer.from_dir(args.tokenizer), args)
+    except HypicError as error:
+        print(f"hypic bench serve: {error}", file=sys.stderr)
+        return 2
+    with started_server(args) as (url, startup):
+        result = asyncio.run(run_sweeps(url, workload, args, report.provenance(["hypic", *argv])))
+    result["server"]["startup_line"] = startup
+    save(result, args)
+    return 0
+
+
+def build_workload(tokenizer: Tokenizer, args: argparse.Namespace) -> Workload:
+    if args.trace is not None:
+        return TraceWorkload(tokenizer, args.trace)
+    if args.workload == "chat":
+        return ChatWorkload(tokenizer, ChatSpec(args.conversations, args.turns, args.system_tokens, args.user_tokens,
+                                                args.answer_tokens, args.max_tokens, args.seed))
+    return RagWorkload(tokenizer, RagSpec(args.documents, args.doc_tokens, args.doc_tokens_range, args.docs_per_request,
+                                          args.zipf_s, args.system_tokens, args.question_tokens, args.max_tokens,
+                                          args.seed, args.cold_fraction))
+
+
+@contextlib.contextmanager
+def started_server(args: argparse.Namespace) -> Iterator[tuple[str, str | None]]:
+    """The server under test and its start-up line: --url as given (no line), or one started with
+    --server-command on a free port and stopped (SIGTERM) at the end."""
+    if args.url is not None:
+        yield args.url.rstrip("/"), None
+        return
+    process = subprocess.Popen([*shlex.split(args.server_command), "--port", "0"], stdout=subprocess.PIPE, text=True)
+    line = process.stdout.readline()
+    match = re.search(r" at (http://\S+) on ", line)
+    if match is None:
+        process.kill()
+        raise SystemExit(f"hypic bench serve: the server did not start (exit {process.wait()}): {line!r}")
+    threading.Thread(target=process.stdout.read, daemon=True).start()  # a full pipe would block the server
+    try:
+        yield match.group(1), line.strip()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=120)
+
+
+async def run_sweeps(url: str, workload: Workload, args: argparse.Namespace, provenance: dict) -> dict:
+    """Warm-up, then for each series (cache mode): flush, preheat and the rate sweep."""
+    slo = stats.Slo(args.slo_ttft, args.slo_tpot, args.keep_up)
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0), headers=headers) as session:
+        base = client.Target(url, args.model or await first_model(session, url), args.backend, args.prompt_form,
+                             ignore_eos=not args.no_ignore_eos)
+        if args.warmup:
+            warm = [arrivals.Planned(i, 0.0, r) for i, r in enumerate(itertools.islice(workload.requests(), args.warmup))]
+            await arrivals.dispatch(warm, lambda r: client.send(session, base, r), max_concurrency=args.max_concurrency)
+        series = []
+        for mode in args.cache_modes or [None]:
+            target = replace(base, cache_mode=mode)
+            if mode is not None:
+                await flush(session, url)
+            if args.preheat:
+                await preheat(session, target, workload)
+            points = await sweep(session, target, workload, args, slo)
+            series.append({"label": mode or args.label or args.backend, "cache_mode": mode, "points": points,
+                           "sustainable": stats.sustainable_rate(points, slo), **stats.saturation(points)})
+    return {"benchmark": "bench_serve", **provenance,
+            "server": {"url": url, "model": base.model, "backend": args.backend, "prompt_form": args.prompt_form},
+            "workload": workload_record(workload, args), "slo": asdict(slo), "series": series}
+
+
+async def first_model(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url + "/v1/models") as response:
+        response.raise_for_status()
+        return (await response.json())["data"][0]["id"]
+
+
+async def flush(session: aiohttp.ClientSession, url: str) -> None:
+    """Empty a hypic server's prefix cache and segment pool, so that no series inherits another's."""
+    async with session.post(url + "/admin/cache/flush", json={}) as response:
+        response.raise_for_status()
+
+
+async def preheat(session: aiohttp.ClientSession, target: client.Target, workload: Workload) -> None:
+    plan = [arrivals.Planned(i, 0.0, request) for i, request in enumerate(workload.preheat())]
+    done = await arrivals.dispatch(plan, lambda r: client.send(session, target, r), max_concurrency=PREHEAT_CONCURRENCY)
+    failed = [d.result.error for d in done if d.result.error]
+    if failed:
+        raise SystemExit(f"hypic bench serve: {len(failed)} preheat requests failed, e.g. {failed[0]}")
+
+
+async def sweep(session: aiohttp.ClientSession, target: client.Target, workload: Workload,
+                args: argparse.Namespace, slo: stats.Slo) -> list[dict]:
+    """One point per rate, each with fresh requests of the same seeded stream (every series alike)."""
+    stream = enumerate(itertools.islice(workload.requests(), args.warmup, None), start=args.warmup)  # `after` counts from 0
+    rates = args.request_rate or [None if isinstance(workload, TraceWorkload) else float("inf")]
+    rng, points = random.Random(args.seed), []
+    for rate in rates:
+        plan = planned(stream, rate, args, rng)
+        dispatched = await dispatch_with_progress(session, target, plan, args, f"{target.cache_mode or args.backend} @ {rate}")
+        point = stats.summarize(rate, dispatched, slo)
+        print(one_line(point), file=sys.stderr, flush=True)
+        points.append(point)
+    return points
+
+
+def planned(stream: Iterator[tuple[int, BenchRequest]], rate: float | None, args: argparse.Namespace,
+            rng: random.Random) -> list[arrivals.Planned]:
+    """The next requests of the stream with their arrival times (None: a trace's own timestamps)."""
+    if rate is None:
+        items = list(stream)
+        first = min(request.arrival_s for _, request in items)
+        return [arrivals.Planned(i, request.arrival_s - first, request) for i, request in items]
+    bounded = args.duration and math.isfinite(rate)
+    count = min(args.num_requests, math.ceil(rate * args.duration)) if bounded else args.num_requests
+    items = list(itertools.islice(stream, count))
+    times = arrivals.arrival_times(len(items), rate, args.burstiness, rng)
+    return [arrivals.Planned(i, at, request) for (i, request), at in zip(items, times)]
+
+
+async def dispatch_with_progress(session: aiohttp.ClientSession, target: client.Target,
+                                 plan: list[arrivals.Planned], args: argparse.Namespace,
+                                 label: str) -> list[arrivals.Dispatched[client.Outcome]]:
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(plan), desc=label, unit="req", leave=False)
+    try:
+        return await arrivals.dispatch(plan, lambda r: client.send(session, target, r),
+                                       max_concurrency=args.max_concurrency,
+                                       on_done=(lambda outcome: bar.update()) if bar else (lambda outcome: None))
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def one_line(point: dict) -> str:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1e3:.0f}"
+    return (f"rate {point['request_rate']:g} req/s: achieved {point['achieved_rps']:.2f}, TTFT p50/p99 "
+            f"{ms(point['ttft_p50_s'])}/{ms(point['ttft_p99_s'])} ms, TPOT p50 {ms(point['tpot_p50_s'])} ms, "
+            f"out {point['output_tokens_per_s']:.0f} tok/s, cached {point['cached_token_fraction'] or 0:.0%}, "
+            f"errors {point['errors']}")
+
+
+def workload_record(workload: Workload, args: argparse.Namespace) -> dict:
+    kind = "trace" if isinstance(workload, TraceWorkload) else args.workload
+    record = {"kind": kind, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+              "num_requests": args.num_requests, "duration_s": args.duration, "warmup": args.warmup,
+              "preheat": args.preheat, "tokenizer": str(args.tokenizer)}
+    return {**record, **({"trace": str(args.trace)} if kind == "trace" else asdict(workload.spec))}
+
+
+def save(result: dict, args: argparse.Namespace) -> None:
+    device = re.search(r" on (\S+):", result["server"].get("startup_line") or "")
+    label = device.group(1).replace(":", "") if device else "remote"
+    out = args.out or Path("bench") / "results" / f"bench_serve_{label}_{result['server']['model']}.json"
+    report.write_json(out, result)
+    if not args.no_plot:
+        report.plot(out.with_suffix(".png"), result["series"], f"{result['server']['model']}: {result['workload']['kind']}",
+                    args.slo_ttft)
+    for one in result["series"]:
+        print(report.summary_line(one, args.slo_ttft))
+    print(f"wrote {out}")
+
+
+def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", type=Path, help="PNG to write")
+    parser.add_argument("results", type=Path, nargs="+", help="JSON files of hypic bench serve")
+    parser.add_argument("--title", default="", help="figure title")
+
+
+def plot_from_args(args: argparse.Namespace) -> int:
+    """One figure with every series of several runs (servers, or cache modes run one at a time)."""
+    report.require("matplotlib", "hypic bench plot")
+    series = report.read_series(args.results)
+    report.plot(args.out, series, args.title, series[0]["slo_ttft_s"])
+    for one in series:
+        print(report.summary_line(one, one["slo_ttft_s"]))
+    print(f"wrote {args.out}")
+    return 0
