@@ -428,16 +428,13 @@ class SegmentStore:
         if nbytes > self.capacity_bytes - pinned_bytes:
             return None  # hopeless: evicting would only lose entries
         self._release_drained(lambda event: event.query())
-        offset = self._free.allocate(nbytes)
-        while offset is None and (self._evict_one() or self._release_drained(self._wait_on_device)):
-            offset = self._free.allocate(nbytes)
-        return offset
+        return self._free.allocate_evicting(
+            nbytes, lambda: self._evict_one() or self._release_drained(self._wait_on_device))
 
     def _evict_one(self) -> bool:
-        victim = next((key for key, e in self._index.items() if not e.pins), None)
-        if victim is None:
+        entry = pop_lru_unpinned(self._index)
+        if entry is None:
             return False
-        entry = self._index.pop(victim)
         self._evictions += 1
         copying = self.lower.demote(entry.key, entry.interior, self._bytes(entry)) if self.lower is not None else None
         self._demotions += self.lower is not None and entry.key in self.lower
@@ -484,6 +481,12 @@ class SegmentStore:
                 raise ValueError(f"segment tuple {name}: expected {shapes}, got {got}")
 
 
+def pop_lru_unpinned(index: OrderedDict):
+    """Remove and return the least recently used entry of `index` that nothing pins, or None."""
+    victim = next((key for key, entry in index.items() if not entry.pins), None)
+    return None if victim is None else index.pop(victim)
+
+
 def drop_salt(index: OrderedDict, flushed: list, free: FreeList, salt: str | None) -> int:
     """Drop an arena's entries of one salt (all when None) from its `index`: pinned ones wait in
     `flushed` for their last unpin, the others' bytes are freed now. Returns how many were dropped."""
@@ -513,6 +516,13 @@ class FreeList:
                 self._holes[i: i + 1] = [(offset + nbytes, size - nbytes)] if size > nbytes else []
                 return offset
         return None
+
+    def allocate_evicting(self, nbytes: int, evict_one) -> int | None:
+        """First-fit, calling `evict_one()` (False: nothing left to evict) until a hole fits."""
+        offset = self.allocate(nbytes)
+        while offset is None and evict_one():
+            offset = self.allocate(nbytes)
+        return offset
 
     def release(self, offset: int, nbytes: int) -> None:
         i = next((i for i, (o, _) in enumerate(self._holes) if o > offset), len(self._holes))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from hypic.cache.disk_tier import DiskTier
-from hypic.cache.segment_store import ALIGN, FreeList, SegmentKey, drop_salt
+from hypic.cache.segment_store import ALIGN, FreeList, SegmentKey, drop_salt, pop_lru_unpinned
 from hypic.cache.tier_stats import TierStats
 
 @dataclass(eq=False)
@@ -90,7 +90,7 @@ class LowerTiers:
         if key in self._index:  # promoted earlier and unchanged since (entries never change)
             self._index.move_to_end(key)
             return None
-        offset = self._allocate(src.numel())
+        offset = self._free.allocate_evicting(src.numel(), self._evict_one)
         if offset is None:
             return None  # pinned entries hold the arena: this one is dropped, a later hit recomputes
         held = self._index[key] = _Held(key, interior, offset, src.numel())
@@ -187,18 +187,10 @@ class LowerTiers:
     def _bytes(self, held: _Held) -> torch.Tensor:
         return self._arena[held.offset: held.offset + held.nbytes]
 
-    def _allocate(self, nbytes: int) -> int | None:
-        """First-fit; evicts least-recently-used unpinned entries until a hole fits."""
-        offset = self._free.allocate(nbytes)
-        while offset is None and self._evict_one():
-            offset = self._free.allocate(nbytes)
-        return offset
-
     def _evict_one(self) -> bool:
-        victim = next((key for key, h in self._index.items() if not h.pins), None)
-        if victim is None:
+        held = pop_lru_unpinned(self._index)
+        if held is None:
             return False
-        held = self._index.pop(victim)
         self._free.release(held.offset, held.nbytes)
         self._counts["evictions"] += 1
         return True
