@@ -48,6 +48,14 @@ class EngineConfig:
     """Tokens recomputed on each side of a segment boundary (w)."""
     segment_pool_bytes: int | None = None
     """Byte budget of the public segment pool; None: a quarter of the cache budget."""
+    segment_host_bytes: int | None = None
+    """Byte budget of the host-memory tier below the segment pool (pinned memory on a GPU): entries
+    the pool evicts are demoted there and promoted back on a hit. None: on a GPU engine ten times
+    the pool, at most half the free host memory; off on a CPU engine; 0 turns it off."""
+    segment_disk_dir: str | None = None
+    """Directory of the disk tier below the host tier (needs the host tier); None: no disk tier."""
+    segment_disk_bytes: int | None = None
+    """Byte budget of the disk tier; None: half the directory's free space at start-up."""
     segment_state_dtype: str | None = None
     """Storage dtype of cached T and S0: "float32" or "bfloat16"; None means the model's precision:
     float32 for a float32 model, else bfloat16 (half the pool bytes; its cost in fidelity is in the
@@ -66,8 +74,9 @@ class EngineConfig:
     """In-memory weights (name -> tensor) used in place of the checkpoint's safetensors."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.model, os.PathLike):  # a pathlib.Path is a directory name too
-            object.__setattr__(self, "model", os.fspath(self.model))
+        for name in ("model", "segment_disk_dir"):  # a pathlib.Path is a directory name too
+            if isinstance(getattr(self, name), os.PathLike):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
         check_fields(self, _RULES)
 
 
@@ -87,6 +96,9 @@ _RULES = {
     "max_waiting": _positive("requests"),
     "seam_width": Rule(lambda v: v >= 0, "an integer >= 0 (tokens)"),
     "segment_pool_bytes": Rule(lambda v: v is None or v >= 0, "an integer >= 0 (bytes) or None"),
+    "segment_host_bytes": Rule(lambda v: v is None or v >= 0, "an integer >= 0 (bytes; 0: off) or None"),
+    "segment_disk_dir": Rule(lambda v: v is None or v != "", "a directory or None (no disk tier)"),
+    "segment_disk_bytes": Rule(lambda v: v is None or v > 0, "a positive integer (bytes) or None"),
     "segment_state_dtype": Rule(lambda v: v in (None, *SEGMENT_STATE_DTYPES),
                                 f"one of {SEGMENT_STATE_DTYPES} or None (the model's precision)"),
     "max_segments": _positive("segments"),

@@ -30,7 +30,7 @@ class RequestMetrics:
     ttft: float | None = None  # seconds from arrival to first output token
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from any cache (DESIGN §7)
-    cached_tokens_by_kind: dict[str, int] = field(default_factory=dict)  # "prefix", "pic"
+    cached_tokens_by_kind: dict[str, int] = field(default_factory=dict)  # "prefix", "pic" (GPU pool), "pic_host", "pic_disk"
     generated_tokens: int = 0
     token_steps: int = 0  # engine steps that gave the request tokens (its n completions advance together)
     inter_token_latency: float | None = None  # seconds since the previous token step; None: no token or the first

@@ -13,7 +13,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hypic.cache.prefix_cache import PrefixCacheStats
+from hypic.cache.disk_tier import DiskStats
 from hypic.cache.segment_store import SegmentStoreStats
+from hypic.cache.tier_stats import TierStats
 from hypic.config import EngineConfig
 from hypic.engine.llm_engine import EngineStats
 from hypic.errors import EngineOverloadedError, InvalidRequestError, PromptTooLongError
@@ -135,6 +137,8 @@ class _Stats:
     state_slots_free: int = 6
     prefix_cache: _PrefixStats = _PrefixStats()
     segment_pool: _PrefixStats = _PrefixStats()
+    segment_host: None = None  # no lower tiers: no series
+    segment_disk: None = None
     preemptions: int = 7
 
 
@@ -197,7 +201,8 @@ def test_engine_stats_become_vllm_gauges_and_cache_counters() -> None:
 def test_docs_list_every_series_with_its_type() -> None:
     """docs/metrics.md's table against what a server renders (real cache stats, every field zero)."""
     zero = {f.name: 0 for f in dataclasses.fields(EngineStats)}
-    stats = EngineStats(**{**zero, "prefix_cache": PrefixCacheStats(*[0] * 7), "segment_pool": SegmentStoreStats(*[0] * 7)})
+    stats = EngineStats(**{**zero, "prefix_cache": PrefixCacheStats(*[0] * 7), "segment_pool": SegmentStoreStats(*[0] * 7),
+                           "segment_host": TierStats(*[0] * 9), "segment_disk": DiskStats(*[0] * 11)})
     rendered = {name: kind for name, (kind, _) in _metric_families(ServerMetrics(lambda: stats, "cpu", "m")).items()
                 if not name.endswith("_created")}
     table = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
@@ -215,10 +220,13 @@ def _parse(*argv: str) -> argparse.Namespace:
 def test_options_map_into_engine_config_and_settings() -> None:
     args = _parse("--cpu-cache-bytes", "64MiB", "--cache-mode", "none", "--max-waiting", "7", "--api-key", "k",
                   "--served-model-name", "tiny", "--shutdown-grace", "2", "--seam-width", "4",
-                  "--segment-pool-bytes", "1G", "--segment-state-dtype", "bfloat16")
+                  "--segment-pool-bytes", "1G", "--segment-state-dtype", "bfloat16", "--segment-host-bytes", "2G",
+                  "--segment-disk-dir", "/tmp/tuples", "--segment-disk-bytes", "3G")
     config, settings = engine_config(args), server_settings(args)
     assert (config.cpu_cache_bytes, config.cache_mode, config.max_waiting) == (64 << 20, "none", 7)
     assert (config.seam_width, config.segment_pool_bytes, config.segment_state_dtype) == (4, 1 << 30, "bfloat16")
+    assert (config.segment_host_bytes, config.segment_disk_dir, config.segment_disk_bytes) == (
+        2 << 30, "/tmp/tuples", 3 << 30)
     assert (settings.api_key, settings.served_model_name, settings.shutdown_grace_s) == ("k", "tiny", 2.0)
     assert engine_config(_parse()) == EngineConfig()  # no options: the engine's own defaults
     with pytest.raises(SystemExit):

@@ -11,7 +11,8 @@ An entry is one PIC segment's tuple, stored contiguously at a 256-byte aligned o
 each block 256-byte aligned. Kernels read entries in place through flat views of the arena
 (`t_src`, `s0_src`, `model_src`) and element offsets (`SegmentEntry.t_offset`, ...). Entries are
 evicted least-recently-used first; `get` pins an entry until `unpin`, and a pinned entry is never
-evicted nor overwritten. Single-threaded (the engine loop owns it).
+evicted nor overwritten. With lower tiers (`hypic.cache.tiers`), an evicted entry is demoted as
+opaque bytes, and a miss the lower tiers hold is promoted back. Single-threaded (the engine loop owns it).
 """
 from __future__ import annotations
 
@@ -173,6 +174,13 @@ class SegmentEntry:
     layout: SegmentLayout = field(repr=False)
     arena: torch.Tensor = field(repr=False)
     pins: int = 0
+    source: str = "pool"  # where its last `get` found it: "pool", or the lower tier it was promoted from
+    ready: torch.cuda.Event | None = field(default=None, repr=False)  # the promotion copy still filling it
+
+    @property
+    def landed(self) -> bool:
+        """Its bytes are in place (a promotion copy on a side stream may still be filling them)."""
+        return self.ready is None or self.ready.query()
 
     @property
     def interior_len(self) -> int:
@@ -258,13 +266,16 @@ class SegmentStoreStats:
     hits: int
     misses: int
     evictions: int
+    promotions: int = 0  # misses served by a lower tier
+    demotions: int = 0  # evictions copied down to a lower tier
 
 
 class SegmentStore:
     """LRU, pinning, byte-budgeted store of segment tuples over one preallocated arena."""
 
-    def __init__(self, layout: SegmentLayout, capacity_bytes: int, device: torch.device | str) -> None:
-        self.layout = layout
+    def __init__(self, layout: SegmentLayout, capacity_bytes: int, device: torch.device | str,
+                 lower: LowerTiers | None = None) -> None:  # noqa: F821 (hypic.cache.tiers imports this module)
+        self.layout, self.lower = layout, lower
         self.capacity_bytes = capacity_bytes // ALIGN * ALIGN
         # past the budget, an all-zero tuple that is never evicted: composing it keeps any state
         # finite (dense T = 0, log-gate T = 0), so padding rows of a CUDA graph may compose it
@@ -275,10 +286,12 @@ class SegmentStore:
         # offset of each channel within a stored conv tail [conv_dim, W-1], for gathering tails in place
         self._conv_channels = {dim: torch.arange(dim, device=device) * (layout.conv_kernel - 1)
                                for dim in {s.conv_dim for s in layout.linear}}
-        self._free = _FreeList(self.capacity_bytes)
+        self._free = FreeList(self.capacity_bytes)
         self._index: OrderedDict[SegmentKey, SegmentEntry] = OrderedDict()  # LRU first
         self._flushed: list[SegmentEntry] = []  # removed from the index, still pinned
-        self._hits = self._misses = self._evictions = 0
+        # evicted entries whose demotion copy may still read them: their space is reused once it lands
+        self._draining: list[tuple[SegmentEntry, torch.cuda.Event]] = []
+        self._hits = self._misses = self._evictions = self._promotions = self._demotions = 0
 
     # flat views for the kernels (zero-copy; element offsets come from SegmentEntry)
     def t_src(self, linear_index: int) -> torch.Tensor:
@@ -339,17 +352,45 @@ class SegmentStore:
         return self._conv_channels[self.layout.linear[linear_index].conv_dim]
 
     def __contains__(self, key: SegmentKey) -> bool:
-        return key in self._index
+        """Held by the pool or a tier below it."""
+        return key in self._index or (self.lower is not None and key in self.lower)
 
     def get(self, key: SegmentKey) -> SegmentEntry | None:
-        """The entry, pinned (call `unpin` when done), or None on a miss."""
+        """The entry, pinned (call `unpin` when done), promoted from a lower tier if need be; None
+        on a miss. `entry.source` says which tier it came from."""
         entry = self._index.get(key)
-        if entry is None:
+        if entry is not None:
+            self._hits += 1
+            entry.source = "pool"
+        else:
             self._misses += 1
-            return None
-        self._hits += 1
+            entry = self._promote(key)
+            if entry is None:
+                return None
         self._index.move_to_end(key)
         entry.pins += 1
+        return entry
+
+    def start_read(self, key: SegmentKey) -> bool:
+        """Start promoting an entry only the disk tier holds: True while its read is under way
+        (off the engine thread); once `finished_reads` lists it, `get` promotes it."""
+        return self.lower is not None and self.lower.start_read(key)
+
+    def finished_reads(self) -> list[SegmentKey]:
+        return self.lower.finished_reads() if self.lower is not None else []
+
+    def _promote(self, key: SegmentKey) -> SegmentEntry | None:
+        claim = self.lower.claim(key) if self.lower is not None else None
+        if claim is None:
+            return None
+        offset = self._allocate(claim.nbytes)
+        if offset is None:  # pinned entries leave no room: the request recomputes rather than waits
+            self.lower.release(claim)
+            return None
+        entry = SegmentEntry(key, claim.interior, offset, claim.nbytes, self.layout, self._arena, source=claim.tier)
+        entry.ready = self.lower.copy_up(claim, self._bytes(entry))
+        self._index[key] = entry
+        self._promotions += 1
         return entry
 
     def put(self, key: SegmentKey, tup: SegmentTuple) -> bool:
@@ -378,21 +419,16 @@ class SegmentStore:
             self._free.release(entry.offset, entry.nbytes)
 
     def flush(self, salt: str | None = None) -> int:
-        """Drop every entry (of one salt when given): no later hit; pinned ones are freed on unpin.
-        Returns the number of entries dropped."""
-        doomed = [key for key in self._index if salt is None or key.salt == salt]
-        for key in doomed:
-            entry = self._index.pop(key)
-            if entry.pins:
-                self._flushed.append(entry)
-            else:
-                self._free.release(entry.offset, entry.nbytes)
-        return len(doomed)
+        """Drop every entry (of one salt when given), in every tier: no later hit; pinned ones are
+        freed on unpin. Returns the number of entries dropped (a key in two tiers counts twice)."""
+        dropped = drop_salt(self._index, self._flushed, self._free, salt)
+        return dropped + (self.lower.flush(salt) if self.lower is not None else 0)
 
     def stats(self) -> SegmentStoreStats:
         pinned = sum(1 for e in self._index.values() if e.pins) + len(self._flushed)
         return SegmentStoreStats(len(self._index), self.capacity_bytes - self._free.free_bytes,
-                                 self.capacity_bytes, pinned, self._hits, self._misses, self._evictions)
+                                 self.capacity_bytes, pinned, self._hits, self._misses, self._evictions,
+                                 self._promotions, self._demotions)
 
     def _allocate(self, nbytes: int) -> int | None:
         """First-fit; evicts least-recently-used unpinned entries until a hole fits."""
@@ -400,19 +436,39 @@ class SegmentStore:
         pinned_bytes += sum(e.nbytes for e in self._flushed)
         if nbytes > self.capacity_bytes - pinned_bytes:
             return None  # hopeless: evicting would only lose entries
-        offset = self._free.allocate(nbytes)
-        while offset is None and self._evict_one():
-            offset = self._free.allocate(nbytes)
-        return offset
+        self._release_drained(lambda event: event.query())
+        return self._free.allocate_evicting(
+            nbytes, lambda: self._evict_one() or self._release_drained(self._wait_on_device))
 
     def _evict_one(self) -> bool:
-        victim = next((key for key, e in self._index.items() if not e.pins), None)
-        if victim is None:
+        entry = pop_lru_unpinned(self._index)
+        if entry is None:
             return False
-        entry = self._index.pop(victim)
-        self._free.release(entry.offset, entry.nbytes)
         self._evictions += 1
+        copying = self.lower.demote(entry.key, entry.interior, self._bytes(entry)) if self.lower is not None else None
+        self._demotions += self.lower is not None and entry.key in self.lower
+        if copying is None:
+            self._free.release(entry.offset, entry.nbytes)
+        else:
+            self._draining.append((entry, copying))
         return True
+
+    def _release_drained(self, landed) -> bool:
+        """Free the space of evicted entries whose demotion copy `landed(event)` says is done."""
+        done = [(entry, event) for entry, event in self._draining if landed(event)]
+        self._draining = [item for item in self._draining if all(item[0] is not e for e, _ in done)]
+        for entry, _ in done:
+            self._free.release(entry.offset, entry.nbytes)
+        return bool(done)
+
+    @staticmethod
+    def _wait_on_device(event: torch.cuda.Event) -> bool:
+        """Out of room but for copies in flight: the engine's stream (not the host) waits for them."""
+        torch.cuda.current_stream().wait_event(event)
+        return True
+
+    def _bytes(self, entry: SegmentEntry) -> torch.Tensor:
+        return self._arena[entry.offset: entry.offset + entry.nbytes]
 
     @staticmethod
     def _write(entry: SegmentEntry, tup: SegmentTuple) -> None:
@@ -434,7 +490,26 @@ class SegmentStore:
                 raise ValueError(f"segment tuple {name}: expected {shapes}, got {got}")
 
 
-class _FreeList:
+def pop_lru_unpinned(index: OrderedDict):
+    """Remove and return the least recently used entry of `index` that nothing pins, or None."""
+    victim = next((key for key, entry in index.items() if not entry.pins), None)
+    return None if victim is None else index.pop(victim)
+
+
+def drop_salt(index: OrderedDict, flushed: list, free: FreeList, salt: str | None) -> int:
+    """Drop an arena's entries of one salt (all when None) from its `index`: pinned ones wait in
+    `flushed` for their last unpin, the others' bytes are freed now. Returns how many were dropped."""
+    doomed = [key for key in index if salt is None or key.salt == salt]
+    for key in doomed:
+        entry = index.pop(key)
+        if entry.pins:
+            flushed.append(entry)
+        else:
+            free.release(entry.offset, entry.nbytes)
+    return len(doomed)
+
+
+class FreeList:
     """Holes of the arena as sorted (offset, size) pairs; adjacent holes are merged on release."""
 
     def __init__(self, capacity: int) -> None:
@@ -450,6 +525,13 @@ class _FreeList:
                 self._holes[i: i + 1] = [(offset + nbytes, size - nbytes)] if size > nbytes else []
                 return offset
         return None
+
+    def allocate_evicting(self, nbytes: int, evict_one) -> int | None:
+        """First-fit, calling `evict_one()` (False: nothing left to evict) until a hole fits."""
+        offset = self.allocate(nbytes)
+        while offset is None and evict_one():
+            offset = self.allocate(nbytes)
+        return offset
 
     def release(self, offset: int, nbytes: int) -> None:
         i = next((i for i, (o, _) in enumerate(self._holes) if o > offset), len(self._holes))

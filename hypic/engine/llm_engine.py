@@ -14,8 +14,10 @@ from hypic.cache.block_pool import BlockPool
 from hypic.cache.memory_plan import CachePlan, plan_cache
 from hypic.cache.model_caches import ModelCaches
 from hypic.cache.prefix_cache import PrefixCache, PrefixCacheStats
+from hypic.cache.disk_tier import DiskStats
 from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentStore, SegmentStoreStats, SegmentTuple
 from hypic.cache.slot_pool import SlotPool
+from hypic.cache.tier_stats import TierStats
 from hypic.config import CACHE_MODES, EngineConfig
 from hypic.engine.pic.assembly import PicAssembler
 from hypic.engine.pic.plan import SegmentJob
@@ -26,8 +28,8 @@ from hypic.engine.scheduler import ScheduledBatch, ScheduledChunk, Scheduler, Sc
 from hypic.engine.structured import StructuredDecoding
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.sequence import RequestInfo, Sequence
-from hypic.engine.setup import (cache_budget_bytes, resolve_device, resolve_dtype, resolve_model_dir,
-                                resolve_segment_state_dtype)
+from hypic.engine.setup import (build_lower_tiers, cache_budget_bytes, resolve_device, resolve_dtype,
+                                resolve_model_dir, resolve_segment_state_dtype)
 from hypic.engine.text.tokenizer import Tokenizer
 from hypic.errors import InvalidRequestError, PromptTooLongError
 from hypic.kernels.host_copy import host_to_device
@@ -50,6 +52,8 @@ class EngineStats:
     state_slots_free: int
     prefix_cache: PrefixCacheStats
     segment_pool: SegmentStoreStats
+    segment_host: TierStats | None  # None: no host tier
+    segment_disk: DiskStats | None  # None: no disk tier
     requests_finished: int
     requests_aborted: int
     prompt_tokens: int
@@ -78,8 +82,9 @@ class LLMEngine:
         self.finished_segments: list[tuple[SegmentKey, bool]] = []
         self.last_step_ran = True  # False when the last step found nothing it could schedule
         self.counters = dict.fromkeys(("finished", "aborted", "prompt", "generated", "cached"), 0)
-        logger.info("hypic engine ready: %s on %s (%s), %s, max_model_len %d", self.model_dir.name,
-                    self.device, str(self.dtype).removeprefix("torch."), self.plan, self.max_model_len)
+        logger.info("hypic engine ready: %s on %s (%s), %s, max_model_len %d; %s", self.model_dir.name,
+                    self.device, str(self.dtype).removeprefix("torch."), self.plan, self.max_model_len,
+                    self._tier_capacities())
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -147,6 +152,8 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        for job in self.pic.poll():  # disk reads finished since the last step
+            self.scheduler.add(job, first=True)
         batch = self.scheduler.schedule()
         self.last_step_ran = bool(batch.chunks)
         if not batch.chunks:
@@ -311,7 +318,8 @@ class LLMEngine:
                                   not self.config.enforce_eager and self.device.type == "cuda")
         state_dtype = resolve_segment_state_dtype(self.config.segment_state_dtype, self.dtype)
         layout = SegmentLayout.from_cache_shape(shape, state_dtype, self.dtype)
-        self.store = SegmentStore(layout, pool_bytes, self.device)
+        lower = build_lower_tiers(self.config, self.device, layout, pool_bytes, self._fingerprint(), self.model_dir)
+        self.store = SegmentStore(layout, pool_bytes, self.device, lower)
         c = self.model_config
         inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta).to(self.device)
         self.pic = PicAssembler(self.store, self.caches, inv_freq, self._fingerprint(),
@@ -325,14 +333,25 @@ class LLMEngine:
         config = (self.model_dir / "config.json").read_bytes()
         return f"{xxhash.xxh64(config).hexdigest()}:{self.dtype}"
 
+    def _tier_capacities(self, typical_tokens: int = 1024) -> str:
+        """Each segment tier's capacity in segments of a typical (1k-token) size."""
+        entry = self.store.layout.entry_bytes(typical_tokens)
+        lower = self.store.lower
+        tiers = [("pool", self.store.capacity_bytes), ("host", lower.capacity_bytes if lower else 0),
+                 ("disk", lower.disk.capacity_bytes if lower and lower.disk else 0)]
+        return "segment tiers (1k-token segments): " + ", ".join(
+            f"{name} {capacity // entry}" for name, capacity in tiers if capacity)
+
     def stats(self) -> EngineStats:
         c = self.counters
+        lower = self.store.lower
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             kv_blocks_total=self.plan.num_blocks, kv_blocks_free=self.blocks.num_free,
             block_size=self.config.block_size, state_slots_total=self.plan.num_slots,
             state_slots_free=self.slots.num_free, prefix_cache=self.prefix.stats(),
-            segment_pool=self.store.stats(),
+            segment_pool=self.store.stats(), segment_host=lower.stats() if lower else None,
+            segment_disk=lower.disk.stats() if lower and lower.disk else None,
             requests_finished=c["finished"], requests_aborted=c["aborted"], prompt_tokens=c["prompt"],
             generated_tokens=c["generated"], cached_tokens=c["cached"],
             preemptions=self.scheduler.preemptions)

@@ -207,9 +207,9 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         seq.checkpoints = self._checkpoint_positions(seq)
         self._attach_prefix_hit(seq)
-        pool_tokens = seq.pic.pool_tokens  # what the prefix hit left
-        if pool_tokens and seq.info.first_scheduled_time is None:
-            seq.info.cached_tokens_by_kind["pic"] = pool_tokens
+        hit_tokens = seq.pic.hit_tokens  # what the prefix hit left
+        if hit_tokens and seq.info.first_scheduled_time is None:
+            seq.info.cached_tokens_by_kind.update(hit_tokens)
         while self._fitting_tokens(seq) == 0 and self.prefix.evict_one():
             pass  # checkpoints may hold every free page: make room for at least one token
         if self._fitting_tokens(seq) == 0 or not self._take_pages(seq, seq.pic.scattered_end):

@@ -31,7 +31,7 @@ class RequestInfo:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    cached_tokens_by_kind: dict[str, int] = field(default_factory=dict)  # "prefix", "pic"
+    cached_tokens_by_kind: dict[str, int] = field(default_factory=dict)  # "prefix", "pic", "pic_host", "pic_disk"
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:

@@ -3,12 +3,18 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import torch
 
+from hypic.cache.disk_tier import DiskTier
+from hypic.cache.segment_store import SegmentLayout
+from hypic.cache.tiers import LowerTiers
 from hypic.config import EngineConfig
 from hypic.errors import InvalidRequestError, UnsupportedModelError
+from hypic.models.checkpoint import weights_digest
 
 logger = logging.getLogger("hypic")
 
@@ -63,3 +69,33 @@ def cache_budget_bytes(config: EngineConfig, device: torch.device, activation_to
     # Activations of the largest step: generous per-token scratch plus a fixed margin.
     reserve = (2 << 30) + activation_tokens * hidden_size * 2 * 64
     return min(int(total * config.gpu_memory_utilization) - weight_bytes, free) - reserve
+
+
+def segment_host_bytes(config: EngineConfig, device: torch.device, pool_bytes: int) -> int:
+    """The host tier's budget: as configured, else on a GPU engine ten pools' worth, at most half
+    the free host memory (pinned memory the OS cannot page out: the other half is headroom, and
+    pinning takes time, so engines that share a host do not each pin half of it); off on a CPU engine."""
+    if config.segment_host_bytes is not None:
+        return config.segment_host_bytes
+    if device.type != "cuda":
+        return 0
+    return min(10 * pool_bytes, os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2)
+
+
+def build_lower_tiers(config: EngineConfig, device: torch.device, layout: SegmentLayout, pool_bytes: int,
+                      fingerprint: str, model_dir: Path) -> LowerTiers | None:
+    """The segment pool's host tier and, under it, the disk tier (None when the host tier is off)."""
+    host_bytes = segment_host_bytes(config, device, pool_bytes)
+    if config.segment_disk_dir is not None and host_bytes == 0:
+        raise InvalidRequestError("segment_disk_dir needs the host tier: set segment_host_bytes > 0 "
+                                  "(disk entries are written from host memory)")
+    if host_bytes == 0:
+        return None
+    disk = None
+    if config.segment_disk_dir is not None:
+        root = Path(config.segment_disk_dir).expanduser()
+        root.mkdir(parents=True, exist_ok=True)
+        weights = weights_digest(model_dir, config.state_dict, root / "weights-digests.json")
+        capacity = config.segment_disk_bytes or shutil.disk_usage(root).free // 2
+        disk = DiskTier(root, capacity, f"{fingerprint}:{weights}", layout)
+    return LowerTiers(host_bytes, device, disk)

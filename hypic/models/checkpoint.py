@@ -7,6 +7,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import safe_open
 
 from hypic.errors import UnsupportedModelError
@@ -92,3 +93,33 @@ def _safetensors_device(device: torch.device) -> str:
     if device.type == "cuda" and device.index is None:
         return f"cuda:{torch.cuda.current_device()}"
     return str(device)
+
+
+def weights_digest(path: str | Path, state_dict: dict[str, torch.Tensor] | None, memo: Path) -> str:
+    """A digest of the weights themselves (a fine-tune with the same config.json differs): every
+    safetensors file's name, size and contents, or every in-memory tensor. Hashing a large
+    checkpoint takes seconds, so a file's digest is remembered in `memo` (JSON) under its path,
+    size and modification time."""
+    if state_dict is not None:
+        h = xxhash.xxh3_128()
+        for name in sorted(state_dict):
+            tensor = state_dict[name].detach().cpu().contiguous()
+            h.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
+            h.update(tensor.view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+    known = json.loads(memo.read_text()) if memo.is_file() else {}
+    parts = [_file_digest(file, known) for file in _safetensors_files(Path(path))]
+    memo.write_text(json.dumps(known))
+    return xxhash.xxh3_128("|".join(parts).encode()).hexdigest()
+
+
+def _file_digest(file: Path, known: dict[str, str]) -> str:
+    stat = file.stat()
+    name = f"{file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    if name not in known:
+        h = xxhash.xxh3_128()
+        with open(file, "rb") as f:
+            while block := f.read(16 << 20):
+                h.update(block)
+        known[name] = h.hexdigest()
+    return f"{file.name}:{stat.st_size}:{known[name]}"

@@ -19,8 +19,10 @@ class FlushRequest(Struct, forbid_unknown_fields=True, kw_only=True):
 
 async def cache_stats(request: web.Request) -> web.Response:
     stats = request.app[STATE].client.stats()
+    tiers = {name: dataclasses.asdict(tier) if tier is not None else None
+             for name, tier in (("segment_host", stats.segment_host), ("segment_disk", stats.segment_disk))}
     return json_response({"prefix_cache": dataclasses.asdict(stats.prefix_cache),
-                          "segment_pool": dataclasses.asdict(stats.segment_pool)})
+                          "segment_pool": dataclasses.asdict(stats.segment_pool), **tiers})
 
 
 async def flush_cache(request: web.Request) -> web.Response:

@@ -56,6 +56,13 @@ def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                        help="tokens recomputed on each side of a segment boundary (default: %(default)s)")
     group.add_argument("--segment-pool-bytes", type=_size, metavar="SIZE",
                        help="budget of the shared segment cache (default: a quarter of the cache budget)")
+    group.add_argument("--segment-host-bytes", type=_size, metavar="SIZE",
+                       help="budget of the host-memory tier the segment pool demotes to; 0 turns it off "
+                            "(default on a GPU: ten times the pool, at most half the free host memory; off on CPU)")
+    group.add_argument("--segment-disk-dir", metavar="DIR",
+                       help="directory of a disk tier below the host tier (default: none)")
+    group.add_argument("--segment-disk-bytes", type=_size, metavar="SIZE",
+                       help="budget of the disk tier (default: half the directory's free space)")
     group.add_argument("--segment-state-dtype", choices=SEGMENT_STATE_DTYPES, default=_DEFAULTS.segment_state_dtype,
                        help="storage of cached segment states (default: the model's precision: float32 for a "
                             "float32 model, else bfloat16)")
@@ -109,6 +116,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cpu_cache_bytes=args.cpu_cache_bytes, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
         cache_mode=args.cache_mode, seam_width=args.seam_width, segment_pool_bytes=args.segment_pool_bytes,
+        segment_host_bytes=args.segment_host_bytes, segment_disk_dir=args.segment_disk_dir,
+        segment_disk_bytes=args.segment_disk_bytes,
         segment_state_dtype=args.segment_state_dtype, max_segments=args.max_segments,
         segment_separator=args.segment_separator,
         enforce_eager=args.enforce_eager, seed=args.seed,

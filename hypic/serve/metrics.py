@@ -1,7 +1,7 @@
 """Prometheus metrics of one server, under vLLM's names wherever vLLM has the metric.
 
 A dashboard built for vLLM (vllm:* series filtered by model_name) reads a hypic server as it is;
-what only hypic has (state slots, the PIC segment pool, per-cache token counts, the cluster, GPU
+what only hypic has (state slots, the PIC segment pool and its host and disk tiers, per-cache token counts, the cluster, GPU
 memory) keeps hypic_* names. docs/metrics.md lists every series with its type, labels and the name
 it had before. Every series carries `model_name`, the name the server answers to.
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
-_CUMULATIVE = frozenset({"hits", "misses", "hit_tokens", "evictions"})  # cache stats that only grow: counters
+_CUMULATIVE = frozenset({"hits", "misses", "hit_tokens", "evictions", "promotions", "demotions", "errors"})  # cache stats that only grow: counters
 
 
 class ServerMetrics:
@@ -143,6 +143,8 @@ class EngineStatsCollector(Collector):
                      _used(s.state_slots_free, s.state_slots_total))
         yield from _cache_families("prefix_cache", "Prefix cache", s.prefix_cache)
         yield from _cache_families("segment_pool", "Segment pool (PIC)", s.segment_pool)
+        yield from _cache_families("segment_host", "Segment host-memory tier", s.segment_host)
+        yield from _cache_families("segment_disk", "Segment disk tier", s.segment_disk)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # dynamic: nothing to check at registration

@@ -50,14 +50,28 @@ class PicAssembler:
                 continue
             entry = self.store.get(segment.job.key)
             if entry is not None:
-                self._add_piece(seq, segment, entry, from_pool=True)
+                self._add_piece(seq, segment, entry, entry.source)
                 continue
             seq.pic.awaiting.add(segment.job.key)
             self.waiters[segment.job.key].append((seq, segment))
-            if segment.job.key not in self.jobs:
+            if segment.job.key not in self.jobs and not self.store.start_read(segment.job.key):
                 new_jobs.append(self.start_job(segment.job))
         if planned:
             seq.pic.approximate_from = planned[0].span[0]
+        return new_jobs
+
+    def poll(self) -> list[Sequence]:
+        """Disk reads that finished: promoted for the requests waiting on them; a failed one (or no
+        room to promote into) is prefilled cold instead. Returns the new cold jobs to schedule."""
+        new_jobs = []
+        for key in self.store.finished_reads():
+            waiting = self.waiters.get(key)
+            entry = self.store.get(key) if waiting else None
+            if entry is not None:
+                self.store.unpin(entry)
+                self._wake(key, stored=True, source="disk")
+            elif waiting and key not in self.jobs:
+                new_jobs.append(self.start_job(waiting[0][1].job))
         return new_jobs
 
     def scatter(self, batch: ScheduledBatch) -> None:
@@ -94,6 +108,8 @@ class PicAssembler:
         entry = self.store.get(key)
         if entry is None:
             return None
+        if entry.ready is not None:  # promoted just now: the copy must land before the host reads it
+            entry.ready.synchronize()
         views = entry.views()
         tup = SegmentTuple(views.interior, *[[t.clone() for t in getattr(views, name)]
                                              for name in ("T", "S0", "conv_tail", "K", "V")])
@@ -110,12 +126,14 @@ class PicAssembler:
             self.waiters[key] = [(s, p) for s, p in self.waiters[key] if s is not seq]
         seq.pic.awaiting.clear()
 
-    def _wake(self, key: SegmentKey, stored: bool) -> None:
+    def _wake(self, key: SegmentKey, stored: bool, source: str | None = None) -> None:
+        """Hand a stored key to the requests waiting for it; `source`: the tier of their hit (None:
+        prefilled cold for them)."""
         for seq, segment in self.waiters.pop(key, []):
             seq.pic.awaiting.discard(key)
             entry = self.store.get(key) if stored else None
             if entry is not None:  # else the segment is computed in full: exact, only slower
-                self._add_piece(seq, segment, entry, from_pool=False)
+                self._add_piece(seq, segment, entry, source)
 
     def _unpin_covered(self, seq: Sequence) -> None:
         for piece in seq.pic.covered:
@@ -123,9 +141,9 @@ class PicAssembler:
         seq.pic.covered = []
 
     @staticmethod
-    def _add_piece(seq: Sequence, segment: PlannedSegment, entry, *, from_pool: bool) -> None:
+    def _add_piece(seq: Sequence, segment: PlannedSegment, entry, source: str | None) -> None:
         start, end = segment.span
-        seq.pic.add(Cached(start, end, entry, from_pool))
+        seq.pic.add(Cached(start, end, entry, source is not None, source or "pool"))
 
     def _job_sequence(self, job: SegmentJob) -> Sequence:
         job_info = RequestInfo(f"segment-{job.key.digest.hex()[:16]}", _PREFILL_ONLY,

@@ -20,6 +20,7 @@ class Cached:
     end: int
     entry: Any  # the pinned hypic.cache.segment_store.SegmentEntry
     from_pool: bool  # a hit of the request (counted in cached_tokens), not prefilled cold for it
+    source: str = "pool"  # the tier the hit came from: "pool", "host" or "disk"
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ class PicState:
 
     @property
     def blocked(self) -> bool:
-        """Waiting for cold segments to be prefilled before it can be assembled."""
-        return bool(self.awaiting)
+        """Waiting for cold segments to be prefilled, or for its promoted entries' copies to land,
+        before it can be assembled."""
+        return bool(self.awaiting) or not all(p.entry.landed for p in self.cached)
 
     @property
     def interiors(self) -> list[tuple[int, int]]:
@@ -30,9 +31,15 @@ class PicState:
         return [(p.start, p.end) for p in self.cached]
 
     @property
-    def pool_tokens(self) -> int:
-        """Tokens of the pieces still to compose that were hits of the request's own lookups."""
-        return sum(p.end - p.start for p in self.cached if p.from_pool)
+    def hit_tokens(self) -> dict[str, int]:
+        """Tokens of the pieces still to compose that were hits of the request's own lookups, by
+        cached-token kind: "pic" from the GPU pool, "pic_host" / "pic_disk" from a lower tier."""
+        hits: dict[str, int] = {}
+        for p in self.cached:
+            if p.from_pool:
+                kind = "pic" if p.source == "pool" else f"pic_{p.source}"
+                hits[kind] = hits.get(kind, 0) + p.end - p.start
+        return hits
 
     @property
     def scattered_end(self) -> int:

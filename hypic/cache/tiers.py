@@ -1,0 +1,202 @@
+"""The segment pool's lower tiers (issue 28): a host arena below the GPU pool, a disk directory below it.
+
+An entry the pool evicts is demoted (its bytes copied down, whatever its layout), not dropped; a
+lower-tier hit is promoted back into the pool before assembly. Each tier is LRU over its own budget,
+and an entry is pinned while a copy still reads it. On a GPU engine the host arena is pinned memory
+and every copy between it and the pool runs on one side stream, so copies are ordered among
+themselves and overlap the engine's work: a request using a promoted entry is scheduled once its
+copy's event has completed (no other request waits), and an evicted entry's pool space is reused
+once its demotion copy has. On a CPU engine copies are plain memcpys. Single-threaded (the engine
+loop owns it); the disk tier's writes run on a thread of their own.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from concurrent import futures
+from dataclasses import dataclass
+import torch
+
+from hypic.cache.disk_tier import DiskTier
+from hypic.cache.segment_store import ALIGN, FreeList, SegmentKey, drop_salt, pop_lru_unpinned
+from hypic.cache.tier_stats import TierStats
+
+@dataclass(eq=False)
+class Claim:
+    """A lower-tier entry held for promotion: `data` stays valid until `LowerTiers.copy_up` or `release`."""
+
+    key: SegmentKey
+    interior: tuple[int, int]
+    data: torch.Tensor  # the entry's bytes in host memory
+    tier: str  # "host" or "disk"
+    held: _Held | None = None  # the host-arena entry it pins
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+@dataclass(eq=False)
+class _Held:
+    key: SegmentKey
+    interior: tuple[int, int]
+    offset: int
+    nbytes: int
+    pins: int = 0
+
+
+class SideCopies:
+    """Copies between the pool and host memory: on a GPU engine queued on one side stream after
+    the work already on the engine's stream, each marked by an event; elsewhere done at once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
+        if self.stream is None:
+            dst.copy_(src)
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
+
+
+class LowerTiers:
+    """The host arena (and the disk tier under it) as the pool sees them: demote, claim, copy up, flush."""
+
+    def __init__(self, capacity_bytes: int, device: torch.device, disk: DiskTier | None) -> None:
+        self.capacity_bytes = capacity_bytes // ALIGN * ALIGN
+        self._arena = torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self._free = FreeList(self.capacity_bytes)
+        self._index: OrderedDict[SegmentKey, _Held] = OrderedDict()  # LRU first
+        self._flushed: list[_Held] = []  # dropped while pinned: freed on their last unpin
+        self._copies = SideCopies(device)
+        self._in_flight: list[tuple[torch.cuda.Event | None, _Held | None, torch.Tensor]] = []
+        self._writes: list[tuple[futures.Future, _Held]] = []  # (disk write future, host entry it reads)
+        self._reads: dict[SegmentKey, futures.Future] = {}  # disk reads under way
+        self._read: dict[SegmentKey, futures.Future] = {}  # finished, until claimed or the next poll
+        self.disk = disk
+        self._counts = dict.fromkeys(("hits", "misses", "promotions", "demotions", "evictions"), 0)
+
+    def __contains__(self, key: SegmentKey) -> bool:
+        return key in self._index or (self.disk is not None and key in self.disk)
+
+    def demote(self, key: SegmentKey, interior: tuple[int, int], src: torch.Tensor) -> torch.cuda.Event | None:
+        """Copy a pool entry's bytes down. Returns the copy's event (None: done, or not copied);
+        the pool must not reuse `src` before it completes."""
+        self.reap()
+        if key in self._index:  # promoted earlier and unchanged since (entries never change)
+            self._index.move_to_end(key)
+            return None
+        offset = self._free.allocate_evicting(src.numel(), self._evict_one)
+        if offset is None:
+            return None  # pinned entries hold the arena: this one is dropped, a later hit recomputes
+        held = self._index[key] = _Held(key, interior, offset, src.numel())
+        event = self._copies.copy(self._bytes(held), src)
+        self._counts["demotions"] += 1
+        if self.disk is not None and key not in self.disk:
+            self._write_down(held, event)
+        return event
+
+    def start_read(self, key: SegmentKey) -> bool:
+        """Start reading an entry only the disk holds (off the engine thread); True while one is
+        under way (`finished_reads` tells when)."""
+        if key not in self._reads and key not in self._index and self.disk is not None:
+            read = self.disk.start_read(key)
+            if read is not None:
+                self._reads[key] = read
+        return key in self._reads
+
+    def finished_reads(self) -> list[SegmentKey]:
+        """Keys whose disk reads finished since the last call: `claim` them now (what is left
+        unclaimed is dropped at the next call)."""
+        self._read = {key: read for key, read in self._reads.items() if read.done()}
+        self._reads = {key: read for key, read in self._reads.items() if key not in self._read}
+        return list(self._read)
+
+    def claim(self, key: SegmentKey) -> Claim | None:
+        """Hold a lower-tier entry for promotion (host, or a finished disk read), or None on a miss."""
+        self.reap()
+        held = self._index.get(key)
+        if held is None:
+            self._counts["misses"] += 1
+            read = self._read.pop(key, None)
+            found = self.disk.finish_read(key, read) if read is not None else None
+            return None if found is None else Claim(key, found[0], found[1], "disk")
+        self._counts["hits"] += 1
+        self._index.move_to_end(key)
+        held.pins += 1
+        return Claim(key, held.interior, self._bytes(held), "host", held)
+
+    def copy_up(self, claim: Claim, dst: torch.Tensor) -> torch.cuda.Event | None:
+        """Copy a claimed entry into the pool; returns the copy's event (None: done). Only the
+        requests using the entry wait for it (they are scheduled once it has landed)."""
+        event = self._copies.copy(dst, claim.data)
+        self._in_flight.append((event, claim.held, claim.data))  # pins and buffers live until it lands
+        if claim.tier == "host":
+            self._counts["promotions"] += 1
+        self.reap()
+        return event
+
+    def release(self, claim: Claim) -> None:
+        """Give a claim back unused (the pool had no room: the request recomputes instead of waiting)."""
+        if claim.held is not None:
+            self._unpin(claim.held)
+
+    def flush(self, salt: str | None = None) -> int:
+        """Drop every entry (of one salt) from both tiers; returns how many were dropped."""
+        dropped = drop_salt(self._index, self._flushed, self._free, salt)
+        return dropped + (self.disk.flush(salt) if self.disk is not None else 0)
+
+    def reap(self) -> None:
+        """Unpin what finished copies and disk writes held."""
+        landed, self._in_flight = _split(self._in_flight, lambda item: item[0] is None or item[0].query())
+        written, self._writes = _split(self._writes, lambda item: item[0].done())
+        for held in [h for _, h, _ in landed if h is not None] + [h for _, h in written]:
+            self._unpin(held)
+        if self.disk is not None:
+            self.disk.reap()
+
+    def drain(self) -> None:
+        """Wait for every copy, disk write and disk read under way (shutdown, tests)."""
+        for event, _, _ in self._in_flight:
+            if event is not None:
+                event.synchronize()
+        futures.wait([future for future, _ in self._writes] + list(self._reads.values()))
+        self.reap()
+
+    def stats(self) -> TierStats:
+        pinned = sum(1 for h in self._index.values() if h.pins) + len(self._flushed)
+        return TierStats(len(self._index), self.capacity_bytes - self._free.free_bytes, self.capacity_bytes,
+                         pinned, **self._counts)
+
+    def _write_down(self, held: _Held, event: torch.cuda.Event | None) -> None:
+        future = self.disk.write(held.key, held.interior, self._bytes(held), event)
+        if future is not None:
+            held.pins += 1
+            self._writes.append((future, held))
+
+    def _unpin(self, held: _Held) -> None:
+        held.pins -= 1
+        if held.pins == 0 and held in self._flushed:
+            self._flushed.remove(held)
+            self._free.release(held.offset, held.nbytes)
+
+    def _bytes(self, held: _Held) -> torch.Tensor:
+        return self._arena[held.offset: held.offset + held.nbytes]
+
+    def _evict_one(self) -> bool:
+        held = pop_lru_unpinned(self._index)
+        if held is None:
+            return False
+        self._free.release(held.offset, held.nbytes)
+        self._counts["evictions"] += 1
+        return True
+
+
+def _split(items: list, done) -> tuple[list, list]:
+    """(the items `done` holds for, the others), each in order."""
+    marks = [done(item) for item in items]
+    return [i for i, m in zip(items, marks) if m], [i for i, m in zip(items, marks) if not m]

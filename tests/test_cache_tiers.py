@@ -1,0 +1,151 @@
+"""The pool's lower tiers on their own: demotion and promotion keep the bytes, LRU per tier, pins,
+flush by salt across tiers, salts on disk only as hashes, identity of a disk directory."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hypic.cache.disk_tier import DiskTier
+from hypic.cache.segment_store import SegmentStore, SegmentTuple
+from hypic.cache.tiers import LowerTiers
+from hypic.config import EngineConfig
+from hypic.engine.setup import segment_host_bytes
+from tests.test_segment_store_pool import key, layout, random_tuple
+
+LEN = 5
+
+
+def tiered(pool: int, host: int, disk_dir=None, disk: int = 1 << 30, fingerprint: str = "fp") -> SegmentStore:
+    """A pool of `pool` entries over a host tier of `host` (and a disk tier when a directory is given)."""
+    lay = layout()
+    below = None if disk_dir is None else DiskTier(disk_dir, disk, fingerprint, lay)
+    return SegmentStore(lay, pool * lay.entry_bytes(LEN), "cpu", LowerTiers(host * lay.entry_bytes(LEN),
+                                                                           torch.device("cpu"), below))
+
+
+def fill(store: SegmentStore, names: str) -> dict[str, object]:
+    tuples = {name: random_tuple(store.layout, LEN, seed=ord(name)) for name in names}
+    for name, tup in tuples.items():
+        assert store.put(key(name), tup)
+        store.lower.drain()  # as steps apart would: a disk write still under way pins its host entry
+    return tuples
+
+
+def get(store: SegmentStore, k):
+    """`store.get`, after reading the entry from disk first if only the disk holds it."""
+    if store.start_read(k):
+        store.lower.drain()
+        assert store.finished_reads() == [k]
+    return store.get(k)
+
+
+def assert_holds(store: SegmentStore, name: str, tup, source: str) -> None:
+    entry = get(store, key(name))
+    assert entry is not None and entry.source == source and entry.interior == tup.interior
+    got = entry.views()
+    for part in ("T", "S0", "conv_tail", "K", "V"):
+        assert all(torch.equal(a, b) for a, b in zip(getattr(got, part), getattr(tup, part)))
+    store.unpin(entry)
+
+
+def test_evicted_entries_are_demoted_byte_for_byte_and_promoted_back() -> None:
+    store = tiered(pool=1, host=2)
+    tuples = fill(store, "abc")  # a and b go down, c stays
+    assert store.stats().evictions == 2 == store.stats().demotions
+    assert all(key(n) in store for n in "abc")
+    assert_holds(store, "a", tuples["a"], "host")  # promoted: c goes down
+    assert_holds(store, "a", tuples["a"], "pool")
+    assert_holds(store, "c", tuples["c"], "host")
+    host = store.lower.stats()
+    assert (host.hits, host.promotions, host.demotions, host.entries) == (2, 2, 3, 2)
+    assert host.evictions == 1  # b, the least recently used below, made room for c
+
+
+def test_a_pinned_host_entry_is_never_evicted_and_pins_return() -> None:
+    store = tiered(pool=1, host=1)
+    fill(store, "ab")
+    claim = store.lower.claim(key("a"))
+    assert claim is not None and store.lower.stats().pinned == 1
+    assert store.put(key("c"), random_tuple(store.layout, LEN, seed=9))  # b cannot be demoted: host is pinned
+    assert key("b") not in store and key("a") in store
+    store.lower.release(claim)
+    assert store.lower.stats().pinned == 0
+
+
+def test_flush_of_one_salt_reaches_every_tier(tmp_path) -> None:
+    store = tiered(pool=1, host=1, disk_dir=tmp_path)
+    for name, salt in (("a", "t1"), ("b", "t2"), ("c", "t1"), ("d", None)):
+        assert store.put(key(name, salt), random_tuple(store.layout, LEN))
+        store.lower.drain()
+    assert all(key(n, s) in store for n, s in (("a", "t1"), ("b", "t2"), ("c", "t1")))
+    assert store.flush("t1") >= 2
+    store.lower.drain()
+    assert key("a", "t1") not in store and key("c", "t1") not in store
+    assert key("b", "t2") in store and get(store, key("b", "t2")) is not None
+    on_disk = b"".join(p.read_bytes() for p in tmp_path.rglob("*.seg"))
+    assert b"t1" not in on_disk and b"t2" not in on_disk  # salts are stored as hashes only
+
+
+def test_disk_budget_is_lru_and_a_restart_finds_the_files(tmp_path) -> None:
+    lay = layout()
+    store = tiered(pool=1, host=1, disk_dir=tmp_path, disk=2 * (lay.entry_bytes(LEN) + 200))
+    tuples = fill(store, "abcd")  # a, b, c are written; a drops for c
+    store.lower.drain()
+    disk = store.lower.disk.stats()
+    assert (disk.entries, disk.demotions, disk.evictions) == (2, 3, 1) and disk.bytes <= disk.capacity_bytes
+    again = tiered(pool=1, host=1, disk_dir=tmp_path)
+    assert key("a") not in again and key("b") in again
+    assert_holds(again, "b", tuples["b"], "disk")
+    assert_holds(again, "c", tuples["c"], "disk")
+
+
+@pytest.mark.parametrize("change", ["fingerprint", "layout"])
+def test_a_directory_of_another_model_or_layout_is_not_read(tmp_path, change) -> None:
+    store = tiered(pool=1, host=1, disk_dir=tmp_path)
+    fill(store, "abc")
+    store.lower.drain()
+    lay = layout(state_dtype=torch.bfloat16) if change == "layout" else layout()
+    other = DiskTier(tmp_path, 1 << 30, "other-weights" if change == "fingerprint" else "fp", lay)
+    assert other.stats().entries == 0 and key("a") not in other and other.start_read(key("a")) is None
+    assert DiskTier(tmp_path, 1 << 30, "fp", layout()).stats().entries == 2  # the first model's files remain
+
+
+def test_a_failed_write_costs_only_the_entry(tmp_path) -> None:
+    store = tiered(pool=1, host=1, disk_dir=tmp_path)
+    disk = store.lower.disk
+    disk.directory.rmdir()  # every write now fails
+    fill(store, "abc")
+    store.lower.drain()
+    assert disk.stats().errors == 2 and disk.stats().entries == 0
+    assert store.lower.stats().pinned == 0 and key("b") in store
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_copies_run_on_a_side_stream_and_entries_land_intact() -> None:
+    lay = layout(state_dtype=torch.bfloat16, model_dtype=torch.bfloat16)
+    store = SegmentStore(lay, 2 * lay.entry_bytes(LEN), "cuda",
+                         LowerTiers(4 * lay.entry_bytes(LEN), torch.device("cuda"), None))
+    tuples = {n: random_tuple(lay, LEN, seed=ord(n)) for n in "abcd"}
+    for name, tup in tuples.items():
+        assert store.put(key(name), SegmentTuple(tup.interior, *[[t.cuda() for t in getattr(tup, part)]
+                                                                 for part in ("T", "S0", "conv_tail", "K", "V")]))
+    assert store.stats().demotions == 2 and store.lower._arena.is_pinned()
+    entry = store.get(key("a"))
+    assert entry.source == "host" and entry.ready is not None  # queued on the side stream, not done inline
+    entry.ready.synchronize()
+    assert entry.landed
+    expected = SegmentStore(lay, lay.entry_bytes(LEN), "cpu")
+    expected.put(key("a"), tuples["a"])
+    assert torch.equal(store._bytes(entry).cpu(), expected._bytes(expected.get(key("a"))))
+    store.unpin(entry)
+    store.lower.drain()
+    assert store.lower.stats().pinned == 0 and store.stats().pinned == 0
+
+
+def test_host_tier_budget_defaults() -> None:
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert segment_host_bytes(EngineConfig(), cpu, 1 << 30) == 0  # off on a CPU engine unless asked for
+    assert segment_host_bytes(EngineConfig(segment_host_bytes=5 << 20), cpu, 1 << 30) == 5 << 20
+    assert segment_host_bytes(EngineConfig(), gpu, 1 << 20) == 10 << 20  # ten pools
+    assert segment_host_bytes(EngineConfig(segment_host_bytes=0), gpu, 1 << 20) == 0
+    assert segment_host_bytes(EngineConfig(), gpu, 1 << 50) < 1 << 50  # never more than the host has

@@ -1,0 +1,172 @@
+"""The segment pool's host and disk tiers through the engine, on CPU: the same outputs as an unbounded
+pool, lower-tier hits reported as such, faults on disk cost a recompute, other weights never read."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import make_model_dir
+from engine_util import collect, cpu_config, greedy
+
+from hypic import AsyncEngine
+from hypic.engine.llm_engine import LLMEngine
+
+SEP = "<|segment|>"
+SYSTEM = "Position-independent caching reuses documents at any position in the prompt."
+DOCS = ("the quick brown fox jumps over the lazy dog. hello world, héllo 世界 " * 2,
+        "Grüße aus Köln! naïve café résumé — the separator is removed. 1234 5678 90 " * 2,
+        "A segment is tokenized on its own; caching reuses documents at any position. " * 2)
+
+
+def jobs(rounds: int = 2) -> list[str]:
+    """Each document once per round, each time with another question (no exact-prefix hit)."""
+    return [SEP.join([SYSTEM, doc, f"question {r} about document {i}?"]) for r in range(rounds)
+            for i, doc in enumerate(DOCS)]
+
+
+def serve(config, prompts, before=None):
+    """Requests one at a time (identical batches); returns the outputs and the engine core."""
+    async def main():
+        async with AsyncEngine(config) as engine:
+            if before is not None:
+                before(engine.core)
+            outs = [await collect(engine, p, greedy(3, logprobs=0)) for p in prompts]
+            if engine.core.store.lower is not None:
+                engine.core.store.lower.drain()
+            return outs, engine.core
+    return asyncio.run(main())
+
+
+def tier_config(model_dir, **overrides):
+    return cpu_config(model_dir, **{"seam_width": 4, "cpu_cache_bytes": 32 << 20, **overrides})
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """An unbounded pool's outputs, and the bytes of one entry (the three are of similar size)."""
+    outs, core = serve(tier_config(tiny_model_dir), jobs())
+    stats = core.store.stats()
+    assert stats.evictions == 0 and stats.entries == len(DOCS)
+    return outs, stats.bytes // len(DOCS)
+
+
+def kinds(outs) -> list[set[str]]:
+    return [set(o.metrics.cached_tokens_by_kind) - {"prefix"} for o in outs]
+
+
+def assert_same_outputs(outs, reference_outs) -> None:
+    assert [o.tokens for o in outs] == [o.tokens for o in reference_outs]
+    assert [lp.logprob for o in outs for lp in o.logprobs[0]] == pytest.approx(
+        [lp.logprob for o in reference_outs for lp in o.logprobs[0]], abs=1e-6)
+
+
+def test_a_host_tier_turns_pool_evictions_into_hits_with_identical_outputs(tiny_model_dir, reference):
+    ref, entry = reference
+    tight = dict(segment_pool_bytes=entry * 3 // 2)  # room for one entry
+    without, core = serve(tier_config(tiny_model_dir, **tight), jobs())
+    assert core.store.stats().evictions >= 4
+    assert kinds(without)[len(DOCS):] == [set()] * len(DOCS)  # every second look recomputes
+    tiered, core = serve(tier_config(tiny_model_dir, segment_host_bytes=entry * 4, **tight), jobs())
+    assert_same_outputs(tiered, ref)
+    assert_same_outputs(without, ref)
+    assert kinds(tiered)[len(DOCS):] == [{"pic_host"}] * len(DOCS)
+    host, pool = core.store.lower.stats(), core.store.stats()
+    assert host.promotions == host.hits == len(DOCS) and pool.promotions == len(DOCS)
+    assert pool.demotions == pool.evictions and host.demotions == len(DOCS)  # a promoted entry is kept below
+
+
+def test_pinned_entries_leave_no_room_so_the_request_recomputes(tiny_model_dir, reference):
+    ref, entry = reference
+    config = tier_config(tiny_model_dir, segment_pool_bytes=entry * 3 // 2, segment_host_bytes=entry * 4)
+    prompts = jobs()
+
+    async def main():
+        async with AsyncEngine(config) as engine:
+            store = engine.core.store
+            first = [await collect(engine, p, greedy(3, logprobs=0)) for p in prompts[:2]]
+            held = store.get(next(iter(store._index)))  # document 1, the pool's only entry, stays pinned
+            again = await collect(engine, prompts[len(DOCS)], greedy(3, logprobs=0))  # document 0: in host
+            store.unpin(held)
+            return first + [again], store
+    outs, store = asyncio.run(main())
+    assert kinds(outs) == [set()] * 3  # nothing could be promoted into the pinned pool
+    exact, _ = serve(tier_config(tiny_model_dir, cache_mode="none"), [prompts[len(DOCS)]])
+    assert_same_outputs(outs, ref[:2] + exact)  # the segment was computed in full (nor stored: no room)
+    assert store.lower.stats().hits == 1 and store.lower.stats().promotions == 0
+    assert store.stats().pinned == store.lower.stats().pinned == 0
+
+
+def test_disk_tier_survives_a_restart_and_faults_cost_a_recompute(tiny_model_dir, reference, tmp_path):
+    ref, entry = reference
+    config = tier_config(tiny_model_dir, segment_pool_bytes=entry * 3 // 2, segment_host_bytes=entry * 3 // 2,
+                         segment_disk_dir=tmp_path)
+    serve(config, jobs(1))  # documents 0 and 1 are demoted, so written to disk
+    files = sorted(tmp_path.glob("*/*.seg"))
+    assert len(files) == 2
+    warm, core = serve(config, jobs()[len(DOCS):])
+    assert_same_outputs(warm, ref[len(DOCS):])
+    assert kinds(warm)[:2] == [{"pic_disk"}] * 2
+    disk = core.store.lower.disk.stats()
+    assert disk.hits == 2 and disk.errors == 0 and disk.read_bytes_per_s > 0
+
+
+def test_corrupt_truncated_or_missing_disk_entries_are_recomputed_correctly(tiny_model_dir, reference, tmp_path):
+    ref, entry = reference
+    config = tier_config(tiny_model_dir, segment_pool_bytes=entry * 3 // 2, segment_host_bytes=entry * 3 // 2,
+                         segment_disk_dir=tmp_path)
+    extra = SEP.join([SYSTEM, "one more document, so that all three are demoted " * 3, "?"])
+    serve(config, jobs(1) + [extra])
+    files = sorted(tmp_path.glob("*/*.seg"))
+    assert len(files) == len(DOCS)
+
+    def damage(core: LLMEngine) -> None:  # after start-up, so the index still lists every file
+        corrupt, truncate, delete = files
+        data = bytearray(corrupt.read_bytes())
+        data[-7] ^= 0xFF
+        corrupt.write_bytes(data)
+        truncate.write_bytes(truncate.read_bytes()[:-1000])
+        delete.unlink()
+
+    warm, core = serve(config, jobs()[len(DOCS):], before=damage)
+    assert_same_outputs(warm, ref[len(DOCS):])
+    assert kinds(warm) == [set()] * len(DOCS)
+    assert core.store.lower.disk.stats().errors == len(DOCS)
+
+
+def test_other_weights_with_the_same_config_never_read_the_directory(tiny_model_dir, reference, tmp_path_factory,
+                                                                      tmp_path):
+    _, entry = reference
+    other = make_model_dir(tmp_path_factory.mktemp("other_weights"), seed=1)
+    assert (other / "config.json").read_bytes() == (tiny_model_dir / "config.json").read_bytes()
+    tight = dict(segment_pool_bytes=entry * 3 // 2, segment_host_bytes=entry * 3 // 2, segment_disk_dir=tmp_path)
+    serve(tier_config(tiny_model_dir, **tight), jobs(1))
+    warm, core = serve(tier_config(other, **tight), jobs()[len(DOCS):])
+    assert kinds(warm)[:2] == [set()] * 2
+    assert core.store.lower.disk.stats().hits == 0
+    assert len(list(tmp_path.iterdir())) == 3  # two identities' directories and the weights digests
+
+
+def test_every_tier_gives_back_its_pins_after_aborts(tiny_model_dir, reference):
+    _, entry = reference
+    config = tier_config(tiny_model_dir, segment_pool_bytes=entry * 3 // 2, segment_host_bytes=entry * 2)
+
+    async def main():
+        async with AsyncEngine(config) as engine:
+            prompts = jobs(3)
+            for p in prompts[:len(DOCS)]:  # one at a time: the pool evicts, the host tier fills
+                await collect(engine, p, greedy(1))
+            tasks = [asyncio.create_task(collect(engine, p, greedy(20))) for p in prompts[len(DOCS):]]
+            await asyncio.sleep(0)
+            for task in tasks[::2]:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            while engine.core.has_work():
+                await asyncio.sleep(0.01)
+            engine.core.store.lower.drain()
+            return engine.core
+    core = asyncio.run(main())
+    pool, host = core.store.stats(), core.store.lower.stats()
+    assert pool.pinned == 0 and host.pinned == 0
+    assert pool.bytes == sum(e.nbytes for e in core.store._index.values())
+    assert host.bytes == sum(h.nbytes for h in core.store.lower._index.values())
+    assert pool.evictions > 0 and host.hits > 0 and core.stats().requests_aborted > 0
