@@ -24,7 +24,7 @@ from hypic.bench.serve import started_server
 from hypic.bench.stats import percentile
 from hypic.cli import main as hypic
 
-CPU_SERVER = "python3 -m hypic.serve --log-level warning --device cpu --max-model-len 16384 --max-num-batched-tokens 16384"
+CPU_SERVER = "python3 -m hypic.serve --log-level warning --device cpu --max-model-len 16384 --max-num-batched-tokens 1024"
 RAG = ["--documents", "40", "--doc-tokens", "512", "--docs-per-request", "4", "--system-tokens", "32",
        "--question-tokens", "16", "--max-tokens", "16", "--preheat"]
 

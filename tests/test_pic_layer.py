@@ -30,7 +30,8 @@ def test_walk_then_chunked_rest_equals_the_token_recurrence(name: str) -> None:
     path. Truth: A recurs [A[:4], the segment, A[4:]] from zero, B recurs from its state."""
     family, gen = get_family(name), torch.Generator().manual_seed(21)
     a, b, segment = (random_tokens(family, n, gen) for n in (10, 5, 30))
-    T, S0 = segment_tuple(family, operands(segment, torch.float64), torch.arange(30), cu_of([30]), (30,), (False,))
+    T, S0 = segment_tuple(family, operands(segment, torch.float64), torch.arange(30), cu_of([30]), (30,), (False,),
+                          [None])
     pool = torch.randn(2, VALUE_HEADS, KEY_DIM, VALUE_DIM, generator=gen)
     b_state = pool[1].double().clone()
     spans = lambda slots, has, lens: StateSpans(torch.tensor(slots), torch.tensor(has), cu_of(lens), 0,  # noqa: E731
@@ -53,10 +54,22 @@ def test_walk_then_chunked_rest_equals_the_token_recurrence(name: str) -> None:
 def test_segment_tuple_marks_identity_and_conv_tail_takes_the_rows() -> None:
     family, gen = get_family("gdn"), torch.Generator().manual_seed(22)
     tokens = operands(random_tokens(family, 12, gen), torch.float64)
-    T, S0 = segment_tuple(family, tokens, torch.arange(2, 12), cu_of([4, 6]), (4, 6), (True, False))
+    T, S0 = segment_tuple(family, tokens, torch.arange(2, 12), cu_of([4, 6]), (4, 6), (True, False), [None, None])
     alone = family.extract_tuple(tokens.k[6:12], tokens.v[6:12], tokens.g[6:12], tokens.beta[6:12], cu_of([6]), (6,))
     assert torch.equal(T[0], family.identity_T(VALUE_HEADS, KEY_DIM, T.dtype))
     assert rel_err(T[1], alone[0][0]) <= 1e-12 and rel_err(S0[1], alone[1][0]) <= 1e-12
     conv_in = torch.arange(24.0).reshape(12, 2)
     assert torch.equal(conv_tail(conv_in, torch.tensor([[3, 4], [9, 10]])),
                        torch.tensor([[[6.0, 8.0], [7.0, 9.0]], [[18.0, 20.0], [19.0, 21.0]]]))
+
+
+@pytest.mark.parametrize("name", ["scalar", "diagonal", "gdn"])
+def test_a_tuple_composed_across_chunks_equals_the_one_span_tuple(name: str) -> None:
+    """A 30-token interior captured as 11 + 19 rows (the second chunk after the first's tuple) gives
+    the tuple of all 30 at once: T = T2.T1, S0 = T2.S0_1 + S0_2."""
+    family, gen = get_family(name), torch.Generator().manual_seed(23)
+    x = operands(random_tokens(family, 30, gen), torch.float64)
+    whole_T, whole_S0 = segment_tuple(family, x, torch.arange(30), cu_of([30]), (30,), (False,), [None])
+    first_T, first_S0 = segment_tuple(family, x, torch.arange(11), cu_of([11]), (11,), (False,), [None])
+    T, S0 = segment_tuple(family, x, torch.arange(11, 30), cu_of([19]), (19,), (False,), [(first_T[0], first_S0[0])])
+    assert rel_err(T, whole_T) <= 1e-12 and rel_err(S0, whole_S0) <= 1e-12

@@ -222,7 +222,8 @@ class LLMEngine:
 
     def _finish(self, completion: Completion, reason: str) -> CompletionDelta | None:
         self.scheduler.finish(completion.seq, reason)
-        self.pic.release(completion.seq)
+        for job in self.pic.release(completion.seq):
+            self.scheduler.finish(job, "abort")
         return completion.delta(reason)
 
     def _outputs(self, deltas: dict[str, list[CompletionDelta]]) -> list[RequestOutput]:
@@ -279,11 +280,6 @@ class LLMEngine:
         if len(prompt.segments) > self.config.max_segments:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt.segments)} segments, more than max_segments={self.config.max_segments}")
-        longest = max((len(s) for s in prompt.segments[1:-1]), default=0)  # PIC segments, not prefix or query
-        if mode in ("hypic", "naive") and len(prompt.segments) > 2 and longest > self.config.max_num_batched_tokens:
-            raise InvalidRequestError(
-                f"a segment has {longest} tokens; segments are prefilled in one step, so at most "
-                f"max_num_batched_tokens={self.config.max_num_batched_tokens}: split it or raise that limit")
         return RequestInfo(request_id, params, prompt, cache_salt, mode, self.config.seam_width)
 
     def _plan_memory(self) -> tuple[CachePlan, int, int]:

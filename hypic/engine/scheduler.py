@@ -76,7 +76,8 @@ class Scheduler:
             if budget > 0 and seq in self.running and self._reserve(seq, seq.num_computed + 1, batch):
                 batch.chunks.append(ScheduledChunk(seq, seq.next_chunk(1)))
                 budget -= 1
-        for seq in [s for s in self.running if not s.in_decode]:
+        # cold segment jobs last: a long one proceeds chunk by chunk behind the short prefills
+        for seq in sorted([s for s in self.running if not s.in_decode], key=lambda s: s.pic.job is not None):
             if seq in self.running:
                 budget -= self._schedule_prefill(seq, budget, batch)
         for seq in [s for s in self.waiting if not s.pic.blocked]:
@@ -138,10 +139,8 @@ class Scheduler:
     def _schedule_prefill(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         if budget <= 0:
             return 0
-        if seq.pic.job is not None:  # prefilled in one piece, so its tuple is taken at once
-            if seq.remaining > budget or not self._reserve(seq, len(seq.token_ids), batch):
-                return 0
-            chunk = seq.next_chunk(budget)
+        if seq.pic.job is not None:
+            chunk = seq.next_chunk(min(self._job_tokens(seq, self._job_share(budget)), self._fitting_tokens(seq)))
         else:
             chunk = seq.next_chunk(min(budget, self._fitting_tokens(seq)))
             if not chunk.token_ids and self._reserve(seq, seq.num_computed + 1, batch):
@@ -167,6 +166,19 @@ class Scheduler:
         if not self._reserve(seq, end, batch) or (slot := self._take_slot()) is None:
             return None  # pages reserved for the last token stay with seq: its next step needs them
         return ScheduledChunk(seq, longer, slot)
+
+    def _job_share(self, budget: int) -> int:
+        """A cold job takes half the budget left while a request waits that it does not block, so
+        neither starves the other."""
+        others = any(s.pic.job is None and not s.pic.blocked for s in self.waiting)
+        return budget // 2 if others else budget
+
+    def _job_tokens(self, seq: Sequence, budget: int) -> int:
+        """A cold job runs to its interior's end, never cutting inside the interior's last W-1 tokens:
+        its conv tail is taken from the one chunk that holds them."""
+        start, end = seq.num_computed, seq.pic.job.interior[1]
+        stop, tail_start = min(end, start + budget), end - self.caches.shape.conv_kernel + 1
+        return max(0, (tail_start if tail_start < stop < end else stop) - start)
 
     def _fitting_tokens(self, seq: Sequence) -> int:
         capacity = (len(seq.block_ids) + self.blocks.num_free) * self.limits.block_size

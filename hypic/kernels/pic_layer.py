@@ -56,11 +56,17 @@ def assembled_recurrence(x: Operands, ssm_pool: torch.Tensor, *, family: LinearF
 
 
 def segment_tuple(family: LinearFamily, x: Operands, rows: torch.Tensor, cu_seqlens: torch.Tensor,
-                  seq_lens: tuple[int, ...], identity_T: tuple[bool, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T [J, HV, *t_shape], S0 [J, HV, K, V]) of the segments whose interiors are `rows` (spans
-    `cu_seqlens`); a segment marked in `identity_T` stores T = I (it is exact from zero)."""
+                  seq_lens: tuple[int, ...], identity_T: tuple[bool, ...],
+                  priors: list[tuple[torch.Tensor, torch.Tensor] | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T [J, HV, *t_shape], S0 [J, HV, K, V]) of the segments whose interior rows in this step are
+    `rows` (spans `cu_seqlens`), each composed after its prior (T, S0) of earlier chunks when given:
+    T = T2.T1, S0 = T2.S0_1 + S0_2 (exact). A segment marked in `identity_T` stores T = I (naive)."""
     beta = None if x.beta is None else x.beta[rows]
     T, S0 = family.extract_tuple(x.k[rows], x.v[rows], x.g[rows], beta, cu_seqlens, seq_lens)
+    for j, prior in enumerate(priors):
+        if prior is not None:
+            S0[j] = family.compose(T[j], S0[j], prior[1])
+            T[j] = family.combine_T(T[j], prior[0])
     for j, identity in enumerate(identity_T):
         if identity:
             T[j] = family.identity_T(T.shape[1], x.k.shape[-1], T.dtype, T.device)

@@ -89,19 +89,31 @@ class Assembly:
         return StateSpans(batch.slots, batch.has_state, self.conv_cu_seqlens, batch.num_decodes, self.conv_lens)
 
 
+@dataclass(frozen=True)
+class TupleSoFar:
+    """A cold segment's (T, S0) over the interior rows its earlier chunks held (float32), per linear
+    layer: a long segment is prefilled chunk by chunk and its tuple composes exactly across them."""
+
+    T: list[torch.Tensor]  # per linear layer [HV, *t_shape]
+    S0: list[torch.Tensor]  # per linear layer [HV, K, V]
+
+
 @dataclass
 class Capture:
-    """Cold segments of the step: where their interiors and conv tails sit in the flat batch, and
-    the tuples captured from them layer by layer."""
+    """Cold segments of the step: where their interiors' rows in this step and conv tails sit in the
+    flat batch, and the tuples captured from them layer by layer (composed after `priors`)."""
 
-    identity_T: tuple[bool, ...]  # [J] whether job j stores T = I (its segment is exact from zero)
-    rows: torch.Tensor  # [R] interior token rows, job after job
+    jobs: tuple[int, ...]  # [J] the step's sequence index of each capturing job
+    identity_T: tuple[bool, ...]  # [J] whether job j stores T = I (naive; only at its interior's end)
+    priors: tuple[TupleSoFar | None, ...]  # [J] the tuple of the interior rows of job j's earlier chunks
+    ends: tuple[bool, ...]  # [J] whether job j's interior ends in this step (its tuple is complete)
+    rows: torch.Tensor  # [R] interior token rows of this step, job after job
     cu_seqlens: torch.Tensor  # [J+1] int32 offsets into rows
-    seq_lens: tuple[int, ...]  # [J] interior lengths, on the host
-    tail_rows: torch.Tensor  # [J, W-1] rows of the pre-conv inputs just before each interior's end
+    seq_lens: tuple[int, ...]  # [J] interior rows of each job in this step, on the host
+    tail_rows: torch.Tensor  # [E, W-1] rows of the pre-conv inputs just before each ending interior's end
     T: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, HV, *t_shape]
     S0: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, HV, K, V]
-    conv_tail: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, conv_dim, W-1]
+    conv_tail: list[torch.Tensor] = field(default_factory=list)  # per linear layer [E, conv_dim, W-1]
     K: list[torch.Tensor] = field(default_factory=list)  # per full layer [R, Hkv, D] pre-RoPE
     V: list[torch.Tensor] = field(default_factory=list)  # empty when K is V (MLA latents)
 
@@ -110,6 +122,10 @@ class Capture:
         self.K.append(k_pre_rope[self.rows])
         if v is not None:
             self.V.append(v[self.rows])
+
+    def layer_priors(self, linear_index: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Each job's (T, S0) so far at one linear layer (None: its interior starts in this step)."""
+        return [None if p is None else (p.T[linear_index], p.S0[linear_index]) for p in self.priors]
 
 
 @dataclass

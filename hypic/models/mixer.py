@@ -67,7 +67,7 @@ class LinearMixer(nn.Module, ABC):
             conv_out = self._spliced_conv(conv_in, conv_pool, batch, pic, linear_index)
         x = self.operands(conv_out, side)
         if pic is not None and pic.capture is not None:
-            self._capture(pic, conv_in, x)
+            self._capture(pic, conv_in, x, linear_index)
         if assembly is None:
             o = self.recur(x, ssm_pool, batch.spans)
         else:
@@ -91,9 +91,10 @@ class LinearMixer(nn.Module, ABC):
             t_src=store.t_src(linear_index), s0_src=store.s0_src, saves=a.saves, rest=a.rest, rest_rows=a.rest_rows,
             chunked=self.recur)
 
-    def _capture(self, pic: PicStep, conv_in: torch.Tensor, x: Operands) -> None:
+    def _capture(self, pic: PicStep, conv_in: torch.Tensor, x: Operands, linear_index: int) -> None:
         c = pic.capture
-        T, S0 = pic_layer.segment_tuple(self.shape.family, x, c.rows, c.cu_seqlens, c.seq_lens, c.identity_T)
+        T, S0 = pic_layer.segment_tuple(self.shape.family, x, c.rows, c.cu_seqlens, c.seq_lens, c.identity_T,
+                                        c.layer_priors(linear_index))
         c.T.append(T)
         c.S0.append(S0)
         c.conv_tail.append(pic_layer.conv_tail(conv_in, c.tail_rows))

@@ -2,8 +2,8 @@
 
 Flow (DESIGN §3): a request's middle segments are looked up in the segment store; hits become
 `Cached` pieces of its sequence (pinned), misses become cold child jobs (one per key, however many
-requests want it). A cold job is an isolated prefill whose tuple is captured during its step and
-stored; the requests waiting for it then get their pieces. When nothing is awaited the sequence is
+requests want it). A cold job is an isolated prefill, chunked like any other, whose tuple is captured
+chunk by chunk (composed exactly across chunks) and stored after its last chunk; the requests waiting for it then get their pieces. When nothing is awaited the sequence is
 admitted like any other: its interiors' K/V are scattered into its pages at admission, and linear
 layers compose the pieces as its chunks reach them.
 """
@@ -22,7 +22,8 @@ from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.sequence import RequestInfo, Sequence
 from hypic.kernels.host_copy import host_to_device
 from hypic.kernels.scatter_kv import scatter_kv
-from hypic.models.batch import Capture
+from hypic.engine.pic.state import PicState
+from hypic.models.batch import Capture, TupleSoFar
 from hypic.sampling_params import SamplingParams
 
 _PREFILL_ONLY = SamplingParams(max_tokens=0)
@@ -83,19 +84,22 @@ class PicAssembler:
                 self._scatter_pieces(seq)
 
     def after_step(self, batch: ScheduledBatch, capture: Capture | None) -> list[tuple[Sequence, bool]]:
-        """Unpins composed pieces, stores captured tuples; returns (finished job, stored) pairs."""
+        """Unpins composed pieces, keeps each cold job's tuple so far and stores the complete ones;
+        returns (finished job, stored) pairs."""
         for scheduled in batch.chunks:
             for _, piece in scheduled.chunk.cached:
                 self.store.unpin(piece.entry)
         if capture is None:
             return []
-        done = []
-        jobs = [c.seq.pic.job for c in batch.chunks if c.seq.pic.job is not None]  # the capture's order
+        done, ending = [], itertools.count()
         starts = itertools.accumulate(capture.seq_lens, initial=0)
-        for j, (job, start) in enumerate(zip(jobs, starts)):
-            stored = self.store.put(job.key, _tuple_of(capture, j, job, start))
-            self._wake(job.key, stored)
-            done.append((self.jobs.pop(job.key), stored))
+        for j, (i, start) in enumerate(zip(capture.jobs, starts)):
+            pic = batch.chunks[i].seq.pic
+            _keep(pic, capture, j, start)
+            if capture.ends[j]:
+                stored = self.store.put(pic.job.key, _complete(pic, capture.conv_tail, next(ending)))
+                self._wake(pic.job.key, stored)
+                done.append((self.jobs.pop(pic.job.key), stored))
         return done
 
     def start_job(self, job: SegmentJob) -> Sequence:
@@ -116,15 +120,20 @@ class PicAssembler:
         self.store.unpin(entry)
         return tup
 
-    def release(self, seq: Sequence) -> None:
-        """A finished or aborted sequence gives back its pins and stops waiting."""
+    def release(self, seq: Sequence) -> list[Sequence]:
+        """A finished or aborted sequence gives back its pins and stops waiting. Returns the cold
+        jobs no one waits for any more, to cancel (their partial tuples are dropped, never stored)."""
         self._unpin_covered(seq)
         for piece in seq.pic.cached:
             self.store.unpin(piece.entry)
         seq.pic.cached = []
         for key in seq.pic.awaiting:
             self.waiters[key] = [(s, p) for s, p in self.waiters[key] if s is not seq]
+        abandoned = [key for key in seq.pic.awaiting if not self.waiters[key] and key in self.jobs]
         seq.pic.awaiting.clear()
+        for key in abandoned:
+            del self.waiters[key]
+        return [self.jobs.pop(key) for key in abandoned]
 
     def _wake(self, key: SegmentKey, stored: bool, source: str | None = None) -> None:
         """Hand a stored key to the requests waiting for it; `source`: the tier of their hit (None:
@@ -164,10 +173,19 @@ class PicAssembler:
                        dst, self.inv_freq, self.store.layout.v_offset)
 
 
-def _tuple_of(capture: Capture, j: int, job: SegmentJob, start: int) -> SegmentTuple:
+def _keep(pic: PicState, capture: Capture, j: int, start: int) -> None:
+    """Job j's tuple over its interior so far, and this step's K/V rows of it."""
     end = start + capture.seq_lens[j]
-    return SegmentTuple(
-        interior=job.interior,
-        T=[t[j] for t in capture.T], S0=[s[j] for s in capture.S0],
-        conv_tail=[c[j] for c in capture.conv_tail],
-        K=[k[start:end] for k in capture.K], V=[v[start:end] for v in capture.V])
+    kv = ([k[start:end] for k in capture.K], [v[start:end] for v in capture.V])
+    pic.captured_kv = [kv] if capture.priors[j] is None else [*pic.captured_kv, kv]
+    pic.captured = TupleSoFar([t[j] for t in capture.T], [s[j] for s in capture.S0])
+
+
+def _complete(pic: PicState, conv_tails: list[torch.Tensor], e: int) -> SegmentTuple:
+    """The whole interior's tuple (the job's capture ended in this step, its e-th ending one)."""
+    ks, vs = zip(*pic.captured_kv)
+    tup = SegmentTuple(interior=pic.job.interior, T=pic.captured.T, S0=pic.captured.S0,
+                       conv_tail=[c[e] for c in conv_tails], K=[torch.cat(parts) for parts in zip(*ks)],
+                       V=[torch.cat(parts) for parts in zip(*vs)])
+    pic.captured, pic.captured_kv = None, []
+    return tup

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from hypic.cache.segment_store import SegmentKey
 from hypic.engine.pic.pieces import Cached
 from hypic.engine.pic.plan import SegmentJob
+from hypic.models.batch import TupleSoFar
 
 
 @dataclass
@@ -18,6 +19,8 @@ class PicState:
     approximate_from: int | None = None  # first position whose state comes from PIC assembly
     awaiting: set[SegmentKey] = field(default_factory=set)  # cold segments the sequence waits for
     job: SegmentJob | None = None  # set on the isolated prefill of a cold segment (no sampling)
+    captured: TupleSoFar | None = None  # a job's (T, S0) over the interior its chunks computed so far
+    captured_kv: list[tuple[list, list]] = field(default_factory=list)  # per such chunk: (K, V) per full layer
 
     @property
     def blocked(self) -> bool:

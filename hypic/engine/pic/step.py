@@ -104,15 +104,30 @@ def _splice(chunks: list, cu: list[int], seq_lens: tuple[int, ...], width: int):
 
 def build_capture(chunks: list, seq_lens: tuple[int, ...], conv_width: int,
                   device: torch.device) -> Capture | None:
+    """The interior rows each cold job's chunk holds (a long segment is prefilled chunk by chunk; the
+    scheduler never cuts inside its last W-1 interior tokens, so its conv tail lies in one chunk)."""
     cu = [0, *itertools.accumulate(seq_lens)]
-    jobs = [(i, c.seq.pic.job) for i, c in enumerate(chunks) if c.seq.pic.job is not None]
+    jobs = [(i, c.seq.pic.job, c.chunk, c.seq.pic.captured) for i, c in enumerate(chunks)
+            if c.seq.pic.job is not None and _interior_rows(c.seq.pic.job, c.chunk) is not None]
     if not jobs:
         return None
-    rows = [r for i, job in jobs for r in range(cu[i] + job.interior[0], cu[i] + job.interior[1])]
-    tails = [[cu[i] + job.interior[1] - conv_width + 1 + t for t in range(conv_width - 1)] for i, job in jobs]
-    lens = tuple(job.interior[1] - job.interior[0] for _, job in jobs)
-    return Capture(identity_T=tuple(job.identity_T for _, job in jobs), rows=_long(rows, device),
-                   cu_seqlens=_cumsum(lens, device), seq_lens=lens, tail_rows=_long(tails, device))
+    spans = [_interior_rows(job, chunk) for _, job, chunk, _ in jobs]
+    ends = tuple(chunk.end >= job.interior[1] for _, job, chunk, _ in jobs)
+    rows = [cu[i] + r - chunk.start for (i, _, chunk, _), (a, b) in zip(jobs, spans) for r in range(a, b)]
+    tails = [[cu[i] + job.interior[1] - chunk.start - conv_width + 1 + t for t in range(conv_width - 1)]
+             for (i, job, chunk, _), end in zip(jobs, ends) if end]
+    lens = tuple(b - a for a, b in spans)
+    return Capture(jobs=tuple(i for i, *_ in jobs),
+                   identity_T=tuple(job.identity_T and end for (_, job, _, _), end in zip(jobs, ends)),
+                   priors=tuple(None if chunk.start <= job.interior[0] else so_far for _, job, chunk, so_far in jobs),
+                   ends=ends, rows=_long(rows, device), cu_seqlens=_cumsum(lens, device), seq_lens=lens,
+                   tail_rows=_long(tails, device).reshape(len(tails), conv_width - 1))
+
+
+def _interior_rows(job, chunk) -> tuple[int, int] | None:
+    """Positions [start, end) of the job's interior that `chunk` holds; None if it holds none."""
+    start, end = max(chunk.start, job.interior[0]), min(chunk.end, job.interior[1])
+    return (start, end) if start < end else None
 
 
 def _long(values: list, device: torch.device) -> torch.Tensor:
