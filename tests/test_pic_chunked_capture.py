@@ -65,12 +65,17 @@ def _decoding(engine: LLMEngine):
     return seq
 
 
+def _cold_request(engine: LLMEngine, max_tokens: int):
+    """(its cold job, its request id) of a request bringing LONG_DOC cold."""
+    prompt = _prompt(engine)
+    job, = engine.segment_jobs(prompt)
+    return job, engine.add_request(prompt, greedy(max_tokens))
+
+
 def test_a_decode_makes_a_token_every_step_while_a_long_cold_segment_is_captured(tiny_model_dir):
     engine = LLMEngine(pic_config(tiny_model_dir, **CHUNKED))
     decoder = _decoding(engine)
-    prompt = _prompt(engine)
-    job, = engine.segment_jobs(prompt)
-    rid = engine.add_request(prompt, greedy(1))
+    job, rid = _cold_request(engine, 1)
     cold = engine.requests[rid].completions[0].seq
     capture_steps = 0
     while not cold.output_ids:
@@ -78,7 +83,7 @@ def test_a_decode_makes_a_token_every_step_while_a_long_cold_segment_is_captured
         capture_steps += bool(engine.pic.jobs)
         engine.step()
         assert len(decoder.output_ids) == before + 1
-    # half the budget goes to the job while the decoder runs: at least as many steps as chunks of it
+    # at most a budget's worth of the job a step: at least as many steps as budget-sized pieces
     assert capture_steps >= job.interior[1] // CHUNKED["max_num_batched_tokens"]
     assert not engine.pic.jobs and cold.info.cached_tokens_by_kind.get("pic", 0) == 0
 
@@ -92,9 +97,7 @@ def _accounting(engine: LLMEngine) -> tuple:
 def test_an_abort_mid_capture_gives_everything_back(tiny_model_dir):
     engine = LLMEngine(pic_config(tiny_model_dir, **CHUNKED))
     baseline = _accounting(engine)
-    prompt = _prompt(engine)
-    job, = engine.segment_jobs(prompt)
-    rid = engine.add_request(prompt, greedy(4))
+    job, rid = _cold_request(engine, 4)
     for _ in range(3):
         engine.step()
     job_seq = engine.pic.jobs[job.key]
@@ -103,7 +106,23 @@ def test_an_abort_mid_capture_gives_everything_back(tiny_model_dir):
     assert _accounting(engine) == baseline
     assert not engine.has_work() and job.key not in engine.store
     # the engine goes on: the same prompt again is captured whole and served
-    rid = engine.add_request(prompt, greedy(2))
+    _cold_request(engine, 2)
     while engine.has_work():
         engine.step()
     assert job.key in engine.store and _accounting(engine)[2] > baseline[2]
+
+
+def test_a_warm_request_is_served_while_a_long_cold_segment_is_still_being_captured(tiny_model_dir):
+    engine = LLMEngine(pic_config(tiny_model_dir, **CHUNKED))
+    warm_prompt = _prompt(engine, DOCS[0], query="hello")
+    engine.add_request(_prompt(engine, DOCS[0], query="a warm-up"), greedy(1))
+    while engine.has_work():
+        engine.step()
+    job, _ = _cold_request(engine, 1)
+    engine.step()
+    rid = engine.add_request(warm_prompt, greedy(1))
+    warm = engine.requests[rid].completions[0].seq
+    while not warm.output_ids:
+        engine.step()
+        assert job.key in engine.pic.jobs  # the cold job has not held it back to its end
+    assert warm.info.cached_tokens_by_kind["pic"] > 0
