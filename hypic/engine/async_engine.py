@@ -1,7 +1,12 @@
 """AsyncEngine: the engine core runs in its own thread; requests and outputs cross by queues.
 
-The core thread owns every piece of engine state. The event loop only tokenizes, submits commands
-and receives outputs (call_soon_threadsafe), so it stays responsive while the model runs.
+The core thread owns every piece of engine state. The event loop only submits commands and
+receives outputs (call_soon_threadsafe), so it stays responsive while the model runs; prompts are
+tokenized in worker threads (the tokenizer's batch call releases the GIL).
+
+Admission counts sequences, not requests: a request of n completions counts n against
+`max_waiting` until it starts running (its completions fork from its first token), and a
+request refused, finished or aborted counts nothing (abort commands in the inbox are not waiting).
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from hypic.engine.llm_engine import EngineStats, LLMEngine
 from hypic.engine.pic.plan import SegmentJob
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.text.tokenizer import Tokenizer
-from hypic.errors import EngineDeadError, EngineOverloadedError, HypicError
+from hypic.errors import EngineDeadError, EngineOverloadedError, HypicError, InvalidRequestError
 from hypic.outputs import RequestOutput
 from hypic.sampling_params import SamplingParams
 
@@ -36,6 +41,7 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None
     cache_mode: str | None
+    group: str | None
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self._segment_waits: list[_SegmentWait] = []  # core thread only
+        self._waiting = 0  # sequences waiting in the core, as it last published them
+        self._pending = 0  # sequences of requests submitted but not yet taken by the core (event loop)
+        self._taken = 0  # sequences the core took since it last published (core thread)
         self.accepting = False
 
     async def __aenter__(self) -> AsyncEngine:
@@ -110,17 +119,18 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[str] | list[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, cache_salt: str | None = None,
-                       cache_mode: str | None = None,
-                       add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+                       cache_mode: str | None = None, add_special_tokens: bool = True,
+                       group: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields outputs as tokens arrive; leaving the loop early aborts the request.
-        add_special_tokens=False for text that already has them (a rendered chat template)."""
-        self._check_accepting()
+        add_special_tokens=False for text that already has them (a rendered chat template); requests
+        of one `group` (a batch's prompts) are admitted in turn with other groups' (see Scheduler)."""
+        params = params or SamplingParams()
+        self._check_accepting(params.n)
         request_id = request_id or uuid.uuid4().hex
-        segmented = SegmentedPrompt.build(self.tokenizer, prompt, separator=self.config.segment_separator,
-                                          add_special_tokens=add_special_tokens)
+        segmented = await self._tokenized(prompt, add_special_tokens, params.n)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._inbox.put(_Add(request_id, segmented, params or SamplingParams(), cache_salt, cache_mode))
+        self._inbox.put(_Add(request_id, segmented, params, cache_salt, cache_mode, group))
         finished = False
         try:
             while not finished:
@@ -134,6 +144,17 @@ class AsyncEngine:
             if not finished:
                 self._inbox.put(_Abort(request_id))
             self._forget(request_id)
+
+    async def _tokenized(self, prompt: str | list[str] | list[int], add_special_tokens: bool, n: int) -> SegmentedPrompt:
+        """The prompt tokenized in a worker thread; its n sequences count as waiting meanwhile."""
+        self._pending += n
+        try:
+            return await asyncio.to_thread(SegmentedPrompt.build, self.tokenizer, prompt,
+                                           separator=self.config.segment_separator,
+                                           add_special_tokens=add_special_tokens)
+        except BaseException:
+            self._pending -= n
+            raise
 
     async def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -203,13 +224,19 @@ class AsyncEngine:
         if self._thread is None:
             raise EngineDeadError("the engine is not running (not started, or shut down)")
 
-    def _check_accepting(self) -> None:
+    def _check_accepting(self, n: int) -> None:
         self._check_alive()
         if not self.accepting:
             raise EngineDeadError("the engine is not running (not started, or shutting down)")
-        waiting = len(self._require_core().scheduler.waiting) + self._inbox.qsize()
-        if waiting >= self.config.max_waiting:
-            raise EngineOverloadedError(waiting, self.config.max_waiting)
+        limit = self.config.max_waiting
+        if n > limit:
+            raise InvalidRequestError(f"n={n} completions can never wait in a queue of max_waiting={limit}")
+        waiting = self._waiting + self._pending
+        if waiting + n > limit:
+            raise EngineOverloadedError(waiting, limit)
+
+    def _release_pending(self, taken: int) -> None:
+        self._pending -= taken
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -238,6 +265,7 @@ class AsyncEngine:
                 for output in core.step():
                     self._send(output.request_id, output)
                 self._settle_segment_waits(core)
+                self._publish_waiting(core)
         except BaseException as error:  # noqa: BLE001 - every waiter must learn the engine died
             logger.exception("engine loop died")
             self._dead = error
@@ -261,9 +289,11 @@ class AsyncEngine:
         if isinstance(command, _Stop):
             return False
         if isinstance(command, _Add):
+            self._taken += command.params.n
             try:
                 core.add_request(command.prompt, command.params, request_id=command.request_id,
-                                 cache_salt=command.cache_salt, cache_mode=command.cache_mode)
+                                 cache_salt=command.cache_salt, cache_mode=command.cache_mode,
+                                 group=command.group)
             except HypicError as error:
                 self._send(command.request_id, error)
         elif isinstance(command, _Abort):
@@ -277,6 +307,14 @@ class AsyncEngine:
             self._segment_waits.append(command)
             self._settle_segment_waits(core)
         return True
+
+    def _publish_waiting(self, core: LLMEngine) -> None:
+        """The core's waiting count first, then the pending ones it took: the loop's sum of the two
+        may count a request twice for a moment, never not at all."""
+        self._waiting = core.waiting_sequences()
+        if self._taken:
+            self._loop.call_soon_threadsafe(self._release_pending, self._taken)
+            self._taken = 0
 
     def _settle_segment_waits(self, core: LLMEngine) -> None:
         finished = {key for key, _ in core.finished_segments}

@@ -1,7 +1,9 @@
 """Continuous batching: each step is one flat batch of decode tokens and prefill chunks.
 
 Decodes go first (one token each), then running prefills, then newly admitted requests, all under
-one token budget. Memory is taken per chunk; when pages run out the scheduler evicts prefix-cache
+one token budget. Admission is fair between requests: waiting sequences are taken round-robin over
+their admission groups (a client's batch is one group), each group's in its own order, so a batch
+of many prompts or a request of many completions never holds back a request that came after it. Memory is taken per chunk; when pages run out the scheduler evicts prefix-cache
 checkpoints, then preempts the newest running sequence (it is recomputed later).
 """
 from __future__ import annotations
@@ -78,7 +80,7 @@ class Scheduler:
         for seq in [s for s in self.running if not s.in_decode]:
             if seq in self.running:
                 budget -= self._schedule_prefill(seq, budget, batch)
-        for seq in [s for s in self.waiting if not s.blocked]:
+        for seq in self._admission_order():
             if budget <= 0 or len(self.running) >= self.limits.max_num_seqs or not self._admit(seq):
                 break
             self.waiting.remove(seq)
@@ -131,6 +133,17 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def _admission_order(self) -> list[Sequence]:
+        """Unblocked waiting sequences, round-robin over groups: every group's first, then every
+        group's second, ...; within a round, in queue order (preempted and segment work stay first)."""
+        turns: dict[str, int] = {}
+        ranked = []
+        for position, seq in enumerate(s for s in self.waiting if not s.blocked):
+            turn = turns.get(seq.info.admission_group, 0)
+            turns[seq.info.admission_group] = turn + 1
+            ranked.append((turn, position, seq))
+        return [seq for _, _, seq in sorted(ranked, key=lambda item: item[:2])]
 
     # -- prefill chunks ------------------------------------------------------------------------
 

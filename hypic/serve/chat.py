@@ -10,7 +10,7 @@ from aiohttp import web
 from msgspec.structs import replace
 
 from hypic.outputs import RequestOutput
-from hypic.serve.choices import UsageCounter, collect, worth_sending
+from hypic.serve.choices import collect, worth_sending
 from hypic.serve.engine_client import GenerateRequest
 from hypic.serve.http_errors import bad_request, engine_errors
 from hypic.serve.logprobs import chat_logprobs
@@ -24,9 +24,9 @@ from hypic.serve.protocol import (
     ChatResponse,
     unsupported_fields,
 )
-from hypic.serve.request_body import check_model, check_stream_options, read_body, reject_unsupported
+from hypic.serve.request_body import check_messages, check_model, check_stream_options, read_body, reject_unsupported
 from hypic.serve.request_group import submitted
-from hypic.serve.responses import DONE, event, json_response, start_events, stream_errors
+from hypic.serve.responses import event, json_response, stream_events
 from hypic.serve.sampling import sampling_params
 from hypic.serve.state import STATE
 from hypic.serve.template import render_chat
@@ -42,6 +42,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     check_model(state, body.model)
     reject_unsupported(unsupported_fields(body, UNSUPPORTED))
     check_stream_options(body.stream, body.stream_options)
+    check_messages(state, body.messages)
     prompt = render_chat(state.client.tokenizer, body.messages, body.chat_template_kwargs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     log.debug("%s: %d message(s), n=%d, user=%s", request_id, len(body.messages), body.n, body.user)
@@ -87,21 +88,10 @@ async def _respond(
 async def _stream(
     request: web.Request, outputs: AsyncIterator[tuple[int, RequestOutput]], head: ChatChunk, body: ChatRequest
 ) -> web.StreamResponse:
-    response = await start_events(request)
-    usage = UsageCounter()
     roles = [ChatChunkChoice(index, ChatDelta(role="assistant", content=""), None, None) for index in range(body.n)]
-    try:
-        await response.write(b"".join(event(replace(head, choices=[role])) for role in roles))
-        async with stream_errors(response, _PARAM_NAMES):
-            async for _, output in outputs:
-                usage.add(output)
-                await response.write(_chunks(head, output, body))
-            if body.stream_options and body.stream_options.include_usage:
-                await response.write(event(replace(head, choices=[], usage=usage.usage())))
-        await response.write(DONE)
-    except ConnectionError:  # the client left; leaving submitted() aborts what is unfinished
-        log.debug("%s: client disconnected mid-stream", head.id)
-    return response
+    opening = b"".join(event(replace(head, choices=[role])) for role in roles)
+    return await stream_events(request, outputs, head, lambda _, output: _chunks(head, output, body),
+                               stream_options=body.stream_options, param_names=_PARAM_NAMES, opening=opening)
 
 
 def _chunks(head: ChatChunk, output: RequestOutput, body: ChatRequest) -> bytes:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from hypic.serve.engine_client import EngineClient
+from hypic.serve.limits import RequestLimits
 from hypic.serve.metrics import ServerMetrics
 
 
@@ -14,7 +15,7 @@ class ServerSettings:
     served_model_name: str | None = None  # None: the engine's model name
     api_key: str | None = None  # None: no authentication
     shutdown_grace_s: float = 30.0
-    max_body_bytes: int = 64 << 20  # a full-context prompt of token ids fits with room to spare
+    limits: RequestLimits = RequestLimits()
     workers: int = 1  # engine processes (segment parallelism); 1: the engine runs in this process
     gpus: tuple[int, ...] | None = None
     transport: str = "auto"
@@ -26,6 +27,7 @@ class ServerState:
     client: EngineClient
     settings: ServerSettings
     metrics: ServerMetrics
+    max_prompt_chars: int  # more characters than this cannot fit the context even at the longest token
     draining: bool = False  # set once shutdown begins: new requests get 503
 
     @property
