@@ -2,8 +2,10 @@
 
 Decodes go first (one token each), then running prefills, then newly admitted requests, all under
 one token budget. Admission is fair between requests: waiting sequences are taken round-robin over
-their admission groups (a client's batch is one group), each group's in its own order, so a batch
-of many prompts or a request of many completions never holds back a request that came after it. Memory is taken per chunk; when pages run out the scheduler evicts prefix-cache
+their admission groups (a client's batch is one group). A queued sequence's turn is one past the
+turn being served or its group's last queued turn, whichever is later; turns are admitted in
+order (queue order within one), so a batch of many prompts never holds back a request that came
+after it, and a flood of new requests never starves a batch's next prompt. Memory is taken per chunk; when pages run out the scheduler evicts prefix-cache
 checkpoints, then preempts the newest running sequence (it is recomputed later).
 """
 from __future__ import annotations
@@ -64,12 +66,17 @@ class Scheduler:
         self.limits, self.blocks, self.slots, self.prefix, self.caches = limits, blocks, slots, prefix, caches
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._turn = 0  # the admission turn being served (see the module's docstring)
 
     def add(self, seq: Sequence, *, first: bool = False) -> None:
+        """`first`: ahead of everything (a segment prefill its request waits for, a preempted sequence)."""
         if first:
             self.waiting.appendleft(seq)
-        else:
-            self.waiting.append(seq)
+            return
+        group = seq.info.admission_group
+        queued = [s.admission_turn for s in self.waiting if s.info.admission_group == group]
+        seq.admission_turn = max([self._turn, *queued]) + 1
+        self.waiting.append(seq)
 
     def schedule(self) -> ScheduledBatch:
         batch, budget = ScheduledBatch(), self.limits.max_num_batched_tokens
@@ -86,6 +93,7 @@ class Scheduler:
             self.waiting.remove(seq)
             self.running.append(seq)
             batch.admitted.append(seq)
+            self._turn = max(self._turn, seq.admission_turn)
             budget -= self._schedule_prefill(seq, budget, batch)
         batch.chunks.sort(key=lambda c: not c.runs_as_decode)  # stable: decodes first, in order
         batch.num_decodes = sum(c.runs_as_decode for c in batch.chunks)
@@ -135,15 +143,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _admission_order(self) -> list[Sequence]:
-        """Unblocked waiting sequences, round-robin over groups: every group's first, then every
-        group's second, ...; within a round, in queue order (preempted and segment work stay first)."""
-        turns: dict[str, int] = {}
-        ranked = []
-        for position, seq in enumerate(s for s in self.waiting if not s.blocked):
-            turn = turns.get(seq.info.admission_group, 0)
-            turns[seq.info.admission_group] = turn + 1
-            ranked.append((turn, position, seq))
-        return [seq for _, _, seq in sorted(ranked, key=lambda item: item[:2])]
+        """Unblocked waiting sequences by turn (every group's first, then every group's second, ...),
+        in queue order within a turn (what was put first stays first)."""
+        waiting = [s for s in self.waiting if not s.blocked]
+        return [waiting[i] for i in sorted(range(len(waiting)), key=lambda i: (waiting[i].admission_turn, i))]
 
     # -- prefill chunks ------------------------------------------------------------------------
 

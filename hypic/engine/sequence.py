@@ -74,6 +74,7 @@ class Sequence:
         self.approximate_from: int | None = None  # first position whose state comes from PIC assembly
         self.awaiting: set = set()  # keys of cold segments this sequence waits for
         self.segment_job = None  # set on the isolated prefill of a cold PIC segment (no sampling)
+        self.admission_turn = 0  # its round in fair admission (Scheduler.add); 0: ahead of every round
 
     @property
     def remaining(self) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import msgspec
+
 from hypic.engine.text.tokenizer import Tokenizer
 from hypic.serve.http_errors import ApiError, bad_request
 
@@ -70,7 +72,7 @@ def _deep_field(raw: bytes, blanked: bytes, limit: int) -> str | None:
             if end < 0:
                 return field
             if depth == 1 and _KEY_END.match(blanked, end + 1):  # a key of the body itself
-                field = raw[position + 1:end].decode(errors="replace")
+                field = _key(raw[position:end + 1])
             position = end
         else:
             depth += 1 if char in _OPENERS else -1
@@ -84,6 +86,13 @@ def longest_token_chars(tokenizer: Tokenizer) -> int:
     """Characters of the longest vocabulary entry: no token covers more of a prompt's text (a
     byte-level entry spells each byte as one character, so it is never shorter than its text)."""
     return max(len(tokenizer.id_to_token(i) or "") for i in range(tokenizer.vocab_size))
+
+
+def _key(quoted: bytes) -> str:
+    try:
+        return msgspec.json.decode(quoted, type=str)
+    except msgspec.DecodeError:  # a malformed escape: the decoder will refuse the body anyway
+        return quoted[1:-1].decode(errors="replace")
 
 
 def check_prompt_chars(chars: int, max_chars: int, param: str) -> None:

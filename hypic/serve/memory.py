@@ -1,9 +1,9 @@
 """Giving memory back after large requests.
 
-A large body leaves freed but unreturned memory behind in glibc's heaps (its bytes, their decoded
-text, the tokenizer's buffers). `malloc_trim` hands free pages back to the system; it runs in a
-worker thread (ctypes releases the GIL) after each request whose body was large, and nowhere
-else (elsewhere a no-op: other C libraries return memory on their own terms).
+A refused large body stays alive in a reference cycle (an exception's traceback holds the frame
+that held the body) until the cycle collector runs, and what is freed stays in glibc's heaps. After
+each request whose body was large: a collection, then `malloc_trim`, which hands free pages back
+to the system, in a worker thread (ctypes releases the GIL). Without glibc, the collection alone.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import functools
+import gc
 
 LARGE_BODY_BYTES = 1 << 20
 
@@ -23,6 +24,7 @@ def _malloc_trim():  # noqa: ANN202 - a ctypes function, or None
 
 
 async def give_back_memory() -> None:
+    gc.collect()
     trim = _malloc_trim()
     if trim is not None:
         await asyncio.to_thread(trim, 0)

@@ -20,13 +20,17 @@ _INLINE_BYTES = 1 << 20  # larger bodies are checked and decoded in a worker thr
 
 
 async def read_body(request: web.Request, body_type: type[Body]) -> Body:
-    limits = request.app[STATE].settings.limits
-    raw = await _read_raw(request, limits)
-    if not raw:
-        raise bad_request("the request body is empty; send a JSON object")
-    if len(raw) <= _INLINE_BYTES:
-        return _decode(raw, body_type, limits.max_json_depth)
-    return await asyncio.to_thread(_decode, raw, body_type, limits.max_json_depth)
+    """Large bodies are read and decoded one at a time: a decoded body may take many times its
+    bytes (a list of small objects), and bodies decoded together fragment the heap for good."""
+    state = request.app[STATE]
+    limits = state.settings.limits
+    if (request.content_length or _INLINE_BYTES + 1) <= _INLINE_BYTES:
+        return _decode(await _read_raw(request, limits), body_type, limits.max_json_depth)
+    async with state.large_bodies:
+        raw = await _read_raw(request, limits)
+        if len(raw) <= _INLINE_BYTES:
+            return _decode(raw, body_type, limits.max_json_depth)
+        return await asyncio.to_thread(_decode, raw, body_type, limits.max_json_depth)
 
 
 async def _read_raw(request: web.Request, limits: RequestLimits) -> bytes:
@@ -54,6 +58,8 @@ def _too_large(limits: RequestLimits) -> ApiError:
 
 
 def _decode(raw: bytes, body_type: type[Body], max_depth: int) -> Body:
+    if not raw:
+        raise bad_request("the request body is empty; send a JSON object")
     check_json_depth(raw, max_depth)
     try:
         return msgspec.json.decode(raw, type=body_type)
