@@ -221,7 +221,7 @@ def test_a_prompt_that_cannot_fit_is_refused_at_once_while_others_are_served(ser
     (refused, normal, elapsed), worst = asyncio.run(_health_while(server.url, attack_and_normal()))
     assert_error(*refused[:2], 400, param)
     assert normal[0] == 200 and normal[1]["usage"]["completion_tokens"] == 2
-    assert elapsed < 2.0 and worst < 1.0, (elapsed, worst)
+    assert elapsed < 3.0 and worst < 1.0, (elapsed, worst)
 
 
 def test_segments_over_the_limit_are_refused_before_tokenizing(server) -> None:
@@ -348,7 +348,7 @@ def test_fuzzed_hostile_bodies_get_2xx_or_well_formed_4xx(server, case) -> None:
 
 def test_draining_503_carries_retry_after(server) -> None:
     async def sigterm_mid_stream() -> tuple[int, dict, str]:
-        body = {**NORMAL, "max_tokens": 400, "stream": True}  # runs for seconds: still in flight when asked
+        body = {**NORMAL, "max_tokens": 150, "stream": True}  # still in flight when the late request comes
         async with aiohttp.ClientSession(headers=AUTH) as session:
             async with session.post(server.url + "/v1/completions", json=body) as running:
                 await running.content.readline()

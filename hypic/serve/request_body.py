@@ -7,9 +7,10 @@ from typing import TypeVar
 import msgspec
 from aiohttp import web
 
-from hypic.serve.http_errors import ApiError, bad_request, from_body_error
 from hypic.errors import PromptTooLongError
+from hypic.serve.http_errors import ApiError, bad_request, from_body_error
 from hypic.serve.limits import RequestLimits, check_json_depth, check_prompt_chars, check_segments, check_sequences
+from hypic.serve.memory import collector_paused
 from hypic.serve.protocol import ChatMessage
 from hypic.serve.state import STATE, ServerState
 from hypic.serve.template import message_chars
@@ -30,7 +31,8 @@ async def read_body(request: web.Request, body_type: type[Body]) -> Body:
         raw = await _read_raw(request, limits)
         if len(raw) <= _INLINE_BYTES:
             return _decode(raw, body_type, limits.max_json_depth)
-        return await asyncio.to_thread(_decode, raw, body_type, limits.max_json_depth)
+        with collector_paused():  # one large body at a time: no other decode re-enables it early
+            return await asyncio.to_thread(_decode, raw, body_type, limits.max_json_depth)
 
 
 async def _read_raw(request: web.Request, limits: RequestLimits) -> bytes:
