@@ -27,6 +27,7 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from server_util import assert_error
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "hostile-secret-7421"
@@ -85,16 +86,6 @@ async def _post(url: str, body: object, **options) -> tuple[int, dict, dict]:
 
 def post(server: Server, path: str, body: object) -> tuple[int, dict, dict]:
     return asyncio.run(_post(server.url + path, body))
-
-
-def assert_error(status: int, body: dict, expected: int, param: str | None = "any") -> dict:
-    assert status == expected, body
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert "Traceback" not in error["message"]
-    if param != "any":
-        assert error["param"] == param, error
-    return error
 
 
 async def _health_while(url: str, attack) -> tuple[object, float]:

@@ -14,6 +14,7 @@ from hypic.serve.chat import create_chat_completion
 from hypic.serve.completions import create_completion
 from hypic.serve.engine_client import EngineClient
 from hypic.serve.limits import RequestLimits, longest_token_chars
+from hypic.serve.memory import freeze_startup_objects
 from hypic.serve.metrics import ServerMetrics
 from hypic.serve.middleware import MIDDLEWARES
 from hypic.serve.state import STATE, ServerSettings, ServerState
@@ -38,6 +39,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> web.Application
     app.router.add_get("/metrics", info_routes.metrics)
     app.router.add_get("/admin/cache", admin_routes.cache_stats)
     app.router.add_post("/admin/cache/flush", admin_routes.flush_cache)
+    freeze_startup_objects()
     return app
 
 
