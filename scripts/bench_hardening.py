@@ -2,8 +2,8 @@
 during each attack, the attack's own answer, and the server's memory after it.
 
 Each case runs while a probe client asks /health every 50 ms and a one-token completion every
-250 ms; a case records the attack's status, the probe's worst and median latency, the probe's 503s
-and the server's resident memory after the case. The server tree is chosen by --tree, so the same
+250 ms; a case records the attack's status and time, the probe's worst and median latency and its
+503s (for /health and the completions apart), and the server's resident memory after the case. The server tree is chosen by --tree, so the same
 script measures the commit before the hardening ("before") and after it ("after"); each run merges
 its figures under its label into the JSON file:
 
@@ -39,18 +39,22 @@ SERVER_OPTIONS = ["--device", "cpu", "--port", "0", "--log-level", "info", "--ma
 
 @dataclass
 class Probe:
-    latencies: list[float] = field(default_factory=list)
-    statuses: list[int] = field(default_factory=list)
+    """What the normal client saw, per kind of request ("health", "completion")."""
+
+    latencies: dict[str, list[float]] = field(default_factory=lambda: {"health": [], "completion": []})
+    statuses: dict[str, list[int]] = field(default_factory=lambda: {"health": [], "completion": []})
 
     def summary(self) -> dict:
-        worst = max(self.latencies, default=0.0)
-        median = statistics.median(self.latencies) if self.latencies else 0.0
-        return {"probe_requests": len(self.statuses), "probe_503": self.statuses.count(503),
-                "probe_errors": sum(s >= 400 for s in self.statuses),
-                "probe_latency_max_s": round(worst, 3), "probe_latency_p50_s": round(median, 3)}
+        return {f"{kind}_{name}": value for kind in self.latencies for name, value in self._one(kind).items()}
+
+    def _one(self, kind: str) -> dict:
+        latencies, statuses = self.latencies[kind], self.statuses[kind]
+        return {"requests": len(statuses), "503": statuses.count(503), "errors": sum(s >= 400 for s in statuses),
+                "latency_max_s": round(max(latencies, default=0.0), 3),
+                "latency_p50_s": round(statistics.median(latencies), 3) if latencies else 0.0}
 
 
-async def _timed(probe: Probe, session: aiohttp.ClientSession, method: str, url: str, **kwargs) -> None:
+async def _timed(probe: Probe, kind: str, session: aiohttp.ClientSession, method: str, url: str, **kwargs) -> None:
     start = time.perf_counter()
     try:
         async with session.request(method, url, headers=AUTH, **kwargs) as response:
@@ -58,8 +62,8 @@ async def _timed(probe: Probe, session: aiohttp.ClientSession, method: str, url:
             status = response.status
     except (aiohttp.ClientError, TimeoutError):
         status = 599
-    probe.latencies.append(time.perf_counter() - start)
-    probe.statuses.append(status)
+    probe.latencies[kind].append(time.perf_counter() - start)
+    probe.statuses[kind].append(status)
 
 
 async def _probe(probe: Probe, url: str, stop: asyncio.Event) -> None:
@@ -68,9 +72,10 @@ async def _probe(probe: Probe, url: str, stop: asyncio.Event) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         tick = 0
         while not stop.is_set():
-            tasks.append(asyncio.ensure_future(_timed(probe, session, "GET", url + "/health")))
+            tasks.append(asyncio.ensure_future(_timed(probe, "health", session, "GET", url + "/health")))
             if tick % 5 == 0:
-                tasks.append(asyncio.ensure_future(_timed(probe, session, "POST", url + "/v1/completions", json=NORMAL)))
+                tasks.append(asyncio.ensure_future(
+                    _timed(probe, "completion", session, "POST", url + "/v1/completions", json=NORMAL)))
             tick += 1
             await asyncio.sleep(0.05)
         await asyncio.gather(*tasks)
@@ -191,8 +196,8 @@ async def _draining(url: str, process: subprocess.Popen) -> dict:
 
 async def _run(tree: Path, log_path: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
-    with log_path.open("w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "hypic.serve", *SERVER_OPTIONS], env=env,
+    with log_path.open("w") as log:  # cwd: `python -m` imports from the working directory first
+        process = subprocess.Popen([sys.executable, "-m", "hypic.serve", *SERVER_OPTIONS], env=env, cwd=tree,
                                    stdout=subprocess.PIPE, stderr=log, text=True)
     line = process.stdout.readline()
     url = re.search(r"at (http://\S+) on", line).group(1)

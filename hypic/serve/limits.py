@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from hypic.config import EngineConfig
 from hypic.engine.text.tokenizer import Tokenizer
 from hypic.serve.http_errors import ApiError, bad_request
 
@@ -30,7 +31,7 @@ class RequestLimits:
     max_body_bytes: int = 16 << 20
     max_json_depth: int = 64  # JSON schemas of tools nest ~10-20 deep; msgspec recurses past ~1000
     max_sequences: int = 256  # prompts x n of one request
-    max_segments: int = 256  # the engine's --max-segments, checked before tokenizing
+    max_segments: int = EngineConfig.max_segments  # the engine's --max-segments, checked before tokenizing
     header_timeout_s: float = 10.0  # a connection's request head (or its idle keep-alive) must come within
     body_timeout_s: float = 60.0  # the body, once the head has come
     max_connections: int = 1024

@@ -8,14 +8,13 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from aiohttp import web
-from msgspec import Struct
 from msgspec.structs import replace
 
 from hypic.errors import HypicError
 from hypic.outputs import RequestOutput
 from hypic.serve.choices import UsageCounter
 from hypic.serve.http_errors import ApiError, from_engine_error, internal_error
-from hypic.serve.protocol import StreamOptions, encoder
+from hypic.serve.protocol import ChatChunk, CompletionResponse, StreamOptions, encoder
 
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
@@ -55,7 +54,7 @@ async def stream_errors(response: web.StreamResponse, param_names: dict[str, str
 
 
 async def stream_events(
-    request: web.Request, outputs: AsyncIterator[tuple[int, RequestOutput]], head: Struct,
+    request: web.Request, outputs: AsyncIterator[tuple[int, RequestOutput]], head: ChatChunk | CompletionResponse,
     chunks: Callable[[int, RequestOutput], bytes], *, stream_options: StreamOptions | None,
     param_names: dict[str, str], opening: bytes = b"",
 ) -> web.StreamResponse:
@@ -73,5 +72,5 @@ async def stream_events(
                 await response.write(event(replace(head, choices=[], usage=usage.usage())))
         await response.write(DONE)
     except ConnectionError:  # the client left; leaving submitted() aborts what is unfinished
-        log.debug("%s: client disconnected mid-stream", getattr(head, "id", "?"))
+        log.debug("%s: client disconnected mid-stream", head.id)
     return response
