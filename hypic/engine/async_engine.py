@@ -11,6 +11,7 @@ request refused, finished or aborted counts nothing (abort commands in the inbox
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -32,6 +33,7 @@ from hypic.outputs import RequestOutput
 from hypic.sampling_params import SamplingParams
 
 logger = logging.getLogger("hypic")
+_INLINE_PROMPT_SIZE = 8192  # characters or ids: tokenized on the event loop in well under a millisecond
 
 
 @dataclass(frozen=True)
@@ -146,12 +148,14 @@ class AsyncEngine:
             self._forget(request_id)
 
     async def _tokenized(self, prompt: str | list[str] | list[int], add_special_tokens: bool, n: int) -> SegmentedPrompt:
-        """The prompt tokenized in a worker thread; its n sequences count as waiting meanwhile."""
+        """The prompt tokenized, a long one in a worker thread. Its n sequences count as waiting from
+        now until the core takes the request. A short prompt is tokenized here, at once, so that a
+        batch's prompts reach the core together."""
+        build = functools.partial(SegmentedPrompt.build, self.tokenizer, prompt, separator=self.config.segment_separator,
+                                  add_special_tokens=add_special_tokens)
         self._pending += n
         try:
-            return await asyncio.to_thread(SegmentedPrompt.build, self.tokenizer, prompt,
-                                           separator=self.config.segment_separator,
-                                           add_special_tokens=add_special_tokens)
+            return build() if _size(prompt) <= _INLINE_PROMPT_SIZE else await asyncio.to_thread(build)
         except BaseException:
             self._pending -= n
             raise
@@ -334,6 +338,13 @@ class AsyncEngine:
 
     def _send(self, request_id: str, item: RequestOutput | BaseException) -> None:
         self._loop.call_soon_threadsafe(self._deliver, request_id, item)
+
+
+def _size(prompt: str | list[str] | list[int]) -> int:
+    """Characters of text, or the number of token ids."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(item) if isinstance(item, str) else 1 for item in prompt)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
