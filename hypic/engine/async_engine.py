@@ -84,7 +84,6 @@ class AsyncEngine:
         self._segment_waits: list[_SegmentWait] = []  # core thread only
         self._waiting = 0  # sequences waiting in the core, as it last published them
         self._pending = 0  # sequences of requests submitted but not yet taken by the core (event loop)
-        self._taken = 0  # sequences the core took since it last published (core thread)
         self.accepting = False
 
     async def __aenter__(self) -> AsyncEngine:
@@ -293,13 +292,7 @@ class AsyncEngine:
         if isinstance(command, _Stop):
             return False
         if isinstance(command, _Add):
-            self._taken += command.params.n
-            try:
-                core.add_request(command.prompt, command.params, request_id=command.request_id,
-                                 cache_salt=command.cache_salt, cache_mode=command.cache_mode,
-                                 group=command.group)
-            except HypicError as error:
-                self._send(command.request_id, error)
+            self._take(core, command)
         elif isinstance(command, _Abort):
             if (output := core.abort(command.request_id)) is not None:
                 self._send(command.request_id, output)
@@ -312,13 +305,20 @@ class AsyncEngine:
             self._settle_segment_waits(core)
         return True
 
+    def _take(self, core: LLMEngine, command: _Add) -> None:
+        """Adds the request; its sequences move from the loop's pending count to the core's waiting
+        one, waiting first, so that the sum never misses them (it may count them twice a moment)."""
+        try:
+            core.add_request(command.prompt, command.params, request_id=command.request_id,
+                             cache_salt=command.cache_salt, cache_mode=command.cache_mode, group=command.group)
+            self._waiting += command.params.n  # the core thread is its only writer
+        except HypicError as error:
+            self._send(command.request_id, error)
+        self._loop.call_soon_threadsafe(self._release_pending, command.params.n)
+
     def _publish_waiting(self, core: LLMEngine) -> None:
-        """The core's waiting count first, then the pending ones it took: the loop's sum of the two
-        may count a request twice for a moment, never not at all."""
+        """The exact count once a step has admitted what it could."""
         self._waiting = core.waiting_sequences()
-        if self._taken:
-            self._loop.call_soon_threadsafe(self._release_pending, self._taken)
-            self._taken = 0
 
     def _settle_segment_waits(self, core: LLMEngine) -> None:
         finished = {key for key, _ in core.finished_segments}
