@@ -265,10 +265,11 @@ class AsyncEngine:
                 while not self._inbox.empty():
                     if not self._handle(self._inbox.get_nowait()):
                         return
-                for output in core.step():
+                outputs = core.step()
+                self._waiting = core.waiting_sequences()  # before any output: a client that saw one counts right
+                for output in outputs:
                     self._send(output.request_id, output)
                 self._settle_segment_waits(core)
-                self._publish_waiting(core)
         except BaseException as error:  # noqa: BLE001 - every waiter must learn the engine died
             logger.exception("engine loop died")
             self._dead = error
@@ -315,10 +316,6 @@ class AsyncEngine:
         except HypicError as error:
             self._send(command.request_id, error)
         self._loop.call_soon_threadsafe(self._release_pending, command.params.n)
-
-    def _publish_waiting(self, core: LLMEngine) -> None:
-        """The exact count once a step has admitted what it could."""
-        self._waiting = core.waiting_sequences()
 
     def _settle_segment_waits(self, core: LLMEngine) -> None:
         finished = {key for key, _ in core.finished_segments}
