@@ -156,7 +156,7 @@ class LLMEngine:
 
     def _waiting_count(self, seq: Sequence) -> int:
         """A request's first sequence stands for all n until they fork; a segment prefill is no request."""
-        if seq.segment_job is not None:
+        if seq.pic.job is not None:
             return 0
         state = self.requests.get(seq.info.request_id)
         unforked = seq.index == 0 and state is not None and len(state.completions) == 1
