@@ -1,6 +1,7 @@
 """A Hugging Face tokenizer directory: encode, decode, special tokens and the chat template.
 
-Reads `tokenizer.json` with the `tokenizers` library, `tokenizer_config.json` (special tokens,
+Reads `tokenizer.json` with the `tokenizers` library (or converts a tiktoken `tiktoken.model` to the
+same kind of backend at load, see `tiktoken_bpe`), `tokenizer_config.json` (special tokens,
 add_bos_token/add_eos_token, chat_template), `chat_template.jinja` / `additional_chat_templates/`
 (which win over the config's template, as in transformers) and `generation_config.json` (extra eos
 ids). `clean_up_tokenization_spaces` is never applied (as in vLLM's streaming output).
@@ -20,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 from tokenizers.processors import TemplateProcessing
 
+from hypic.engine.text.tiktoken_bpe import TIKTOKEN_FILE, backend_from_tiktoken
 from hypic.errors import InvalidRequestError, UnsupportedModelError
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"})
@@ -51,12 +53,8 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
-        if not (path / "tokenizer.json").is_file():
-            raise UnsupportedModelError(
-                f"{path} has no tokenizer.json; hypic needs a fast tokenizer. Create one with "
-                "transformers: AutoTokenizer.from_pretrained(dir).save_pretrained(dir)")
         config = _read_json(path / "tokenizer_config.json")
-        backend = _Backend.from_file(str(path / "tokenizer.json"))
+        backend = _read_backend(path, config)
         generation = _read_json(path / "generation_config.json")
         return cls(backend, config, _read_templates(path, config), _as_ids(generation.get("eos_token_id")))
 
@@ -126,6 +124,16 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
         raise UnsupportedModelError(f"{path} is not valid JSON: {error}") from error
+
+
+def _read_backend(path: Path, config: Mapping[str, Any]) -> _Backend:
+    if (path / "tokenizer.json").is_file():
+        return _Backend.from_file(str(path / "tokenizer.json"))
+    if (path / TIKTOKEN_FILE).is_file():
+        return backend_from_tiktoken(path, config)
+    raise UnsupportedModelError(
+        f"{path} has neither tokenizer.json nor {TIKTOKEN_FILE}; hypic needs a fast tokenizer. Create one "
+        "with transformers: AutoTokenizer.from_pretrained(dir).save_pretrained(dir)")
 
 
 def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
