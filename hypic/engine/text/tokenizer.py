@@ -79,6 +79,10 @@ class Tokenizer:
         """What one token decodes to on its own (for logprobs); a partial UTF-8 byte reads as U+FFFD."""
         return self._backend.decode([token_id], skip_special_tokens=False)
 
+    def to_json(self) -> str:
+        """The backend as tokenizer.json text (what llguidance reads), also for a converted tiktoken file."""
+        return self._backend.to_str()
+
     def use_chat_template(self, text: str) -> None:
         """Replaces the model's chat template(s) (a server's --chat-template)."""
         self._templates = {"default": _compile_template("--chat-template", text)}
