@@ -19,7 +19,7 @@ from hypic.engine.text.tokenizer import Tokenizer
 from hypic.errors import UnsupportedModelError
 from hypic.structured_outputs import StructuredOutputs
 from models_util import save_checkpoint
-from tokenizer_util import CORPUS, KIMI_NAMED, write_kimi_tiktoken
+from tokenizer_util import CORPUS, KIMI_NAMED, KIMI_TEMPLATE, write_byte_level, write_kimi_tiktoken
 
 SPECIAL_COUNT = 258
 
@@ -81,6 +81,17 @@ def test_chat_template_renders(kimi_dir: tuple[Path, dict[bytes, int]]) -> None:
                     "<|im_end|><|im_assistant|>assistant<|im_middle|>")
     ids = tokenizer.encode(text)
     assert [i - base for i in ids if i >= base] == [10, 17, 2, 3, 17, 2, 4, 17]
+
+
+def test_tool_keys_are_sorted_as_the_release_does(kimi_dir: tuple[Path, dict[bytes, int]], tmp_path: Path) -> None:
+    """tokenization_kimi sorts the tools' keys at every depth before rendering; a tokenizer.json model does not."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                            "properties": {"b": {}, "a": {}}}}}]
+    kimi, plain = Tokenizer.from_dir(kimi_dir[0]), Tokenizer.from_dir(write_byte_level(tmp_path))
+    plain.use_chat_template(KIMI_TEMPLATE)
+    messages = [{"role": "user", "content": "hi"}]
+    assert json.dumps(tools, sort_keys=True) in kimi.apply_chat_template(messages, tools=tools)
+    assert json.dumps(tools) in plain.apply_chat_template(messages, tools=tools)
 
 
 def test_merges_are_every_two_token_split_by_the_rank_they_make() -> None:

@@ -88,6 +88,7 @@ KIMI_NAMED = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|i
               17: "<|im_middle|>", 254: "[UNK]", 255: "[PAD]"}
 """The release's named special tokens by offset past the ranks (163584 + offset in the 48B release)."""
 KIMI_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_system|>tool_declare<|im_middle|>' + tools | tojson + '<|im_end|>' }}{%- endif %}"
     "{%- for message in messages %}"
     "{%- set role = 'im_' + ('system' if message['role'] == 'system' else 'user' "
     "if message['role'] == 'user' else 'assistant') %}"

@@ -26,10 +26,12 @@ TIKTOKEN_FILE = "tiktoken.model"
 
 @dataclass(frozen=True)
 class TiktokenScheme:
-    """What a release's tokenizer code fixes: its split regex and how many special ids follow the ranks."""
+    """What a release's tokenizer code fixes: its split regex, how many special ids follow the ranks,
+    and whether it sorts the keys of `tools` (recursively) before the chat template sees them."""
 
     pattern: str
     special_count: int
+    sorts_tool_keys: bool
 
 
 KIMI = TiktokenScheme(
@@ -46,14 +48,14 @@ KIMI = TiktokenScheme(
         r"\s+",
     )),
     special_count=256 + 2,  # num_reserved_special_tokens + 2: ids unnamed in the config read <|reserved_token_N|>
+    sorts_tool_keys=True,  # its apply_chat_template deep-sorts the tool dicts
 )
 SCHEMES: dict[str, TiktokenScheme] = {"tokenization_kimi": KIMI}
 """Remote-code module (tokenizer_config.json auto_map) -> its scheme."""
 
 
-def backend_from_tiktoken(path: Path, config: Mapping[str, Any]) -> _Backend:
+def backend_from_tiktoken(path: Path, config: Mapping[str, Any], scheme: TiktokenScheme) -> _Backend:
     """The byte-level BPE equal to the directory's tiktoken encoding, special tokens at their ids."""
-    scheme = _scheme(path, config)
     ranks = read_ranks(path / TIKTOKEN_FILE)
     vocab = {_byte_text(token): rank for token, rank in ranks.items()}
     merges = [(_byte_text(left), _byte_text(right)) for left, right in recover_merges(ranks)]
@@ -90,7 +92,7 @@ def recover_merges(ranks: Mapping[bytes, int]) -> list[tuple[bytes, bytes]]:
     return [(left, right) for *_, left, right in keyed]
 
 
-def _scheme(path: Path, config: Mapping[str, Any]) -> TiktokenScheme:
+def tiktoken_scheme(path: Path, config: Mapping[str, Any]) -> TiktokenScheme:
     auto_map = config.get("auto_map", {}).get("AutoTokenizer") or [None]
     module = (auto_map[0] or "").split(".")[0]
     if module not in SCHEMES:
