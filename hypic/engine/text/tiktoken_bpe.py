@@ -5,6 +5,10 @@ takes a pre-token that is itself a token whole. A byte-level BPE reproduces that
 split (left, right) of every token into two tokens, ordered by the rank of the token they make, and
 `ignore_merges` is on. The pre-tokenizer regex and the reserved special-token range live in the release's
 Python code, not in its files, so they are kept here per remote-code module (`auto_map`).
+
+Not reproduced: tokenization_kimi cuts a text every 400,000 characters, and inside runs of more than
+25,000 whitespace or non-whitespace characters, before encoding (a guard against a tiktoken crash);
+ids differ from the release's only across such cuts.
 """
 from __future__ import annotations
 
