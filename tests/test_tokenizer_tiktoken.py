@@ -4,6 +4,7 @@ the chat template renders, bad directories are refused, and a tiny Kimi-Linear c
 these tokenizer files serves a request through the engine."""
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from pathlib import Path
@@ -12,11 +13,11 @@ import pytest
 import tiktoken
 
 import kimi_models
-from engine_util import cpu_config, greedy, hf_greedy, run_engine
-from hypic import SamplingParams
+from engine_util import collect, cpu_config, greedy, hf_greedy
+from hypic import AsyncEngine, SamplingParams
 from hypic.engine.text.tiktoken_bpe import KIMI, recover_merges
 from hypic.engine.text.tokenizer import Tokenizer
-from hypic.errors import UnsupportedModelError
+from hypic.errors import InvalidRequestError, UnsupportedModelError
 from hypic.structured_outputs import StructuredOutputs
 from models_util import save_checkpoint
 from tokenizer_util import CORPUS, KIMI_NAMED, KIMI_TEMPLATE, write_byte_level, write_kimi_tiktoken
@@ -123,17 +124,25 @@ def _set_config(path: Path, **entries: object) -> None:
 
 
 def test_kimi_checkpoint_with_only_tiktoken_files_serves_a_request(tmp_path: Path) -> None:
-    """Prompt text in, transformers' greedy tokens out, and the text they decode to; beside it a
-    regex-constrained request (llguidance reads the converted backend)."""
+    """As in the release, the tokenizer knows 2 ids past the embedding's rows: a prompt using one is
+    refused and the engine goes on to serve text in, transformers' greedy tokens out, and the text they
+    decode to; beside it a regex-constrained request (llguidance reads the converted backend)."""
     base = len(write_kimi_tiktoken(tmp_path))
-    vocab = base + SPECIAL_COUNT
-    save_checkpoint(kimi_models.make(vocab_size=vocab + 14, eos_token_id=base + 2), tmp_path)
+    rows = base + SPECIAL_COUNT - 2
+    save_checkpoint(kimi_models.make(vocab_size=rows, eos_token_id=base + 2), tmp_path)
     assert not (tmp_path / "tokenizer.json").exists()
     tokenizer = Tokenizer.from_dir(tmp_path)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "héllo 世界, the quick brown fox"}])
     choice = SamplingParams(temperature=0.0, max_tokens=8, structured=StructuredOutputs("regex", "(yes|no|世界)"))
-    done, constrained = run_engine(cpu_config(tmp_path), [(prompt, greedy(6)), (prompt, choice)])
-    expected, _ = hf_greedy(tmp_path, tokenizer.encode(prompt), 6, vocab)
+
+    async def main() -> list:
+        async with AsyncEngine(cpu_config(tmp_path)) as engine:
+            with pytest.raises(InvalidRequestError, match=f"prompt token id {rows + 1} has no embedding row"):
+                await collect(engine, f"hi <|reserved_token_{rows + 1}|>", greedy(2))
+            return await asyncio.gather(collect(engine, prompt, greedy(6)), collect(engine, prompt, choice))
+
+    done, constrained = asyncio.run(main())
+    expected, _ = hf_greedy(tmp_path, tokenizer.encode(prompt), 6, rows)
     assert done.tokens == expected
     assert done.text[0] == tokenizer.decode(expected)
     assert constrained.text[0] in {"yes", "no", "世界"} and constrained.finish_reason[0] == "stop"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -261,6 +261,17 @@ class LLMEngine:
         seq = completion.seq
         return SamplingRow(seq.info.params, seq.info.prompt_ids, seq.output_ids, completion.generator)
 
+    @property
+    def _served_vocab_size(self) -> int:
+        """Ids with a tokenizer entry and an embedding row: Kimi's tokenizer names 2 reserved ids past its model's."""
+        return min(self.tokenizer.vocab_size, self.model_config.vocab_size)
+
+    def _check_embedding_rows(self, tokens: Sequence[int]) -> None:
+        if self.tokenizer.vocab_size > self.model_config.vocab_size and max(tokens) >= self._served_vocab_size:
+            raise InvalidRequestError(
+                f"prompt token id {max(tokens)} has no embedding row: the model has {self.model_config.vocab_size} "
+                f"(the tokenizer knows {self.tokenizer.vocab_size} ids)")
+
     def _request_info(self, prompt: SegmentedPrompt, params: SamplingParams, request_id: str,
                       cache_salt: str | None, cache_mode: str | None) -> RequestInfo:
         mode = cache_mode or self.config.cache_mode
@@ -268,10 +279,11 @@ class LLMEngine:
             raise InvalidRequestError(f"cache_mode must be one of {CACHE_MODES}, got {mode!r}")
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-        validate_for_vocab(params, self.tokenizer.vocab_size)
+        validate_for_vocab(params, self._served_vocab_size)
         tokens = prompt.token_ids
         if not tokens:
             raise InvalidRequestError("the prompt is empty: give at least one token")
+        self._check_embedding_rows(tokens)
         budget = len(tokens) + (params.max_tokens or 0)
         if len(tokens) >= self.max_model_len or budget > self.max_model_len:
             raise PromptTooLongError(len(tokens), self.max_model_len, params.max_tokens or 0)
