@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -266,7 +266,7 @@ class LLMEngine:
         """Ids with a tokenizer entry and an embedding row: Kimi's tokenizer names 2 reserved ids past its model's."""
         return min(self.tokenizer.vocab_size, self.model_config.vocab_size)
 
-    def _check_embedding_rows(self, tokens: Sequence[int]) -> None:
+    def _check_embedding_rows(self, tokens: tuple[int, ...]) -> None:
         if self.tokenizer.vocab_size > self.model_config.vocab_size and max(tokens) >= self._served_vocab_size:
             raise InvalidRequestError(
                 f"prompt token id {max(tokens)} has no embedding row: the model has {self.model_config.vocab_size} "
