@@ -73,9 +73,9 @@ def backend_from_tiktoken(path: Path, config: Mapping[str, Any], scheme: Tiktoke
 
 
 def read_ranks(path: Path) -> dict[bytes, int]:
-    """`tiktoken.model`: one "base64-token rank" a line; the ranks must be 0..n-1 (they are the ids)."""
+    """`tiktoken.model`: one "base64-token rank" a line (a non-ASCII byte fails its line); ranks 0..n-1 (the ids)."""
     ranks: dict[bytes, int] = {}
-    for number, line in enumerate(path.read_text(encoding="ascii").splitlines(), start=1):
+    for number, line in enumerate(path.read_text(encoding="ascii", errors="replace").splitlines(), start=1):
         if line.strip():
             token, rank = _parse_line(path, number, line)
             ranks[token] = rank
