@@ -76,8 +76,7 @@ class LLMEngine:
         self._build_caches(self.plan, pool_bytes)
         self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.token_text, seed=config.seed)
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
-        self.structured = StructuredDecoding((self.model_dir / "tokenizer.json").read_text(encoding="utf-8"),
-                                             self.tokenizer.vocab_size, self.eos_ids)
+        self.structured = StructuredDecoding(self.tokenizer.to_json(), self.tokenizer.vocab_size, self.eos_ids)
         self.requests: dict[str, RequestState] = {}
         self.finished_segments: list[tuple[SegmentKey, bool]] = []
         self.last_step_ran = True  # False when the last step found nothing it could schedule
@@ -275,6 +274,17 @@ class LLMEngine:
         seq = completion.seq
         return SamplingRow(seq.info.params, seq.info.prompt_ids, seq.output_ids, completion.generator)
 
+    @property
+    def _served_vocab_size(self) -> int:
+        """Ids with a tokenizer entry and an embedding row: Kimi's tokenizer names 2 reserved ids past its model's."""
+        return min(self.tokenizer.vocab_size, self.model_config.vocab_size)
+
+    def _check_embedding_rows(self, tokens: tuple[int, ...]) -> None:
+        if self.tokenizer.vocab_size > self.model_config.vocab_size and max(tokens) >= self._served_vocab_size:
+            raise InvalidRequestError(
+                f"prompt token id {max(tokens)} has no embedding row: the model has {self.model_config.vocab_size} "
+                f"(the tokenizer knows {self.tokenizer.vocab_size} ids)")
+
     def _request_info(self, prompt: SegmentedPrompt, params: SamplingParams, request_id: str,
                       cache_salt: str | None, cache_mode: str | None, group: str | None) -> RequestInfo:
         mode = cache_mode or self.config.cache_mode
@@ -282,10 +292,11 @@ class LLMEngine:
             raise InvalidRequestError(f"cache_mode must be one of {CACHE_MODES}, got {mode!r}")
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-        validate_for_vocab(params, self.tokenizer.vocab_size)
+        validate_for_vocab(params, self._served_vocab_size)
         tokens = prompt.token_ids
         if not tokens:
             raise InvalidRequestError("the prompt is empty: give at least one token")
+        self._check_embedding_rows(tokens)
         budget = len(tokens) + (params.max_tokens or 0)
         if len(tokens) >= self.max_model_len or budget > self.max_model_len:
             raise PromptTooLongError(len(tokens), self.max_model_len, params.max_tokens or 0)
