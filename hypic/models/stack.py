@@ -27,7 +27,8 @@ class DecoderStack(nn.Module):
     """embed (x embedding_multiplier) -> layers -> final norm (logits rows only) -> lm head / logits_scaling.
     A subclass fills `layers`, each mapping (delta, residual, batch, caches) -> (delta, residual)."""
 
-    def __init__(self, config: StackConfig, offset: bool, embedding_multiplier: float = 1.0, logits_scaling: float = 1.0) -> None:
+    def __init__(self, config: StackConfig, offset: bool, embedding_multiplier: float = 1.0,
+                 logits_scaling: float = 1.0) -> None:
         super().__init__()
         self.config = config
         self.embedding_multiplier, self.logits_scaling = embedding_multiplier, logits_scaling
