@@ -11,7 +11,7 @@ from engine_util import greedy
 from hypic.models.registry import load_model
 from models_util import (BatchBuilder, assert_decode_replays, mixed_steps_logits, random_ids, rel_err, run,
                          save_checkpoint)
-from test_pic_engine import DOCS, prompt
+from pic_util import DOCS, prompt
 from test_pic_gpu import engine_run
 
 pytestmark = pytest.mark.gpu

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 from engine_util import collect, greedy
-from test_pic_engine import DOCS, prompt
+from pic_util import DOCS, prompt
 
 from hypic import AsyncEngine, EngineConfig
 
