@@ -28,8 +28,26 @@ ConfigT = TypeVar("ConfigT")
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 
 
+class LayerIds:
+    """full_layers / linear_layers: the ids of a config's attention layers and of its linear-mixer
+    layers, read from its list of layer kinds (`layer_types`; a subclass may name another list)."""
+
+    FULL, LINEAR = "full_attention", "linear_attention"
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        return self.layer_types
+
+    @cached_property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds()) if k == self.FULL)
+
+    @cached_property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds()) if k == self.LINEAR)
+
+
 @dataclass(frozen=True)
-class HybridConfig:
+class HybridConfig(LayerIds):
     """One hybrid (Gated DeltaNet + gated full attention) text model. Model-type differences live here,
     never in `if model_type` branches scattered through the layers."""
 
@@ -93,14 +111,6 @@ class HybridConfig:
         return with_generation_eos(cls.from_dict(read_config_json(path)), path)
 
     # ---- derived values -------------------------------------------------------------------------
-
-    @cached_property
-    def full_layers(self) -> tuple[int, ...]:
-        return indices_of(self.layer_types, "full_attention")
-
-    @cached_property
-    def linear_layers(self) -> tuple[int, ...]:
-        return indices_of(self.layer_types, "linear_attention")
 
     @cached_property
     def moe_layers(self) -> tuple[int, ...]:
@@ -215,11 +225,6 @@ def require(config: dict[str, Any], names: tuple[str, ...], *, null_is_missing: 
     missing = [k for k in names if k not in config or (null_is_missing and config[k] is None)]
     if missing:
         raise UnsupportedModelError(f"config.json lacks {', '.join(missing)}")
-
-
-def indices_of(kinds: tuple[str, ...], kind: str) -> tuple[int, ...]:
-    """The layer (or block) ids whose kind is `kind`."""
-    return tuple(i for i, k in enumerate(kinds) if k == kind)
 
 
 def check_shape(model_type: str, problems: list[str]) -> None:

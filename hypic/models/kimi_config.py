@@ -9,11 +9,10 @@ encoding at all (`mla_use_nope`), its decoupled "rope" key part is shared by the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 from hypic.errors import UnsupportedModelError
-from hypic.models.config import as_ids, check_shape, expert_problems, group_problems, indices_of, pick, require
+from hypic.models.config import LayerIds, as_ids, check_shape, expert_problems, group_problems, pick, require
 
 KIMI_MODEL_TYPES: tuple[str, ...] = ("kimi_linear",)
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
@@ -22,7 +21,7 @@ _LINEAR_ATTN_KEYS = frozenset({"kda_layers", "full_attn_layers", "num_heads", "h
 
 
 @dataclass(frozen=True)
-class KimiLinearConfig:
+class KimiLinearConfig(LayerIds):
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -67,14 +66,6 @@ class KimiLinearConfig:
         parsed = cls(**_fields(config))
         parsed._validate()
         return parsed
-
-    @cached_property
-    def full_layers(self) -> tuple[int, ...]:
-        return indices_of(self.layer_types, "full_attention")
-
-    @cached_property
-    def linear_layers(self) -> tuple[int, ...]:
-        return indices_of(self.layer_types, "linear_attention")
 
     @property
     def qk_head_dim(self) -> int:

@@ -18,7 +18,7 @@ from functools import cached_property
 from typing import Any
 
 from hypic.errors import UnsupportedModelError
-from hypic.models.config import as_ids, check_shape, expert_problems, group_problems, indices_of, pick, require
+from hypic.models.config import LayerIds, as_ids, check_shape, expert_problems, group_problems, pick, require
 
 MAMBA2_MODEL_TYPES: tuple[str, ...] = ("nemotron_h", "granitemoehybrid", "bamba")
 BLOCK_KINDS: tuple[str, ...] = ("mamba", "attention", "mlp", "moe")
@@ -30,7 +30,7 @@ _REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads")
 
 
 @dataclass(frozen=True)
-class Mamba2HybridConfig:
+class Mamba2HybridConfig(LayerIds):
     model_type: str  # one of MAMBA2_MODEL_TYPES
     vocab_size: int
     hidden_size: int
@@ -88,13 +88,10 @@ class Mamba2HybridConfig:
 
     # ---- derived values -------------------------------------------------------------------------
 
-    @cached_property
-    def full_layers(self) -> tuple[int, ...]:
-        return indices_of(self.blocks, "attention")
+    FULL, LINEAR = "attention", "mamba"
 
-    @cached_property
-    def linear_layers(self) -> tuple[int, ...]:
-        return indices_of(self.blocks, "mamba")
+    def layer_kinds(self) -> tuple[str, ...]:
+        return self.blocks
 
     @property
     def attn_qk_norm(self) -> bool:
