@@ -90,13 +90,14 @@ class LLMEngine:
 
     def add_request(self, prompt: SegmentedPrompt, params: SamplingParams, *, request_id: str | None = None,
                     cache_salt: str | None = None, cache_mode: str | None = None,
-                    resume: Mapping[int, list[int]] | None = None) -> str:
+                    resume: Mapping[int, list[int]] | None = None, group: str | None = None) -> str:
         """resume: completion index -> the ids it generated elsewhere (a node that died); only those
-        completions run here, each continuing from its own tokens as if it had made them here."""
+        completions run here, each continuing from its own tokens as if it had made them here.
+        `group`: requests sharing one are admitted in turn with other groups' (a client's batch)."""
         request_id = request_id or uuid.uuid4().hex
         if len(prompt.segments) > 2 and not prompt.segments[-1]:
             params = dataclasses.replace(params, max_tokens=0)  # a warm-up: it only fills the caches
-        info = self._request_info(prompt, params, request_id, cache_salt, cache_mode)
+        info = self._request_info(prompt, params, request_id, cache_salt, cache_mode, group)
         _check_resume(resume or {}, params)
         state = RequestState(info)
         self.requests[request_id] = state
@@ -148,6 +149,18 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def waiting_sequences(self) -> int:
+        """Completions not yet running, as admission counts them (see AsyncEngine)."""
+        return sum(self._waiting_count(seq) for seq in self.scheduler.waiting)
+
+    def _waiting_count(self, seq: Sequence) -> int:
+        """A request's first sequence stands for all n until they fork; a segment prefill is no request."""
+        if seq.pic.job is not None:
+            return 0
+        state = self.requests.get(seq.info.request_id)
+        unforked = seq.index == 0 and state is not None and len(state.completions) == 1
+        return seq.info.params.n if unforked else 1
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -263,7 +276,7 @@ class LLMEngine:
         return SamplingRow(seq.info.params, seq.info.prompt_ids, seq.output_ids, completion.generator)
 
     def _request_info(self, prompt: SegmentedPrompt, params: SamplingParams, request_id: str,
-                      cache_salt: str | None, cache_mode: str | None) -> RequestInfo:
+                      cache_salt: str | None, cache_mode: str | None, group: str | None) -> RequestInfo:
         mode = cache_mode or self.config.cache_mode
         if mode not in CACHE_MODES:
             raise InvalidRequestError(f"cache_mode must be one of {CACHE_MODES}, got {mode!r}")
@@ -284,7 +297,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"a segment has {longest} tokens; segments are prefilled in one step, so at most "
                 f"max_num_batched_tokens={self.config.max_num_batched_tokens}: split it or raise that limit")
-        return RequestInfo(request_id, params, prompt, cache_salt, mode, self.config.seam_width)
+        return RequestInfo(request_id, params, prompt, cache_salt, mode, self.config.seam_width, group)
 
     def _plan_memory(self) -> tuple[CachePlan, int, int]:
         shape = self.model.cache_shape()
