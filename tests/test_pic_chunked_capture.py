@@ -9,7 +9,7 @@ import mamba2_models
 from engine_util import greedy
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
-from test_pic_engine import DOCS, SEP, SYSTEM, _rel, pic_config
+from pic_util import DOCS, SEP, SYSTEM, pic_config, rel
 
 LONG_DOC = " ".join(DOCS)  # ~300 tokens: ten chunks of a 32-token budget
 CHUNKED = {"max_num_batched_tokens": 32}
@@ -52,7 +52,7 @@ def test_a_segment_longer_than_the_step_budget_gives_the_one_step_tuple(model, m
     for name, layers in whole.items():
         assert len(chunked[name]) == len(layers)
         for got, want in zip(chunked[name], layers):
-            assert got.shape == want.shape and want.norm() > 0 and _rel(got.float(), want.float()) <= 1e-5, name
+            assert got.shape == want.shape and want.norm() > 0 and rel(got.float(), want.float()) <= 1e-5, name
     assert tokens == whole_tokens
     assert logprobs == pytest.approx(whole_logprobs, abs=1e-4)
 

@@ -10,14 +10,14 @@ from aiohttp import web
 from msgspec.structs import replace
 
 from hypic.outputs import RequestOutput
-from hypic.serve.choices import UsageCounter, choice_index, collect, worth_sending
+from hypic.serve.choices import choice_index, collect, worth_sending
 from hypic.engine.client import GenerateRequest
 from hypic.serve.http_errors import bad_request, engine_errors
 from hypic.serve.logprobs import completion_logprobs
 from hypic.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from hypic.serve.request_body import check_model, check_stream_options, read_body, reject_unsupported
+from hypic.serve.request_body import check_model, check_prompts, check_stream_options, read_body, reject_unsupported
 from hypic.serve.request_group import submitted
-from hypic.serve.responses import DONE, event, json_response, start_events, stream_errors
+from hypic.serve.responses import event, json_response, stream_events
 from hypic.serve.sampling import or_default, sampling_params
 from hypic.serve.state import STATE
 from hypic.serve.structured import requested_constraint
@@ -35,13 +35,14 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     _reject_unsupported(body)
     check_stream_options(body.stream, body.stream_options)
     prompts = completion_prompts(body)
+    check_prompts(state, prompts, body.n)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     log.debug("%s: %d prompt(s), n=%d, user=%s", request_id, len(prompts), body.n, body.user)
     with engine_errors(_PARAM_NAMES):
         params = sampling_params(body, max_tokens=or_default(body.max_tokens, state.settings), logprobs=body.logprobs,
                                  structured=requested_constraint(body))
         jobs = [
-            GenerateRequest(prompt, params, f"{request_id}-{index}", body.cache_salt, body.cache_mode)
+            GenerateRequest(prompt, params, f"{request_id}-{index}", body.cache_salt, body.cache_mode, group=request_id)
             for index, prompt in enumerate(prompts)
         ]
         async with submitted(state.client, jobs, state.metrics) as outputs:
@@ -96,19 +97,9 @@ async def _stream(
     request: web.Request, outputs: AsyncIterator[tuple[int, RequestOutput]], head: CompletionResponse,
     body: CompletionRequest,
 ) -> web.StreamResponse:
-    response = await start_events(request)
-    usage, offsets = UsageCounter(), {}
-    try:
-        async with stream_errors(response, _PARAM_NAMES):
-            async for prompt_index, output in outputs:
-                usage.add(output)
-                await response.write(_chunks(head, prompt_index, output, body, offsets))
-            if body.stream_options and body.stream_options.include_usage:
-                await response.write(event(replace(head, choices=[], usage=usage.usage())))
-        await response.write(DONE)
-    except ConnectionError:  # the client left; leaving submitted() aborts what is unfinished
-        log.debug("%s: client disconnected mid-stream", head.id)
-    return response
+    offsets: dict[int, int] = {}
+    return await stream_events(request, outputs, head, lambda index, output: _chunks(head, index, output, body, offsets),
+                               stream_options=body.stream_options, param_names=_PARAM_NAMES)
 
 
 def _chunks(
