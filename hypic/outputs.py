@@ -43,3 +43,6 @@ class RequestOutput:
     deltas: tuple[CompletionDelta, ...]  # completions that advanced in this step
     finished: bool  # every completion finished
     metrics: RequestMetrics
+    # Once, on the first output after the prompt is scored (params.prompt_logprobs set): one entry
+    # per prompt token, the first None (nothing predicts it)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None

@@ -21,6 +21,7 @@ from hypic.cache.tier_stats import TierStats
 from hypic.config import CACHE_MODES, EngineConfig
 from hypic.engine.pic.assembly import PicAssembler
 from hypic.engine.pic.plan import SegmentJob
+from hypic.engine.prompt_logprobs import PromptScores, PromptScoring
 from hypic.engine.request_state import Completion, RequestState
 from hypic.engine.runner import ModelRunner, RunnerSettings
 from hypic.engine.sampler import Sampler, SamplingRow, make_generator, validate_for_vocab
@@ -35,7 +36,7 @@ from hypic.errors import InvalidRequestError, PromptTooLongError
 from hypic.kernels.host_copy import host_to_device
 from hypic.kernels.scatter_kv import rope_inv_freq
 from hypic.models.registry import load_model
-from hypic.outputs import CompletionDelta, RequestOutput
+from hypic.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from hypic.sampling_params import SamplingParams
 
 logger = logging.getLogger("hypic")
@@ -160,7 +161,10 @@ class LLMEngine:
             return []
         self.pic.scatter(batch)
         masks = self.structured.fill(batch)  # beside the forward
-        logits, capture = self.runner.execute(batch)
+        scoring, scored = self._prompt_scoring(batch)
+        logits, capture, scores = self.runner.execute(batch, scoring)
+        if scores is not None:
+            self._record_prompt_scores(scored, scores)
         self.scheduler.after_step(batch)
         self.finished_segments = []  # (key, stored) of the cold segments this step finished
         for job, stored in self.pic.after_step(batch, capture):
@@ -178,6 +182,30 @@ class LLMEngine:
             if chunk.samples and chunk.seq.info.params.max_tokens == 0 and not chunk.seq.finished:
                 self._collect(deltas, chunk.seq, self._finish(self._completion(chunk.seq), "length"))
         return self._outputs(deltas)
+
+    def _prompt_scoring(self, batch: ScheduledBatch) -> tuple[PromptScoring | None, list[tuple[RequestState, int]]]:
+        """The rows of the step whose hidden states score prompt tokens (requests with prompt_logprobs),
+        and the (request, position) of each."""
+        rows, scored, taken, offset = [], [], set(), 0
+        for scheduled in batch.chunks:
+            chunk, request_id = scheduled.chunk, scheduled.seq.info.request_id
+            state = self.requests.get(request_id)  # None: a cold PIC segment's job
+            fresh = [p for p in state.unscored(chunk.start, chunk.end) if (request_id, p) not in taken] if state else []
+            taken.update((request_id, p) for p in fresh)  # two of its completions in one step (resumed)
+            rows += [offset + p - chunk.start for p in fresh]  # no cached pieces: one row per position
+            scored += [(state, p) for p in fresh]
+            offset += chunk.num_tokens
+        if not rows:
+            return None, []
+        targets = tuple(state.info.prompt_ids[p + 1] for state, p in scored)
+        return PromptScoring(tuple(rows), targets, max(s.info.params.prompt_logprobs for s, _ in scored)), scored
+
+    def _record_prompt_scores(self, scored: list[tuple[RequestState, int]], scores: PromptScores) -> None:
+        text = self.tokenizer.token_text
+        for i, (state, position) in enumerate(scored):
+            k, token = state.info.params.prompt_logprobs, state.info.prompt_ids[position + 1]
+            top = tuple((t, text(t), lp) for t, lp in zip(scores.top_ids[i][:k], scores.top_logprobs[i][:k]))
+            state.prompt_scores[position + 1] = TokenLogprob(token, text(token), scores.logprobs[i], top)
 
     def _sampling_rows(self, batch: ScheduledBatch) -> list[tuple[int, Completion]]:
         """(logits row, completion) pairs; the n completions of a request share its prefill row."""
@@ -267,6 +295,8 @@ class LLMEngine:
         mode = cache_mode or self.config.cache_mode
         if mode not in CACHE_MODES:
             raise InvalidRequestError(f"cache_mode must be one of {CACHE_MODES}, got {mode!r}")
+        if params.prompt_logprobs is not None:
+            mode = "none"  # no prefix checkpoint or cached interior carries the hidden states it scores
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
         validate_for_vocab(params, self.tokenizer.vocab_size)
