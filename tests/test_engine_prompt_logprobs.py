@@ -34,7 +34,7 @@ def hf_prompt_logprobs(model_dir, prompt: tuple[int, ...], vocab: int) -> torch.
 
 def check_against_hf(model_dir, prompt: list[int], vocab: int, got: tuple, k: int) -> None:
     reference = hf_prompt_logprobs(model_dir, tuple(prompt), vocab)
-    assert got[0] is None and len(got) == len(prompt)
+    assert (got[0].token_id, got[0].logprob, got[0].top) == (prompt[0], None, ()) and len(got) == len(prompt)
     for position, item in enumerate(got[1:]):
         row = reference[position]
         assert item.token_id == prompt[position + 1]

@@ -99,7 +99,7 @@ class LLMEngine:
             params = dataclasses.replace(params, max_tokens=0)  # a warm-up: it only fills the caches
         info = self._request_info(prompt, params, request_id, cache_salt, cache_mode)
         _check_resume(resume or {}, params)
-        state = RequestState(info)
+        state = self._request_state(info)
         self.requests[request_id] = state
         self.structured.add(request_id, params.structured)
         planned = self.pic.plan(prompt, info.cache_mode, cache_salt)
@@ -182,6 +182,13 @@ class LLMEngine:
             if chunk.samples and chunk.seq.info.params.max_tokens == 0 and not chunk.seq.finished:
                 self._collect(deltas, chunk.seq, self._finish(self._completion(chunk.seq), "length"))
         return self._outputs(deltas)
+
+    def _request_state(self, info: RequestInfo) -> RequestState:
+        state = RequestState(info)
+        if info.params.prompt_logprobs is not None:  # nothing predicts the first prompt token
+            first = info.prompt_ids[0]
+            state.prompt_scores[0] = TokenLogprob(first, self.tokenizer.token_text(first), None)
+        return state
 
     def _prompt_scoring(self, batch: ScheduledBatch) -> tuple[PromptScoring | None, list[tuple[RequestState, int]]]:
         """The rows of the step whose hidden states score prompt tokens (requests with prompt_logprobs),

@@ -57,6 +57,7 @@ class RequestState:
         self.token_steps = 0
         self.token_step_times: tuple[float, float] | None = None  # time.monotonic() of the first and latest
         self.prompt_scores: dict[int, TokenLogprob] = {}  # prompt position -> its logprob (params.prompt_logprobs)
+        # the engine enters position 0 (logprob None) on arrival, the rest as steps score them
         self.prompt_logprobs_sent = False
 
     @property
@@ -81,13 +82,13 @@ class RequestState:
         last = len(self.info.prompt_ids) - 1
         return [p for p in range(start, min(end, last)) if p + 1 not in self.prompt_scores]
 
-    def _prompt_logprobs(self) -> tuple[TokenLogprob | None, ...] | None:
+    def _prompt_logprobs(self) -> tuple[TokenLogprob, ...] | None:
         """Every prompt token's logprob, once, as soon as all are scored."""
         length = len(self.info.prompt_ids)
-        if self.info.params.prompt_logprobs is None or self.prompt_logprobs_sent or len(self.prompt_scores) < length - 1:
+        if self.info.params.prompt_logprobs is None or self.prompt_logprobs_sent or len(self.prompt_scores) < length:
             return None
         self.prompt_logprobs_sent = True
-        return (None, *(self.prompt_scores[p] for p in range(1, length)))
+        return tuple(self.prompt_scores[p] for p in range(length))
 
     def _token_step(self) -> float | None:
         """Seconds since the previous step that gave this request tokens (None for the first)."""

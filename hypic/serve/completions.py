@@ -1,16 +1,19 @@
 """POST /v1/completions."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 
 from aiohttp import web
 from msgspec.structs import replace
 
-from hypic.outputs import RequestOutput
-from hypic.serve.choices import UsageCounter, choice_index, collect, worth_sending
+from hypic.engine.text.tokenizer import Tokenizer
+from hypic.outputs import RequestOutput, TokenLogprob
+from hypic.serve.choices import ChoiceBuffer, UsageCounter, choice_index, collect, worth_sending
 from hypic.engine.client import GenerateRequest
 from hypic.serve.http_errors import bad_request, engine_errors
 from hypic.serve.logprobs import completion_logprobs
@@ -40,15 +43,18 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     with engine_errors(_PARAM_NAMES):
         params = sampling_params(body, max_tokens=or_default(body.max_tokens, state.settings), logprobs=body.logprobs,
                                  structured=requested_constraint(body))
+        if body.echo and body.logprobs is not None:  # the engine recomputes the prompt to score it
+            params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
         jobs = [
             GenerateRequest(prompt, params, f"{request_id}-{index}", body.cache_salt, body.cache_mode)
             for index, prompt in enumerate(prompts)
         ]
+        echo = Echo([echo_text(p, state.client.tokenizer) for p in prompts]) if body.echo else None
         async with submitted(state.client, jobs, state.metrics) as outputs:
             head = CompletionResponse(request_id, int(time.time()), state.model_name, [])
             if body.stream:
-                return await _stream(request, outputs, head, body)
-            return await _respond(outputs, head, body, len(prompts))
+                return await _stream(request, outputs, head, body, echo)
+            return await _respond(outputs, head, body, len(prompts), echo)
 
 
 def completion_prompts(body: CompletionRequest) -> list[Prompt]:
@@ -69,40 +75,73 @@ def completion_prompts(body: CompletionRequest) -> list[Prompt]:
     )
 
 
+def echo_text(prompt: Prompt | list[str | list[int]], tokenizer: Tokenizer) -> str:
+    """The text `echo` puts before the completion: a prompt given as text is echoed as it came."""
+    if isinstance(prompt, str):
+        return prompt
+    if all(isinstance(item, int) for item in prompt):
+        return tokenizer.decode(prompt, skip_special_tokens=False)
+    return "".join(echo_text(part, tokenizer) for part in prompt)  # segments
+
+
+@dataclass
+class Echo:
+    """What `echo` puts before each prompt's choices: the prompt's text and, with logprobs, its
+    tokens' logprobs (which arrive with the prompt's first output)."""
+
+    texts: list[str]
+    logprobs: dict[int, tuple[TokenLogprob, ...]] = field(default_factory=dict)  # prompt index -> tokens
+
+    def note(self, prompt_index: int, output: RequestOutput) -> None:
+        if output.prompt_logprobs is not None:
+            self.logprobs[prompt_index] = output.prompt_logprobs
+
+    def before(self, prompt_index: int, text: str, items: Sequence[TokenLogprob]) -> tuple[str, list[TokenLogprob]]:
+        return self.texts[prompt_index] + text, [*self.logprobs.get(prompt_index, ()), *items]
+
+
+async def _noted(outputs: AsyncIterator[tuple[int, RequestOutput]], echo: Echo | None
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async for prompt_index, output in outputs:
+        if echo is not None:
+            echo.note(prompt_index, output)
+        yield prompt_index, output
+
+
 def _reject_unsupported(body: CompletionRequest) -> None:
-    unsupported = ["echo"] if body.echo else []
-    unsupported += ["suffix"] if body.suffix else []
+    unsupported = ["suffix"] if body.suffix else []
     unsupported += ["best_of"] if body.best_of not in (None, body.n) else []
     reject_unsupported(unsupported)
 
 
 async def _respond(
-    outputs: AsyncIterator[tuple[int, RequestOutput]], head: CompletionResponse, body: CompletionRequest, num_prompts: int
+    outputs: AsyncIterator[tuple[int, RequestOutput]], head: CompletionResponse, body: CompletionRequest,
+    num_prompts: int, echo: Echo | None,
 ) -> web.Response:
-    buffers, usage = await collect(outputs, body.n, num_prompts)
-    choices = [
-        CompletionChoice(
-            index,
-            buffer.text,
-            completion_logprobs(buffer.logprobs, 0) if body.logprobs is not None else None,
-            buffer.finish_reason,
-        )
-        for index, buffer in enumerate(buffers)
-    ]
+    buffers, usage = await collect(_noted(outputs, echo), body.n, num_prompts)
+    choices = [_choice(index, buffer, body, echo) for index, buffer in enumerate(buffers)]
     return json_response(replace(head, choices=choices, usage=usage.usage()))
+
+
+def _choice(index: int, buffer: ChoiceBuffer, body: CompletionRequest, echo: Echo | None) -> CompletionChoice:
+    text, items = buffer.text, buffer.logprobs
+    if echo is not None:
+        text, items = echo.before(index // body.n, text, items)
+    logprobs = completion_logprobs(items, 0) if body.logprobs is not None else None
+    return CompletionChoice(index, text, logprobs, buffer.finish_reason)
 
 
 async def _stream(
     request: web.Request, outputs: AsyncIterator[tuple[int, RequestOutput]], head: CompletionResponse,
-    body: CompletionRequest,
+    body: CompletionRequest, echo: Echo | None,
 ) -> web.StreamResponse:
     response = await start_events(request)
     usage, offsets = UsageCounter(), {}
     try:
         async with stream_errors(response, _PARAM_NAMES):
-            async for prompt_index, output in outputs:
+            async for prompt_index, output in _noted(outputs, echo):
                 usage.add(output)
-                await response.write(_chunks(head, prompt_index, output, body, offsets))
+                await response.write(_chunks(head, prompt_index, output, body, offsets, echo))
             if body.stream_options and body.stream_options.include_usage:
                 await response.write(event(replace(head, choices=[], usage=usage.usage())))
         await response.write(DONE)
@@ -113,14 +152,18 @@ async def _stream(
 
 def _chunks(
     head: CompletionResponse, prompt_index: int, output: RequestOutput, body: CompletionRequest,
-    offsets: dict[int, int],
+    offsets: dict[int, int], echo: Echo | None,
 ) -> bytes:
+    """A choice's first chunk carries the echoed prompt."""
     chunks = []
     for delta in filter(worth_sending, output.deltas):
         index = choice_index(prompt_index, body.n, delta)
-        offset, tokens = offsets.get(index, 0), delta.logprobs or ()
+        text, tokens = delta.text, delta.logprobs or ()
+        if echo is not None and index not in offsets:
+            text, tokens = echo.before(prompt_index, text, tokens)
+        offset = offsets.get(index, 0)
         offsets[index] = offset + sum(len(item.token) for item in tokens)
         logprobs = completion_logprobs(tokens, offset) if body.logprobs is not None else None
-        choice = CompletionChoice(index, delta.text, logprobs, delta.finish_reason)
+        choice = CompletionChoice(index, text, logprobs, delta.finish_reason)
         chunks.append(event(replace(head, choices=[choice])))
     return b"".join(chunks)

@@ -10,15 +10,16 @@ _FLOOR = -9999.0  # JSON has no -inf; OpenAI and vLLM report impossible tokens t
 
 
 def completion_logprobs(items: Sequence[TokenLogprob], text_offset: int) -> CompletionLogprobs:
-    """`text_offset` is where the first of these tokens starts in the completion's text."""
+    """`text_offset` is where the first of these tokens starts in the completion's text. An echoed
+    prompt's first token has no logprob (null, as OpenAI sends it)."""
     offsets = []
     for item in items:
         offsets.append(text_offset)
         text_offset += len(item.token)
     return CompletionLogprobs(
         tokens=[item.token for item in items],
-        token_logprobs=[_finite(item.logprob) for item in items],
-        top_logprobs=[_top_dict(item) for item in items],
+        token_logprobs=[None if item.logprob is None else _finite(item.logprob) for item in items],
+        top_logprobs=[None if item.logprob is None else _top_dict(item) for item in items],
         text_offset=offsets,
     )
 

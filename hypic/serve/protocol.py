@@ -134,7 +134,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     segments: list[str | list[int]] | None = None  # extension (DESIGN §7): prompt given as segments (texts or ids)
     max_tokens: TokenBudget | None = None  # None: the server's default (docs/agents.md)
     logprobs: TopLogprobs | None = None
-    echo: bool = False  # unsupported when true
+    echo: bool = False  # the prompt before the completion (with logprobs: its tokens' logprobs too)
     suffix: str | None = None  # unsupported when set
     best_of: int | None = None  # supported only as best_of == n
 
@@ -196,8 +196,8 @@ class Usage(Struct):
 
 class CompletionLogprobs(Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
