@@ -10,6 +10,7 @@ class TokenLogprob:
     token: str
     logprob: float | None  # None only for the first prompt token of prompt_logprobs: nothing predicts it
     top: tuple[tuple[int, str, float], ...] = ()  # (token_id, text, logprob) alternatives, best first
+    rank: int | None = None  # prompt logprobs: 1 + how many tokens were likelier
 
 
 @dataclass(frozen=True)

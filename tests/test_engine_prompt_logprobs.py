@@ -39,6 +39,8 @@ def check_against_hf(model_dir, prompt: list[int], vocab: int, got: tuple, k: in
         row = reference[position]
         assert item.token_id == prompt[position + 1]
         assert item.logprob == pytest.approx(float(row[item.token_id]), abs=1e-4)
+        target = row[item.token_id]  # ranks may differ where another token is within the tolerance
+        assert 1 + int((row > target + 1e-4).sum()) <= item.rank <= 1 + int((row > target - 1e-4).sum())
         assert len(item.top) == k
         assert [lp for _, _, lp in item.top] == pytest.approx(row.topk(k).values.tolist(), abs=1e-4)
         assert all(float(row[token]) == pytest.approx(lp, abs=1e-4) for token, _, lp in item.top)
@@ -88,5 +90,7 @@ def test_chunked_projection_equals_one_full_log_softmax():
     reference = torch.log_softmax((hidden.double() @ weight.double().T)[:, :45], -1)
     assert scores.logprobs == pytest.approx(reference.gather(1, targets[:, None])[:, 0].tolist(), abs=1e-5)
     assert scores.top_ids == reference.topk(4).indices.tolist()
+    chosen = reference.gather(1, targets[:, None])
+    assert scores.ranks == ((reference > chosen + 1e-9).sum(-1) + 1).tolist()
     for row, expected in zip(scores.top_logprobs, reference.topk(4).values.tolist(), strict=True):
         assert row == pytest.approx(expected, abs=1e-5)

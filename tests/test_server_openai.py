@@ -189,6 +189,21 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client) -> No
     assert got.text_offset == offsets
 
 
+def test_vllm_prompt_logprobs_without_echo(client) -> None:
+    prompt = "Once upon a time there was a fox."
+    ids, _ = _token_ids_and_count(client, {"prompt": prompt})
+    choice = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0.0,
+                                       extra_body={"prompt_logprobs": 3}).choices[0]
+    reference, got = _hf_prompt_logprobs(ids), choice.model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids) and not choice.text.startswith(prompt)
+    for position, entry in enumerate(got[1:]):
+        row, token = reference[position], ids[position + 1]
+        assert entry[str(token)]["logprob"] == pytest.approx(float(row[token]), abs=1e-4)
+        best = row.topk(3)
+        assert [entry[str(int(t))]["rank"] for t in best.indices] == [1, 2, 3]
+        assert [entry[str(int(t))]["logprob"] for t in best.indices] == pytest.approx(best.values.tolist(), abs=1e-4)
+
+
 def test_echo_puts_the_prompt_before_each_choice_streamed_or_not(client) -> None:
     """Two prompts, n=2, a stop string the prompts contain (only the completion is searched)."""
     prompts, steps = ["The quick brown fox", "Once upon a time, the fox"], 6

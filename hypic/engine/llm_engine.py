@@ -212,7 +212,7 @@ class LLMEngine:
         for i, (state, position) in enumerate(scored):
             k, token = state.info.params.prompt_logprobs, state.info.prompt_ids[position + 1]
             top = tuple((t, text(t), lp) for t, lp in zip(scores.top_ids[i][:k], scores.top_logprobs[i][:k]))
-            state.prompt_scores[position + 1] = TokenLogprob(token, text(token), scores.logprobs[i], top)
+            state.prompt_scores[position + 1] = TokenLogprob(token, text(token), scores.logprobs[i], top, scores.ranks[i])
 
     def _sampling_rows(self, batch: ScheduledBatch) -> list[tuple[int, Completion]]:
         """(logits row, completion) pairs; the n completions of a request share its prefill row."""

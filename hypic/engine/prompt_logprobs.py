@@ -29,6 +29,7 @@ class PromptScoring:
 @dataclass(frozen=True)
 class PromptScores:
     logprobs: list[float]  # [P] of each target
+    ranks: list[int]  # [P] 1 + how many tokens were likelier than the target
     top_ids: list[list[int]]  # [P, top_k] best first
     top_logprobs: list[list[float]]
 
@@ -38,11 +39,13 @@ def score_prompt_rows(hidden: torch.Tensor, scoring: PromptScoring, project: Cal
     """log_softmax of `project(hidden)` (logits past the tokenizer's `vocab_size` excluded) at each
     target and its top_k, one device-to-host copy at the end."""
     targets = host_to_device(list(scoring.targets), torch.long, hidden.device)
-    chosen, values, ids = [], [], []
+    chosen, ranks, values, ids = [], [], [], []
     for start in range(0, hidden.shape[0], rows_per_chunk):
         logprobs = torch.log_softmax(project(hidden[start:start + rows_per_chunk])[:, :vocab_size].float(), dim=-1)
-        chosen.append(logprobs.gather(1, targets[start:start + rows_per_chunk, None])[:, 0])
+        chosen.append(logprobs.gather(1, targets[start:start + rows_per_chunk, None]))
+        ranks.append((logprobs > chosen[-1]).sum(dim=-1) + 1)
         top = logprobs.topk(scoring.top_k, dim=-1)
         values.append(top.values)
         ids.append(top.indices)
-    return PromptScores(torch.cat(chosen).tolist(), torch.cat(ids).tolist(), torch.cat(values).tolist())
+    return PromptScores(torch.cat(chosen)[:, 0].tolist(), torch.cat(ranks).tolist(), torch.cat(ids).tolist(),
+                        torch.cat(values).tolist())

@@ -16,8 +16,8 @@ from hypic.outputs import RequestOutput, TokenLogprob
 from hypic.serve.choices import ChoiceBuffer, UsageCounter, choice_index, collect, worth_sending
 from hypic.engine.client import GenerateRequest
 from hypic.serve.http_errors import bad_request, engine_errors
-from hypic.serve.logprobs import completion_logprobs
-from hypic.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from hypic.serve.logprobs import completion_logprobs, vllm_prompt_logprobs
+from hypic.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse, PromptLogprob
 from hypic.serve.request_body import check_model, check_stream_options, read_body, reject_unsupported
 from hypic.serve.request_group import submitted
 from hypic.serve.responses import DONE, event, json_response, start_events, stream_errors
@@ -43,18 +43,17 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     with engine_errors(_PARAM_NAMES):
         params = sampling_params(body, max_tokens=or_default(body.max_tokens, state.settings), logprobs=body.logprobs,
                                  structured=requested_constraint(body))
-        if body.echo and body.logprobs is not None:  # the engine recomputes the prompt to score it
-            params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
+        returns = PromptReturn.of(body, prompts, state.client.tokenizer)
+        params = dataclasses.replace(params, prompt_logprobs=returns.scored_k)  # set: the prompt is recomputed
         jobs = [
             GenerateRequest(prompt, params, f"{request_id}-{index}", body.cache_salt, body.cache_mode)
             for index, prompt in enumerate(prompts)
         ]
-        echo = Echo([echo_text(p, state.client.tokenizer) for p in prompts]) if body.echo else None
         async with submitted(state.client, jobs, state.metrics) as outputs:
             head = CompletionResponse(request_id, int(time.time()), state.model_name, [])
             if body.stream:
-                return await _stream(request, outputs, head, body, echo)
-            return await _respond(outputs, head, body, len(prompts), echo)
+                return await _stream(request, outputs, head, body, returns)
+            return await _respond(outputs, head, body, len(prompts), returns)
 
 
 def completion_prompts(body: CompletionRequest) -> list[Prompt]:
@@ -85,26 +84,47 @@ def echo_text(prompt: Prompt | list[str | list[int]], tokenizer: Tokenizer) -> s
 
 
 @dataclass
-class Echo:
-    """What `echo` puts before each prompt's choices: the prompt's text and, with logprobs, its
-    tokens' logprobs (which arrive with the prompt's first output)."""
+class PromptReturn:
+    """What the choices return of their prompt: its text (echo), its tokens' logprobs in OpenAI's
+    legacy format (echo with logprobs) and in vLLM's (prompt_logprobs). Those logprobs arrive with
+    the prompt's first output."""
 
-    texts: list[str]
+    texts: list[str] | None  # None: no echo
+    echo_k: int | None  # alternatives per echoed token (logprobs)
+    vllm_k: int | None  # alternatives per token of vLLM's prompt_logprobs
     logprobs: dict[int, tuple[TokenLogprob, ...]] = field(default_factory=dict)  # prompt index -> tokens
+
+    @classmethod
+    def of(cls, body: CompletionRequest, prompts: list[Prompt], tokenizer: Tokenizer) -> PromptReturn:
+        texts = [echo_text(prompt, tokenizer) for prompt in prompts] if body.echo else None
+        return cls(texts, body.logprobs if body.echo else None, body.prompt_logprobs)
+
+    @property
+    def scored_k(self) -> int | None:
+        """The alternatives the engine scores each prompt token with; None: no prompt scoring."""
+        return max((k for k in (self.echo_k, self.vllm_k) if k is not None), default=None)
 
     def note(self, prompt_index: int, output: RequestOutput) -> None:
         if output.prompt_logprobs is not None:
             self.logprobs[prompt_index] = output.prompt_logprobs
 
     def before(self, prompt_index: int, text: str, items: Sequence[TokenLogprob]) -> tuple[str, list[TokenLogprob]]:
-        return self.texts[prompt_index] + text, [*self.logprobs.get(prompt_index, ()), *items]
+        """A choice's text and logprobs with the echoed prompt in front (as they are without echo)."""
+        if self.texts is None:
+            return text, list(items)
+        prompt = [dataclasses.replace(item, top=item.top[:self.echo_k]) for item in self.logprobs.get(prompt_index, ())]
+        return self.texts[prompt_index] + text, [*prompt, *items]
+
+    def vllm(self, prompt_index: int) -> list[dict[str, PromptLogprob] | None] | None:
+        if self.vllm_k is None or prompt_index not in self.logprobs:
+            return None
+        return vllm_prompt_logprobs(self.logprobs[prompt_index], self.vllm_k)
 
 
-async def _noted(outputs: AsyncIterator[tuple[int, RequestOutput]], echo: Echo | None
+async def _noted(outputs: AsyncIterator[tuple[int, RequestOutput]], returns: PromptReturn
                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
     async for prompt_index, output in outputs:
-        if echo is not None:
-            echo.note(prompt_index, output)
+        returns.note(prompt_index, output)
         yield prompt_index, output
 
 
@@ -116,32 +136,30 @@ def _reject_unsupported(body: CompletionRequest) -> None:
 
 async def _respond(
     outputs: AsyncIterator[tuple[int, RequestOutput]], head: CompletionResponse, body: CompletionRequest,
-    num_prompts: int, echo: Echo | None,
+    num_prompts: int, returns: PromptReturn,
 ) -> web.Response:
-    buffers, usage = await collect(_noted(outputs, echo), body.n, num_prompts)
-    choices = [_choice(index, buffer, body, echo) for index, buffer in enumerate(buffers)]
+    buffers, usage = await collect(_noted(outputs, returns), body.n, num_prompts)
+    choices = [_choice(index, buffer, body, returns) for index, buffer in enumerate(buffers)]
     return json_response(replace(head, choices=choices, usage=usage.usage()))
 
 
-def _choice(index: int, buffer: ChoiceBuffer, body: CompletionRequest, echo: Echo | None) -> CompletionChoice:
-    text, items = buffer.text, buffer.logprobs
-    if echo is not None:
-        text, items = echo.before(index // body.n, text, items)
+def _choice(index: int, buffer: ChoiceBuffer, body: CompletionRequest, returns: PromptReturn) -> CompletionChoice:
+    text, items = returns.before(index // body.n, buffer.text, buffer.logprobs)
     logprobs = completion_logprobs(items, 0) if body.logprobs is not None else None
-    return CompletionChoice(index, text, logprobs, buffer.finish_reason)
+    return CompletionChoice(index, text, logprobs, buffer.finish_reason, returns.vllm(index // body.n))
 
 
 async def _stream(
     request: web.Request, outputs: AsyncIterator[tuple[int, RequestOutput]], head: CompletionResponse,
-    body: CompletionRequest, echo: Echo | None,
+    body: CompletionRequest, returns: PromptReturn,
 ) -> web.StreamResponse:
     response = await start_events(request)
     usage, offsets = UsageCounter(), {}
     try:
         async with stream_errors(response, _PARAM_NAMES):
-            async for prompt_index, output in _noted(outputs, echo):
+            async for prompt_index, output in _noted(outputs, returns):
                 usage.add(output)
-                await response.write(_chunks(head, prompt_index, output, body, offsets, echo))
+                await response.write(_chunks(head, prompt_index, output, body, offsets, returns))
             if body.stream_options and body.stream_options.include_usage:
                 await response.write(event(replace(head, choices=[], usage=usage.usage())))
         await response.write(DONE)
@@ -152,18 +170,19 @@ async def _stream(
 
 def _chunks(
     head: CompletionResponse, prompt_index: int, output: RequestOutput, body: CompletionRequest,
-    offsets: dict[int, int], echo: Echo | None,
+    offsets: dict[int, int], returns: PromptReturn,
 ) -> bytes:
-    """A choice's first chunk carries the echoed prompt."""
+    """A choice's first chunk carries what it returns of the prompt."""
     chunks = []
     for delta in filter(worth_sending, output.deltas):
         index = choice_index(prompt_index, body.n, delta)
-        text, tokens = delta.text, delta.logprobs or ()
-        if echo is not None and index not in offsets:
-            text, tokens = echo.before(prompt_index, text, tokens)
+        first = index not in offsets
+        text, tokens = returns.before(prompt_index, delta.text, delta.logprobs or ()) if first else (
+            delta.text, delta.logprobs or ())
         offset = offsets.get(index, 0)
         offsets[index] = offset + sum(len(item.token) for item in tokens)
         logprobs = completion_logprobs(tokens, offset) if body.logprobs is not None else None
-        choice = CompletionChoice(index, text, logprobs, delta.finish_reason)
+        prompt_logprobs = returns.vllm(prompt_index) if first else None
+        choice = CompletionChoice(index, text, logprobs, delta.finish_reason, prompt_logprobs)
         chunks.append(event(replace(head, choices=[choice])))
     return b"".join(chunks)

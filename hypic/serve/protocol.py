@@ -135,6 +135,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     max_tokens: TokenBudget | None = None  # None: the server's default (docs/agents.md)
     logprobs: TopLogprobs | None = None
     echo: bool = False  # the prompt before the completion (with logprobs: its tokens' logprobs too)
+    prompt_logprobs: TopLogprobs | None = None  # extension (vLLM): each prompt token's logprob and k alternatives
     suffix: str | None = None  # unsupported when set
     best_of: int | None = None  # supported only as best_of == n
 
@@ -201,11 +202,20 @@ class CompletionLogprobs(Struct):
     text_offset: list[int]
 
 
+class PromptLogprob(Struct):
+    """vLLM's entry of `prompt_logprobs`."""
+
+    logprob: float
+    rank: int  # 1: the likeliest token
+    decoded_token: str
+
+
 class CompletionChoice(Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # extension (vLLM); token id -> entry
 
 
 class CompletionResponse(Struct):
