@@ -269,7 +269,8 @@ _PROMPT = st.one_of(_TEXT, _SEGMENTS.map("<|segment|>".join), st.lists(st.intege
 _COMPLETION = st.one_of(
     st.fixed_dictionaries({"prompt": _PROMPT, "max_tokens": st.integers(0, 3)},
                           optional={"logprobs": st.integers(0, 5), "echo": st.booleans(), **_SAMPLING}),
-    st.fixed_dictionaries({"segments": _SEGMENTS, "max_tokens": st.integers(0, 3)}, optional=_SAMPLING),
+    st.fixed_dictionaries({"segments": _SEGMENTS, "max_tokens": st.integers(0, 3)},
+                          optional={"logprobs": st.integers(0, 5), "echo": st.booleans(), **_SAMPLING}),
 )
 _MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": _TEXT})
 _CHAT = st.fixed_dictionaries(

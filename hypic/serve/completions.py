@@ -13,6 +13,7 @@ from msgspec.structs import replace
 
 from hypic.engine.text.tokenizer import Tokenizer
 from hypic.outputs import RequestOutput, TokenLogprob
+from hypic.sampling_params import SamplingParams
 from hypic.serve.choices import ChoiceBuffer, UsageCounter, choice_index, collect, worth_sending
 from hypic.engine.client import GenerateRequest
 from hypic.serve.http_errors import bad_request, engine_errors
@@ -44,16 +45,22 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         params = sampling_params(body, max_tokens=or_default(body.max_tokens, state.settings), logprobs=body.logprobs,
                                  structured=requested_constraint(body))
         returns = PromptReturn.of(body, prompts, state.client.tokenizer)
-        params = dataclasses.replace(params, prompt_logprobs=returns.scored_k)  # set: the prompt is recomputed
-        jobs = [
-            GenerateRequest(prompt, params, f"{request_id}-{index}", body.cache_salt, body.cache_mode)
-            for index, prompt in enumerate(prompts)
-        ]
+        jobs = _engine_requests(body, prompts, params, returns, request_id)
         async with submitted(state.client, jobs, state.metrics) as outputs:
             head = CompletionResponse(request_id, int(time.time()), state.model_name, [])
             if body.stream:
                 return await _stream(request, outputs, head, body, returns)
             return await _respond(outputs, head, body, len(prompts), returns)
+
+
+def _engine_requests(body: CompletionRequest, prompts: list[Prompt], params: SamplingParams, returns: PromptReturn,
+                     request_id: str) -> list[GenerateRequest]:
+    """One per prompt. The engine recomputes a prompt it scores (cache mode none); saying so here
+    keeps workers from prefilling its segments."""
+    params = dataclasses.replace(params, prompt_logprobs=returns.scored_k)
+    cache_mode = body.cache_mode if returns.scored_k is None else "none"
+    return [GenerateRequest(prompt, params, f"{request_id}-{index}", body.cache_salt, cache_mode)
+            for index, prompt in enumerate(prompts)]
 
 
 def completion_prompts(body: CompletionRequest) -> list[Prompt]:
