@@ -224,6 +224,20 @@ def test_echo_puts_the_prompt_before_each_choice_streamed_or_not(client) -> None
         assert len(choice.logprobs.tokens) == _tokenize(client, {"prompt": prompt}) + tail
 
 
+def test_echo_of_segments_and_of_token_ids(client) -> None:
+    """Segments come back joined (scored by a full recompute, nothing cached); token ids decoded."""
+    segments = ["Answer briefly. ", "The fox lives in the forest. ", "Where is the fox?"]
+    for _ in range(2):  # the second time the segments are in the pool, and still not used
+        whole = client.completions.create(model=NAME, prompt=None, max_tokens=0, echo=True, logprobs=0,
+                                          extra_body={"segments": segments})
+    choice = whole.choices[0]
+    assert choice.text == "".join(segments) and choice.logprobs.token_logprobs[0] is None
+    assert len(choice.logprobs.tokens) == whole.usage.prompt_tokens and whole.usage.prompt_tokens_details.cached_tokens == 0
+    ids, _ = _token_ids_and_count(client, {"prompt": "The fox lives in the forest."})
+    by_ids = client.completions.create(model=NAME, prompt=ids, max_tokens=2, echo=True, **GREEDY).choices[0]
+    assert by_ids.text.startswith("The fox lives in the forest.") and by_ids.logprobs is None
+
+
 def test_bad_request_raises_the_clients_typed_error(client) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         tool = {"type": "function", "function": {"name": "f"}}

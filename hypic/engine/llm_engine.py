@@ -193,8 +193,8 @@ class LLMEngine:
     def _prompt_scoring(self, batch: ScheduledBatch) -> tuple[PromptScoring | None, list[tuple[RequestState, int]]]:
         """The rows of the step whose hidden states score prompt tokens (requests with prompt_logprobs),
         and the (request, position) of each."""
-        rows, scored, taken, offset = [], [], set(), 0
-        for scheduled in batch.chunks:
+        rows, scored, taken, offset = [], [], set(), batch.num_decodes  # a decode (one token) scores nothing
+        for scheduled in batch.chunks[batch.num_decodes:]:
             chunk, request_id = scheduled.chunk, scheduled.seq.info.request_id
             state = self.requests.get(request_id)  # None: a cold PIC segment's job
             fresh = [p for p in state.unscored(chunk.start, chunk.end) if (request_id, p) not in taken] if state else []
