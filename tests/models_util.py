@@ -18,7 +18,7 @@ from hypic.models.batch import ForwardBatch
 from hypic.models.config import HybridConfig
 from hypic.models.kimi_config import KimiLinearConfig
 from hypic.models.mamba2_config import Mamba2HybridConfig
-from hypic.models.registry import MODEL_REGISTRY
+from hypic.models.registry import MODEL_REGISTRY, load_model
 
 TOKENIZER_VOCAB = 300  # ids the tests feed; the model's vocab_size (320) is padded past it
 
@@ -256,3 +256,52 @@ def mixed_steps_logits(model: torch.nn.Module, device: torch.device, dtype: torc
             logits[seqs.index(seq)].append(out[start:start + len(tokens)])
             start += len(tokens)
     return prompts, [torch.cat(per_seq) for per_seq in logits]
+
+
+def assert_greedy_decode_tracks_full_forward(model: torch.nn.Module, hf: torch.nn.Module, steps: int) -> None:
+    """Prefill, then one token a step: every step's logits are transformers' full forward's last row
+    and the greedy tokens are the same."""
+    builder = BatchBuilder(model.config)
+    seq, ids = builder.new_seq(slot=3), random_ids(12, seed=2)
+    logits = run(model, builder, [(seq, ids)])[-1]
+    for _ in range(steps):
+        expected = hf_logits(hf, ids)[-1]
+        assert rel_err(logits, expected) < 1e-4 and int(logits.argmax()) == int(expected.argmax())
+        ids = ids + [int(logits.argmax())]
+        logits = run(model, builder, [(seq, ids[-1:])])[0]
+
+
+def assert_chunks_beside_other_sequences_change_nothing(model: torch.nn.Module) -> None:
+    """One prompt prefilled in three chunks beside another sequence's decodes and a third's prefill
+    gives the logits of one whole-prompt forward."""
+    builder = BatchBuilder(model.config)
+    ids, other, third = random_ids(40, seed=5), random_ids(9, seed=6), random_ids(11, seed=7)
+    alone = run(model, builder, [(builder.new_seq(slot=0), ids)])
+    seq, neighbour = builder.new_seq(slot=1), builder.new_seq(slot=2)
+    run(model, builder, [(neighbour, other)])
+    pieces = []
+    for start, end in ((0, 7), (7, 29), (29, 40)):
+        step = run(model, builder, [(neighbour, [other[start % 9]]), (seq, ids[start:end]),
+                                    (builder.new_seq(slot=4 + start % 3), third)])
+        pieces.append(step[1:1 + end - start])
+    assert rel_err(torch.cat(pieces), alone) < 1e-5
+
+
+def assert_cuda_matches_cpu(checkpoint: Path, dtype: torch.dtype, tolerance: float) -> None:
+    """mixed_steps_logits on CUDA in `dtype` against the CPU in float32, on the same weights."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    _, expected = mixed_steps_logits(load_model(str(checkpoint), device=cpu, dtype=torch.float32), cpu, torch.float32)
+    _, actual = mixed_steps_logits(load_model(str(checkpoint), device=cuda, dtype=dtype), cuda, dtype)
+    for b, (got, want) in enumerate(zip(actual, expected)):
+        assert rel_err(got, want) < tolerance, f"sequence {b}"
+
+
+def assert_cuda_graph_decode_replays(checkpoint: Path) -> None:
+    """Three sequences prefilled on CUDA in bfloat16, then their decode step replayed from a CUDA graph."""
+    cuda = torch.device("cuda")
+    model = load_model(str(checkpoint), device=cuda, dtype=torch.bfloat16)
+    builder = BatchBuilder(model.config, block_size=16, num_blocks=32, num_slots=8, dtype=torch.bfloat16,
+                           device=cuda)
+    seqs = [builder.new_seq(slot=s) for s in (2, 6, 3)]
+    run(model, builder, [(seq, random_ids(20 + 9 * i, seed=i)) for i, seq in enumerate(seqs)])
+    assert_decode_replays(model, builder, builder.batch([(seq, [7 + i]) for i, seq in enumerate(seqs)]))

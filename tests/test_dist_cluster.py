@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from engine_util import Finished, collect, greedy
-from test_pic_engine import SEP, SYSTEM, pic_config
+from pic_util import SEP, SYSTEM, pic_config
 
 from hypic import AsyncEngine, PromptTooLongError
 from hypic.engine.text.tokenizer import Tokenizer

@@ -9,7 +9,7 @@ import pytest
 import torch
 from engine_util import collect, greedy
 from test_dist_cluster import COLD, MIXED, WARM, LoopThread, assert_idle, generate
-from test_pic_engine import pic_config
+from pic_util import pic_config
 
 from hypic import AsyncEngine
 from hypic.dist.config import DistConfig

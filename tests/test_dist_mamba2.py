@@ -11,7 +11,7 @@ from hypic import AsyncEngine
 from hypic.dist.config import DistConfig
 from hypic.dist.client import start_cluster
 from test_dist_cluster import PARAMS, LoopThread, assert_idle, assert_same, generate
-from test_pic_engine import DOCS, pic_config, prompt
+from pic_util import DOCS, pic_config, prompt
 from test_pic_mamba2 import nemotron_dir  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.timeout(600)

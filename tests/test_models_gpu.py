@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hypic.models.registry import load_model
-from models_util import (BatchBuilder, assert_decode_replays, make_hf_model, mixed_steps_logits, random_ids, rel_err,
-                         run, save_checkpoint)
+from models_util import (assert_cuda_graph_decode_replays, make_hf_model, mixed_steps_logits, rel_err,
+                         save_checkpoint)
 
 # transformers binds FLA's kernels whenever FLA imports, CPU tensors or not (they then fail): its CPU
 # reference runs in a child process where FLA cannot import, so it takes its own torch code path.
@@ -58,10 +58,4 @@ def test_gpu_chunks_batches_and_decodes_match_transformers(checkpoint, dtype) ->
 
 
 def test_decode_step_replays_from_a_cuda_graph(checkpoint) -> None:
-    _, path = checkpoint
-    model = load_model(str(path), device=CUDA, dtype=torch.bfloat16)
-    builder = BatchBuilder(model.config, block_size=16, num_blocks=32, num_slots=8, dtype=torch.bfloat16,
-                           device=CUDA)
-    seqs = [builder.new_seq(slot=s) for s in (2, 6, 3)]
-    run(model, builder, [(seq, random_ids(20 + 9 * i, seed=i)) for i, seq in enumerate(seqs)])
-    assert_decode_replays(model, builder, builder.batch([(seq, [7 + i]) for i, seq in enumerate(seqs)]))
+    assert_cuda_graph_decode_replays(checkpoint[1])

@@ -21,7 +21,9 @@ from hypic.errors import UnsupportedModelError
 from hypic.models.kimi_config import KimiLinearConfig
 from hypic.models.kimi_linear import KimiLinearModel
 from hypic.models.registry import load_model
-from models_util import BatchBuilder, hf_logits, random_ids, rel_err, run, save_checkpoint
+from models_util import (BatchBuilder, assert_chunks_beside_other_sequences_change_nothing,
+                         assert_greedy_decode_tracks_full_forward, hf_logits, random_ids, rel_err, run,
+                         save_checkpoint)
 
 CPU = torch.device("cpu")
 MLA_FIRST = {"kda_layers": [2, 3], "full_attn_layers": [1, 4], "head_dim": 16, "num_heads": 4,
@@ -64,32 +66,11 @@ def test_logits_match_transformers(case: str, length: int, tmp_root: str) -> Non
 def test_greedy_decode_equals_full_forward(case: str, tmp_root: str) -> None:
     """Prefill, then one token a step (MLA decodes in the latent space): every step's logits are
     transformers' full forward's last row and the greedy tokens are the same."""
-    model, hf = loaded(case, tmp_root), hf_model(case)
-    builder = BatchBuilder(model.config)
-    seq, ids = builder.new_seq(slot=3), random_ids(12, seed=2)
-    logits = run(model, builder, [(seq, ids)])[-1]
-    for _ in range(5):
-        expected = hf_logits(hf, ids)[-1]
-        assert rel_err(logits, expected) < 1e-4 and int(logits.argmax()) == int(expected.argmax())
-        ids = ids + [int(logits.argmax())]
-        logits = run(model, builder, [(seq, ids[-1:])])[0]
+    assert_greedy_decode_tracks_full_forward(loaded(case, tmp_root), hf_model(case), steps=5)
 
 
 def test_chunked_prefill_and_batching_change_nothing(tmp_root: str) -> None:
-    """One prompt prefilled in three chunks beside another sequence's decodes and a third's prefill
-    gives the logits of one whole-prompt forward."""
-    model = loaded("release", tmp_root)
-    builder = BatchBuilder(model.config)
-    ids, other, third = random_ids(40, seed=5), random_ids(9, seed=6), random_ids(11, seed=7)
-    alone = run(model, builder, [(builder.new_seq(slot=0), ids)])
-    seq, neighbour = builder.new_seq(slot=1), builder.new_seq(slot=2)
-    run(model, builder, [(neighbour, other)])
-    pieces = []
-    for start, end in ((0, 7), (7, 29), (29, 40)):
-        step = run(model, builder, [(neighbour, [other[start % 9]]), (seq, ids[start:end]),
-                                    (builder.new_seq(slot=4 + start % 3), third)])
-        pieces.append(step[1:1 + end - start])
-    assert rel_err(torch.cat(pieces), alone) < 1e-5
+    assert_chunks_beside_other_sequences_change_nothing(loaded("release", tmp_root))
 
 
 @pytest.mark.parametrize("case", ["release", "q-lora-in-memory-dense2"])

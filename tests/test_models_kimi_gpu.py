@@ -7,15 +7,10 @@ import pytest
 import torch
 
 import kimi_models
-from engine_util import greedy
-from hypic.models.registry import load_model
-from models_util import (BatchBuilder, assert_decode_replays, mixed_steps_logits, random_ids, rel_err, run,
-                         save_checkpoint)
-from test_pic_engine import DOCS, prompt
-from test_pic_gpu import engine_run
+from models_util import assert_cuda_graph_decode_replays, assert_cuda_matches_cpu, save_checkpoint
+from pic_util import assert_gpu_engine_matches_cpu_engine
 
 pytestmark = pytest.mark.gpu
-CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 0.3}  # tiny random nets are touchy in bf16 (see test_models_gpu)
 CASES = {"release": {}, "q-lora": {"q_lora_rank": 16}}
 
@@ -27,19 +22,11 @@ def checkpoint(request, tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_chunks_batches_and_decodes_match_cpu(checkpoint, dtype) -> None:
-    _, expected = mixed_steps_logits(load_model(str(checkpoint), device=CPU, dtype=torch.float32), CPU, torch.float32)
-    _, actual = mixed_steps_logits(load_model(str(checkpoint), device=CUDA, dtype=dtype), CUDA, dtype)
-    for b, (got, want) in enumerate(zip(actual, expected)):
-        assert rel_err(got, want) < TOLERANCE[dtype], f"sequence {b}"
+    assert_cuda_matches_cpu(checkpoint, dtype, TOLERANCE[dtype])
 
 
 def test_decode_step_replays_from_a_cuda_graph(checkpoint) -> None:
-    model = load_model(str(checkpoint), device=CUDA, dtype=torch.bfloat16)
-    builder = BatchBuilder(model.config, block_size=16, num_blocks=32, num_slots=8, dtype=torch.bfloat16,
-                           device=CUDA)
-    seqs = [builder.new_seq(slot=s) for s in (2, 6, 3)]
-    run(model, builder, [(seq, random_ids(20 + 9 * i, seed=i)) for i, seq in enumerate(seqs)])
-    assert_decode_replays(model, builder, builder.batch([(seq, [7 + i]) for i, seq in enumerate(seqs)]))
+    assert_cuda_graph_decode_replays(checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +36,4 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["none", "hypic", "naive"])
 def test_gpu_engine_matches_cpu_engine(model_dir, mode) -> None:
-    jobs = [(prompt(*DOCS), greedy(8, logprobs=0)), (prompt(DOCS[2], DOCS[0]), greedy(5, logprobs=0)),
-            ("hello world, the quick brown fox", greedy(6, logprobs=0))]
-    cpu = engine_run(model_dir, "cpu", jobs, cache_mode=mode)
-    gpu = engine_run(model_dir, "cuda", jobs, cache_mode=mode)
-    for cpu_outs, gpu_outs in zip(cpu, gpu):
-        for c, g in zip(cpu_outs, gpu_outs):
-            assert [x.logprob for x in g.logprobs[0]] == pytest.approx([x.logprob for x in c.logprobs[0]], abs=2e-3)
-            assert g.tokens == c.tokens
-    assert [g.metrics.cached_tokens for g in gpu[1]] == [c.metrics.cached_tokens for c in cpu[1]]
+    assert_gpu_engine_matches_cpu_engine(model_dir, mode)

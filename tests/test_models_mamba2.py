@@ -22,7 +22,9 @@ import mamba2_models
 from hypic.errors import UnsupportedModelError
 from hypic.models.mamba2_config import Mamba2HybridConfig
 from hypic.models.registry import load_model
-from models_util import BatchBuilder, hf_logits, random_ids, rel_err, run, save_checkpoint
+from models_util import (BatchBuilder, assert_chunks_beside_other_sequences_change_nothing,
+                         assert_greedy_decode_tracks_full_forward, hf_logits, random_ids, rel_err, run,
+                         save_checkpoint)
 
 CPU = torch.device("cpu")
 
@@ -108,33 +110,12 @@ def test_time_step_limit_clamps(tmp_root: str) -> None:
 def test_greedy_decode_equals_full_forward(case: str, tmp_root: str) -> None:
     """Prefill, then one token a step: every step's logits are transformers' full forward's last
     row (no cache) and the greedy tokens are the same."""
-    model, hf = loaded(case, tmp_root), hf_model(case)
-    builder = BatchBuilder(model.config)
-    seq, ids = builder.new_seq(slot=3), random_ids(12, seed=2)
-    logits = run(model, builder, [(seq, ids)])[-1]
-    for _ in range(6):
-        expected = hf_logits(hf, ids)[-1]
-        assert rel_err(logits, expected) < 1e-4 and int(logits.argmax()) == int(expected.argmax())
-        ids = ids + [int(logits.argmax())]
-        logits = run(model, builder, [(seq, ids[-1:])])[0]
+    assert_greedy_decode_tracks_full_forward(loaded(case, tmp_root), hf_model(case), steps=6)
 
 
 @pytest.mark.parametrize("case", ["nemotron_h", "granite-moe-rope", "bamba"])
 def test_chunked_prefill_and_batching_change_nothing(case: str, tmp_root: str) -> None:
-    """One prompt prefilled in three chunks beside another sequence's decodes and a third's prefill
-    gives the logits of one whole-prompt forward."""
-    model = loaded(case, tmp_root)
-    builder = BatchBuilder(model.config)
-    ids, other, third = random_ids(40, seed=5), random_ids(9, seed=6), random_ids(11, seed=7)
-    alone = run(model, builder, [(builder.new_seq(slot=0), ids)])
-    seq, neighbour = builder.new_seq(slot=1), builder.new_seq(slot=2)
-    run(model, builder, [(neighbour, other)])
-    pieces = []
-    for start, end in ((0, 7), (7, 29), (29, 40)):
-        step = run(model, builder, [(neighbour, [other[start % 9]]), (seq, ids[start:end]),
-                                    (builder.new_seq(slot=4 + start % 3), third)])
-        pieces.append(step[1:1 + end - start])
-    assert rel_err(torch.cat(pieces), alone) < 1e-5
+    assert_chunks_beside_other_sequences_change_nothing(loaded(case, tmp_root))
 
 
 # ---- configs ---------------------------------------------------------------------------------------

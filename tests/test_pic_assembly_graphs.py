@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from engine_util import greedy
-from test_pic_engine import DOCS, SEP, pic_config, prompt
+from pic_util import DOCS, SEP, pic_config, prompt
 
 from hypic.engine.pic.graphs import MAX_PIECES, AssemblyGraphs
 from hypic.engine.llm_engine import LLMEngine

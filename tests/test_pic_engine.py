@@ -1,41 +1,19 @@
 """Position-independent caching through the engine, on CPU, against full recompute (`none`)."""
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 from conftest import make_model_dir
-from engine_util import collect, cpu_config, greedy
+from engine_util import greedy
+from pic_util import (DOCS, QUERY, SEP, SYSTEM, assert_composed_first_state_exact,
+                      assert_reordered_hit_and_other_salts_miss, assert_scattered_first_pages_exact,
+                      assert_wide_seam_equals_none, pic_config, prompt, rel, run, run_with_store_stats,
+                      state_after_prefill)
 
-from hypic import AsyncEngine
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.pieces import TAIL_WALK_MAX
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.setup import resolve_segment_state_dtype
-
-SEP = "<|segment|>"
-SYSTEM = "Position-independent caching reuses documents at any position in the prompt."
-DOCS = ("the quick brown fox jumps over the lazy dog. hello world, héllo 世界 " * 2,
-        "Grüße aus Köln! naïve café résumé — the separator is removed. 1234 5678 90 " * 2,
-        "A segment is tokenized on its own; caching reuses documents at any position. " * 2)
-QUERY = "hello world, the quick brown fox"
-
-
-def prompt(*docs: str, query: str = QUERY) -> str:
-    return SEP.join([SYSTEM, *docs, query])
-
-
-def run(config, jobs):
-    """Requests one after another on one engine."""
-    async def main():
-        async with AsyncEngine(config) as engine:
-            return [await collect(engine, p, s, **kw) for p, s, kw in jobs]
-    return asyncio.run(main())
-
-
-def pic_config(model_dir, **overrides):
-    return cpu_config(model_dir, **{"seam_width": 4, "cpu_cache_bytes": 32 << 20, **overrides})
 
 
 def test_cold_then_warm_hypic_gives_the_same_tokens_and_counts_interiors(tiny_model_dir):
@@ -62,28 +40,17 @@ def test_long_query_after_the_last_segment_matches_a_short_walk(slow_decay_model
     p = prompt(DOCS[2], query=long_query)
     assert len(_tokenizer(slow_decay_model_dir).encode(long_query)) > TAIL_WALK_MAX
     one_step = {"max_num_batched_tokens": 1024}  # the whole assembly chunk, tail included, in one step
-    full = _state_after_prefill(pic_config(slow_decay_model_dir, cache_mode="none", **one_step), p, 0, warm_first=False)
-    composed = _state_after_prefill(pic_config(slow_decay_model_dir, **one_step), p, 0, warm_first=True)
-    assert _rel(composed["ssm"], full["ssm"]) <= 1e-4
+    full = state_after_prefill(pic_config(slow_decay_model_dir, cache_mode="none", **one_step), p, 0, warm_first=False)
+    composed = state_after_prefill(pic_config(slow_decay_model_dir, **one_step), p, 0, warm_first=True)
+    assert rel(composed["ssm"], full["ssm"]) <= 1e-4
 
 
 def test_seam_wide_enough_to_recompute_everything_equals_none(tiny_model_dir):
-    p = prompt(*DOCS)
-    full, = run(pic_config(tiny_model_dir, cache_mode="none"), [(p, greedy(6, logprobs=0), {})])
-    wide = pic_config(tiny_model_dir, seam_width=10_000)
-    _, hypic = run(wide, [(p, greedy(6, logprobs=0), {})] * 2)
-    assert hypic.tokens == full.tokens
-    assert [x.logprob for x in hypic.logprobs[0]] == pytest.approx([x.logprob for x in full.logprobs[0]], abs=1e-5)
+    assert_wide_seam_equals_none(tiny_model_dir)
 
 
 def test_reordered_segments_hit_and_other_salts_never_do(tiny_model_dir):
-    config = pic_config(tiny_model_dir)
-    first, reordered, other_salt = run(config, [
-        (prompt(DOCS[0], DOCS[1]), greedy(2), {}), (prompt(DOCS[1], DOCS[0]), greedy(2), {}),
-        (prompt(DOCS[1], DOCS[0]), greedy(2), {"cache_salt": "tenant-b"})])
-    assert first.metrics.cached_tokens_by_kind.get("pic", 0) == 0
-    assert reordered.metrics.cached_tokens_by_kind["pic"] > 0
-    assert other_salt.metrics.cached_tokens_by_kind.get("pic", 0) == 0
+    assert_reordered_hit_and_other_salts_miss(tiny_model_dir)
 
 
 def test_warm_up_and_side_effect_caching_give_identical_results(tiny_model_dir):
@@ -165,14 +132,6 @@ def _steps_and_output(engine: LLMEngine, p: SegmentedPrompt) -> dict:
     return result
 
 
-def run_with_store_stats(config, jobs):
-    async def main():
-        async with AsyncEngine(config) as engine:
-            outs = [await collect(engine, p, s, **kw) for p, s, kw in jobs]
-            return outs, engine.core.store.stats()
-    return asyncio.run(main())
-
-
 def test_tiny_pool_evicts_and_stays_correct(tiny_model_dir):
     jobs = [(prompt(d), greedy(3, logprobs=0), {}) for d in DOCS * 2]
     roomy, stats = run_with_store_stats(pic_config(tiny_model_dir), jobs)
@@ -201,41 +160,9 @@ def _tokenizer(model_dir):
     return Tokenizer.from_dir(model_dir)
 
 
-def _state_after_prefill(config, text: str, layer_id: int, warm_first: bool) -> dict:
-    """The running state (ssm, conv window) and KV pages of a request right after its prefill."""
-    engine = LLMEngine(config)
-    for _ in range(2 if warm_first else 1):
-        rid = engine.add_request(SegmentedPrompt.build(engine.tokenizer, text, separator=SEP), greedy(3))
-        seq = engine.requests[rid].sequences[0]
-        while not seq.output_ids:
-            engine.step()
-        snapshot = _snapshot(engine, seq, layer_id)
-        engine.abort(rid)
-    return snapshot
-
-
-def _snapshot(engine, seq, layer_id: int) -> dict:
-    caches = engine.caches
-    if layer_id in caches.shape.linear_layers:
-        ssm, conv = caches.state(layer_id)
-        return {"ssm": ssm[seq.slot].clone(), "conv": conv[seq.slot].clone()}
-    k, v = caches.kv(layer_id)
-    n, bs = seq.num_computed, caches.block_size
-    pages = torch.tensor(seq.block_ids)[torch.arange(n) // bs] * bs + torch.arange(n) % bs
-    return {"k": k.view(-1, *k.shape[2:])[pages], "v": v.view(-1, *v.shape[2:])[pages]}
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 def test_composed_state_at_the_first_linear_layer_equals_full_recompute(slow_decay_model_dir):
     """Exact at layer 0 (its inputs are embeddings); needs the conv tail spliced after each interior."""
-    p = prompt(*DOCS)
-    full = _state_after_prefill(pic_config(slow_decay_model_dir, cache_mode="none"), p, 0, warm_first=False)
-    composed = _state_after_prefill(pic_config(slow_decay_model_dir), p, 0, warm_first=True)
-    assert _rel(composed["ssm"], full["ssm"]) <= 1e-4
-    assert _rel(composed["conv"], full["conv"]) <= 1e-5
+    assert_composed_first_state_exact(slow_decay_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -248,11 +175,7 @@ def attention_first_model(tmp_path_factory):
 
 
 def test_scattered_interior_kv_equals_full_recompute(attention_first_model):
-    p = prompt(*DOCS)
-    full = _state_after_prefill(pic_config(attention_first_model, cache_mode="none"), p, 0, warm_first=False)
-    warm = _state_after_prefill(pic_config(attention_first_model), p, 0, warm_first=True)
-    assert _rel(warm["k"], full["k"]) <= 1e-5
-    assert _rel(warm["v"], full["v"]) <= 1e-5
+    assert_scattered_first_pages_exact(attention_first_model)
 
 
 def test_cached_tuples_default_to_the_models_precision(tiny_model_dir):

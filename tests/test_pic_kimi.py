@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 
 import kimi_models
-from hypic.kernels import pic_layer
-from test_pic_engine import DOCS, _rel, _state_after_prefill, pic_config, prompt, run, run_with_store_stats
 from engine_util import greedy
+from pic_util import (DOCS, assert_blocks_slots_and_pins_return, assert_composed_first_state_exact,
+                      assert_reordered_hit_and_other_salts_miss, assert_scattered_first_pages_exact,
+                      assert_wide_seam_equals_none, first_layer_state, pic_config, prompt, rel, run_with_store_stats,
+                      state_error_without_conv_tails)
 from test_models_kimi import MLA_FIRST
 
 NAIVE_MIN_ERROR = 0.1  # naive's relative error of the first KDA layer's state
@@ -20,40 +22,22 @@ def kimi_dir(tmp_path_factory: pytest.TempPathFactory):
     return kimi_models.make_model_dir(tmp_path_factory.mktemp("kimi_pic"), slow_decay=True)
 
 
-def first_kda_state(model_dir, mode: str) -> dict:
-    return _state_after_prefill(pic_config(model_dir, cache_mode=mode), prompt(*DOCS), 0, warm_first=mode != "none")
-
-
 def test_composed_state_at_the_first_kda_layer_equals_full_recompute(kimi_dir) -> None:
-    full, composed = first_kda_state(kimi_dir, "none"), first_kda_state(kimi_dir, "hypic")
-    assert _rel(composed["ssm"], full["ssm"]) <= 1e-4
-    assert _rel(composed["conv"], full["conv"]) <= 1e-5
-    assert _rel(first_kda_state(kimi_dir, "naive")["ssm"], full["ssm"]) > NAIVE_MIN_ERROR
+    full = assert_composed_first_state_exact(kimi_dir)
+    assert rel(first_layer_state(kimi_dir, "naive")["ssm"], full["ssm"]) > NAIVE_MIN_ERROR
 
 
 def test_the_conv_tails_are_what_make_it_exact(kimi_dir, monkeypatch: pytest.MonkeyPatch) -> None:
     """Seam tokens read the interior's last W-1 pre-conv inputs of q, k and v: zeroed, the state is off."""
-    full = first_kda_state(kimi_dir, "none")
-    spliced = pic_layer.spliced_conv
-    monkeypatch.setattr(pic_layer, "spliced_conv", lambda x, tails, *rest: spliced(x, tails * 0, *rest))
-    assert _rel(first_kda_state(kimi_dir, "hypic")["ssm"], full["ssm"]) > 1e-2
+    assert state_error_without_conv_tails(kimi_dir, monkeypatch) > 1e-2
 
 
 def test_seam_wide_enough_to_recompute_everything_equals_none(kimi_dir) -> None:
-    p = prompt(*DOCS)
-    full, = run(pic_config(kimi_dir, cache_mode="none"), [(p, greedy(6, logprobs=0), {})])
-    _, wide = run(pic_config(kimi_dir, seam_width=10_000), [(p, greedy(6, logprobs=0), {})] * 2)
-    assert wide.tokens == full.tokens
-    assert [x.logprob for x in wide.logprobs[0]] == pytest.approx([x.logprob for x in full.logprobs[0]], abs=1e-5)
+    assert_wide_seam_equals_none(kimi_dir)
 
 
 def test_reordered_segments_hit_other_salts_never_do_and_a_tiny_pool_evicts(kimi_dir) -> None:
-    first, reordered, other_salt = run(pic_config(kimi_dir), [
-        (prompt(DOCS[0], DOCS[1]), greedy(2), {}), (prompt(DOCS[1], DOCS[0]), greedy(2), {}),
-        (prompt(DOCS[1], DOCS[0]), greedy(2), {"cache_salt": "tenant-b"})])
-    assert first.metrics.cached_tokens_by_kind.get("pic", 0) == 0
-    assert reordered.metrics.cached_tokens_by_kind["pic"] > 0
-    assert other_salt.metrics.cached_tokens_by_kind.get("pic", 0) == 0
+    assert_reordered_hit_and_other_salts_miss(kimi_dir)
     jobs = [(prompt(d), greedy(3, logprobs=0), {}) for d in DOCS * 2]
     roomy, stats = run_with_store_stats(pic_config(kimi_dir), jobs)
     tight, stats = run_with_store_stats(pic_config(kimi_dir, segment_pool_bytes=stats.bytes // 2), jobs)
@@ -63,27 +47,12 @@ def test_reordered_segments_hit_other_salts_never_do_and_a_tiny_pool_evicts(kimi
 
 def test_scattered_interior_latents_equal_full_recompute(tmp_path) -> None:
     """Layer 0 is MLA: cached position-free latents land in the pages exactly as full recompute writes them."""
-    model_dir = kimi_models.make_model_dir(tmp_path, slow_decay=True, linear_attn_config=MLA_FIRST)
-    p = prompt(*DOCS)
-    full = _state_after_prefill(pic_config(model_dir, cache_mode="none"), p, 0, warm_first=False)
-    warm = _state_after_prefill(pic_config(model_dir), p, 0, warm_first=True)
-    assert _rel(warm["k"], full["k"]) <= 1e-5 and _rel(warm["v"], full["v"]) <= 1e-5
+    assert_scattered_first_pages_exact(
+        kimi_models.make_model_dir(tmp_path, slow_decay=True, linear_attn_config=MLA_FIRST))
 
 
 def test_blocks_slots_and_pins_return(kimi_dir) -> None:
-    import asyncio
-
-    from engine_util import collect
-    from hypic import AsyncEngine
-
-    async def main():
-        async with AsyncEngine(pic_config(kimi_dir)) as engine:
-            await asyncio.gather(*(collect(engine, prompt(*order), greedy(3)) for order in (DOCS, DOCS[::-1])))
-            return engine.core.stats()
-    s = asyncio.run(main())
-    assert s.kv_blocks_total - s.kv_blocks_free == s.prefix_cache.blocks_held
-    assert s.state_slots_total - s.state_slots_free == s.prefix_cache.slots_held
-    assert s.segment_pool.pinned == 0 and s.segment_pool.entries == 3
+    assert_blocks_slots_and_pins_return(kimi_dir)
 
 
 def test_a_latent_layout_stores_each_row_once_and_ships_it_once() -> None:

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 from engine_util import collect
-from test_pic_engine import DOCS, pic_config, prompt
+from pic_util import DOCS, pic_config, prompt
 
 from hypic import AsyncEngine
 

@@ -18,6 +18,7 @@ import torch
 from aiohttp import web
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from server_util import assert_error
 
 from hypic.config import EngineConfig
 from hypic.serve.app import build_app, runner_for
@@ -102,16 +103,6 @@ async def post(served: Served, path: str, body: object, **options: Any) -> tuple
 async def get(served: Served, path: str, **options: Any) -> tuple[int, str]:
     async with served.session.get(served.url + path, **options) as response:
         return response.status, await response.text()
-
-
-def assert_error(status: int, body: dict, expected_status: int, param: str | None = "any") -> dict:
-    assert status == expected_status, body
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert "Traceback" not in error["message"]
-    if param != "any":
-        assert error["param"] == param, error
-    return error
 
 
 async def wait_until(condition: Callable[[], bool], timeout: float = 20.0) -> None:
@@ -349,6 +340,7 @@ async def _graceful_shutdown(served: Served) -> None:
         await wait_until(lambda: not served.client.accepting)
         late = await post(served, "/v1/completions", {"prompt": "late", "max_tokens": 1})
         assert_error(*late[:2], 503)
+        assert late[2]["Retry-After"] == "30"  # the settings' shutdown grace (--shutdown-grace)
         assert (await get(served, "/health"))[0] == 503
         rest = (await in_flight.read()).decode()
     await draining

@@ -23,6 +23,7 @@ from hypic.outputs import CompletionDelta, RequestMetrics, RequestOutput, TokenL
 from hypic.serve.args import add_serve_arguments, engine_config, server_settings
 from hypic.serve.completions import completion_prompts
 from hypic.serve.http_errors import ApiError, from_body_error, from_engine_error
+from hypic.serve.limits import RequestLimits
 from hypic.serve.logprobs import chat_logprobs, completion_logprobs
 from hypic.serve.metrics import ServerMetrics
 from hypic.serve.protocol import ChatRequest, CompletionRequest, unsupported_fields
@@ -229,8 +230,14 @@ def test_options_map_into_engine_config_and_settings() -> None:
         2 << 30, "/tmp/tuples", 3 << 30)
     assert (settings.api_key, settings.served_model_name, settings.shutdown_grace_s) == ("k", "tiny", 2.0)
     assert engine_config(_parse()) == EngineConfig()  # no options: the engine's own defaults
-    with pytest.raises(SystemExit):
-        _parse("--device", "tpu")
+    assert server_settings(_parse()).limits == RequestLimits()
+    limited = server_settings(_parse("--max-body-bytes", "4MiB", "--max-json-depth", "8", "--max-segments", "9",
+                                     "--max-sequences-per-request", "5", "--header-timeout", "1.5",
+                                     "--body-timeout", "3", "--max-connections", "6")).limits
+    assert limited == RequestLimits(4 << 20, 8, 5, 9, 1.5, 3.0, 6)
+    for bad in (("--device", "tpu"), ("--header-timeout", "0"), ("--max-connections", "-1")):
+        with pytest.raises(SystemExit):
+            _parse(*bad)
     with pytest.raises(InvalidRequestError, match="segment_state_dtype"):
         EngineConfig(segment_state_dtype="float16")
 

@@ -1,11 +1,17 @@
 """AsyncEngine: the engine core runs in its own thread; requests and outputs cross by queues.
 
-The core thread owns every piece of engine state. The event loop only tokenizes, submits commands
-and receives outputs (call_soon_threadsafe), so it stays responsive while the model runs.
+The core thread owns every piece of engine state. The event loop only submits commands and
+receives outputs (call_soon_threadsafe), so it stays responsive while the model runs; prompts are
+tokenized in worker threads (the tokenizer's batch call releases the GIL).
+
+Admission counts sequences, not requests: a request of n completions counts n against
+`max_waiting` until it starts running (its completions fork from its first token), and a
+request refused, finished or aborted counts nothing (abort commands in the inbox are not waiting).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -22,11 +28,12 @@ from hypic.engine.llm_engine import EngineStats, LLMEngine
 from hypic.engine.pic.plan import SegmentJob
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.text.tokenizer import Tokenizer
-from hypic.errors import EngineDeadError, EngineOverloadedError, HypicError
+from hypic.errors import EngineDeadError, EngineOverloadedError, HypicError, InvalidRequestError
 from hypic.outputs import RequestOutput
 from hypic.sampling_params import SamplingParams
 
 logger = logging.getLogger("hypic")
+_INLINE_PROMPT_SIZE = 8192  # characters or ids: tokenized on the event loop in well under a millisecond
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,7 @@ class _Add:
     cache_salt: str | None
     cache_mode: str | None
     resume: dict[int, list[int]] | None = None
+    group: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self._segment_waits: list[_SegmentWait] = []  # core thread only
+        self._waiting = 0  # sequences waiting in the core, as it last published them
+        self._pending = 0  # sequences of requests submitted but not yet taken by the core (event loop)
         self.accepting = False
 
     async def __aenter__(self) -> AsyncEngine:
@@ -112,17 +122,19 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[str] | list[int] | list[list[int]], params: SamplingParams | None = None, *,
                        request_id: str | None = None, cache_salt: str | None = None,
                        cache_mode: str | None = None, add_special_tokens: bool = True,
-                       resume: dict[int, list[int]] | None = None) -> AsyncIterator[RequestOutput]:
+                       resume: dict[int, list[int]] | None = None,
+                       group: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields outputs as tokens arrive; leaving the loop early aborts the request.
-        add_special_tokens=False for text that already has them (a rendered chat template).
+        add_special_tokens=False for text that already has them (a rendered chat template); requests
+        of one `group` (a batch's prompts) are admitted in turn with other groups' (see Scheduler).
         resume: completion index -> the ids it generated on a node that died (LLMEngine.add_request)."""
-        self._check_accepting()
+        params = params or SamplingParams()
+        self._check_accepting(params.n)
         request_id = request_id or uuid.uuid4().hex
-        segmented = SegmentedPrompt.build(self.tokenizer, prompt, separator=self.config.segment_separator,
-                                          add_special_tokens=add_special_tokens)
+        segmented = await self._tokenized(prompt, add_special_tokens, params.n)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._inbox.put(_Add(request_id, segmented, params or SamplingParams(), cache_salt, cache_mode, resume))
+        self._inbox.put(_Add(request_id, segmented, params, cache_salt, cache_mode, resume, group))
         finished = False
         try:
             while not finished:
@@ -136,6 +148,19 @@ class AsyncEngine:
             if not finished:
                 self._inbox.put(_Abort(request_id))
             self._forget(request_id)
+
+    async def _tokenized(self, prompt: str | list[str] | list[int], add_special_tokens: bool, n: int) -> SegmentedPrompt:
+        """The prompt tokenized, a long one in a worker thread. Its n sequences count as waiting from
+        now until the core takes the request. A short prompt is tokenized here, at once, so that a
+        batch's prompts reach the core together."""
+        build = functools.partial(SegmentedPrompt.build, self.tokenizer, prompt, separator=self.config.segment_separator,
+                                  add_special_tokens=add_special_tokens)
+        self._pending += n
+        try:
+            return build() if _size(prompt) <= _INLINE_PROMPT_SIZE else await asyncio.to_thread(build)
+        except BaseException:
+            self._pending -= n
+            raise
 
     async def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -205,13 +230,19 @@ class AsyncEngine:
         if self._thread is None:
             raise EngineDeadError("the engine is not running (not started, or shut down)")
 
-    def _check_accepting(self) -> None:
+    def _check_accepting(self, n: int) -> None:
         self._check_alive()
         if not self.accepting:
             raise EngineDeadError("the engine is not running (not started, or shutting down)")
-        waiting = len(self._require_core().scheduler.waiting) + self._inbox.qsize()
-        if waiting >= self.config.max_waiting:
-            raise EngineOverloadedError(waiting, self.config.max_waiting)
+        limit = self.config.max_waiting
+        if n > limit:
+            raise InvalidRequestError(f"n={n} completions can never wait in a queue of max_waiting={limit}")
+        waiting = self._waiting + self._pending
+        if waiting + n > limit:
+            raise EngineOverloadedError(waiting, limit)
+
+    def _release_pending(self, taken: int) -> None:
+        self._pending -= taken
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -237,7 +268,9 @@ class AsyncEngine:
                 while not self._inbox.empty():
                     if not self._handle(self._inbox.get_nowait()):
                         return
-                for output in core.step():
+                outputs = core.step()
+                self._waiting = core.waiting_sequences()  # before any output: a client that saw one counts right
+                for output in outputs:
                     self._send(output.request_id, output)
                 self._settle_segment_waits(core)
         except BaseException as error:  # noqa: BLE001 - every waiter must learn the engine died
@@ -263,12 +296,7 @@ class AsyncEngine:
         if isinstance(command, _Stop):
             return False
         if isinstance(command, _Add):
-            try:
-                core.add_request(command.prompt, command.params, request_id=command.request_id,
-                                 cache_salt=command.cache_salt, cache_mode=command.cache_mode,
-                                 resume=command.resume)
-            except HypicError as error:
-                self._send(command.request_id, error)
+            self._take(core, command)
         elif isinstance(command, _Abort):
             if (output := core.abort(command.request_id)) is not None:
                 self._send(command.request_id, output)
@@ -280,6 +308,18 @@ class AsyncEngine:
             self._segment_waits.append(command)
             self._settle_segment_waits(core)
         return True
+
+    def _take(self, core: LLMEngine, command: _Add) -> None:
+        """Adds the request; its sequences move from the loop's pending count to the core's waiting
+        one, waiting first, so that the sum never misses them (it may count them twice a moment)."""
+        try:
+            core.add_request(command.prompt, command.params, request_id=command.request_id,
+                             cache_salt=command.cache_salt, cache_mode=command.cache_mode,
+                             resume=command.resume, group=command.group)
+            self._waiting += command.params.n  # the core thread is its only writer
+        except HypicError as error:
+            self._send(command.request_id, error)
+        self._loop.call_soon_threadsafe(self._release_pending, command.params.n)
 
     def _settle_segment_waits(self, core: LLMEngine) -> None:
         finished = {key for key, _ in core.finished_segments}
@@ -299,6 +339,13 @@ class AsyncEngine:
 
     def _send(self, request_id: str, item: RequestOutput | BaseException) -> None:
         self._loop.call_soon_threadsafe(self._deliver, request_id, item)
+
+
+def _size(prompt: str | list[str] | list[int]) -> int:
+    """Characters of text, or the number of token ids."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(item) if isinstance(item, str) else 1 for item in prompt)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

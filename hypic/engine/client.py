@@ -32,6 +32,7 @@ class GenerateRequest:
     cache_salt: str | None = None
     cache_mode: str | None = None  # None: the engine's default
     add_special_tokens: bool = True  # False for text that already has them (a rendered chat template)
+    group: str | None = None  # the HTTP request it belongs to: admission takes groups in turn
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class InProcessEngineClient:
             cache_salt=request.cache_salt,
             cache_mode=request.cache_mode,
             add_special_tokens=request.add_special_tokens,
+            group=request.group,
         )
         async with aclosing(outputs):  # closing this generator closes the engine's: the request is freed now
             async for output in outputs:

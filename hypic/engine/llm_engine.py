@@ -77,8 +77,7 @@ class LLMEngine:
         self._build_caches(self.plan, pool_bytes)
         self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.token_text, seed=config.seed)
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
-        self.structured = StructuredDecoding((self.model_dir / "tokenizer.json").read_text(encoding="utf-8"),
-                                             self.tokenizer.vocab_size, self.eos_ids)
+        self.structured = StructuredDecoding(self.tokenizer.to_json(), self.tokenizer.vocab_size, self.eos_ids)
         self.requests: dict[str, RequestState] = {}
         self.finished_segments: list[tuple[SegmentKey, bool]] = []
         self.last_step_ran = True  # False when the last step found nothing it could schedule
@@ -91,13 +90,14 @@ class LLMEngine:
 
     def add_request(self, prompt: SegmentedPrompt, params: SamplingParams, *, request_id: str | None = None,
                     cache_salt: str | None = None, cache_mode: str | None = None,
-                    resume: Mapping[int, list[int]] | None = None) -> str:
+                    resume: Mapping[int, list[int]] | None = None, group: str | None = None) -> str:
         """resume: completion index -> the ids it generated elsewhere (a node that died); only those
-        completions run here, each continuing from its own tokens as if it had made them here."""
+        completions run here, each continuing from its own tokens as if it had made them here.
+        `group`: requests sharing one are admitted in turn with other groups' (a client's batch)."""
         request_id = request_id or uuid.uuid4().hex
         if len(prompt.segments) > 2 and not prompt.segments[-1]:
             params = dataclasses.replace(params, max_tokens=0)  # a warm-up: it only fills the caches
-        info = self._request_info(prompt, params, request_id, cache_salt, cache_mode)
+        info = self._request_info(prompt, params, request_id, cache_salt, cache_mode, group)
         _check_resume(resume or {}, params)
         state = self._request_state(info)
         self.requests[request_id] = state
@@ -149,6 +149,18 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def waiting_sequences(self) -> int:
+        """Completions not yet running, as admission counts them (see AsyncEngine)."""
+        return sum(self._waiting_count(seq) for seq in self.scheduler.waiting)
+
+    def _waiting_count(self, seq: Sequence) -> int:
+        """A request's first sequence stands for all n until they fork; a segment prefill is no request."""
+        if seq.pic.job is not None:
+            return 0
+        state = self.requests.get(seq.info.request_id)
+        unforked = seq.index == 0 and state is not None and len(state.completions) == 1
+        return seq.info.params.n if unforked else 1
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -297,8 +309,19 @@ class LLMEngine:
         seq = completion.seq
         return SamplingRow(seq.info.params, seq.info.prompt_ids, seq.output_ids, completion.generator)
 
+    @property
+    def _served_vocab_size(self) -> int:
+        """Ids with a tokenizer entry and an embedding row: Kimi's tokenizer names 2 reserved ids past its model's."""
+        return min(self.tokenizer.vocab_size, self.model_config.vocab_size)
+
+    def _check_embedding_rows(self, tokens: tuple[int, ...]) -> None:
+        if self.tokenizer.vocab_size > self.model_config.vocab_size and max(tokens) >= self._served_vocab_size:
+            raise InvalidRequestError(
+                f"prompt token id {max(tokens)} has no embedding row: the model has {self.model_config.vocab_size} "
+                f"(the tokenizer knows {self.tokenizer.vocab_size} ids)")
+
     def _request_info(self, prompt: SegmentedPrompt, params: SamplingParams, request_id: str,
-                      cache_salt: str | None, cache_mode: str | None) -> RequestInfo:
+                      cache_salt: str | None, cache_mode: str | None, group: str | None) -> RequestInfo:
         mode = cache_mode or self.config.cache_mode
         if mode not in CACHE_MODES:
             raise InvalidRequestError(f"cache_mode must be one of {CACHE_MODES}, got {mode!r}")
@@ -306,10 +329,11 @@ class LLMEngine:
             mode = "none"  # no prefix checkpoint or cached interior carries the hidden states it scores
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-        validate_for_vocab(params, self.tokenizer.vocab_size)
+        validate_for_vocab(params, self._served_vocab_size)
         tokens = prompt.token_ids
         if not tokens:
             raise InvalidRequestError("the prompt is empty: give at least one token")
+        self._check_embedding_rows(tokens)
         budget = len(tokens) + (params.max_tokens or 0)
         if len(tokens) >= self.max_model_len or budget > self.max_model_len:
             raise PromptTooLongError(len(tokens), self.max_model_len, params.max_tokens or 0)
@@ -321,7 +345,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"a segment has {longest} tokens; segments are prefilled in one step, so at most "
                 f"max_num_batched_tokens={self.config.max_num_batched_tokens}: split it or raise that limit")
-        return RequestInfo(request_id, params, prompt, cache_salt, mode, self.config.seam_width)
+        return RequestInfo(request_id, params, prompt, cache_salt, mode, self.config.seam_width, group)
 
     def _plan_memory(self) -> tuple[CachePlan, int, int]:
         shape = self.model.cache_shape()

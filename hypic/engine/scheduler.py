@@ -1,7 +1,11 @@
 """Continuous batching: each step is one flat batch of decode tokens and prefill chunks.
 
 Decodes go first (one token each), then running prefills, then newly admitted requests, all under
-one token budget. Memory is taken per chunk; when pages run out the scheduler evicts prefix-cache
+one token budget. Admission is fair between requests: waiting sequences are taken round-robin over
+their admission groups (a client's batch is one group). A queued sequence's turn is one past the
+turn being served or its group's last queued turn, whichever is later; turns are admitted in
+order (queue order within one), so a batch of many prompts never holds back a request that came
+after it, and a flood of new requests never starves a batch's next prompt. Memory is taken per chunk; when pages run out the scheduler evicts prefix-cache
 checkpoints, then preempts the newest running sequence (it is recomputed later).
 """
 from __future__ import annotations
@@ -63,12 +67,17 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0  # since start (a counter for /metrics)
+        self._turn = 0  # the admission turn being served (see the module's docstring)
 
     def add(self, seq: Sequence, *, first: bool = False) -> None:
+        """`first`: ahead of everything (a segment prefill its request waits for, a preempted sequence)."""
         if first:
             self.waiting.appendleft(seq)
-        else:
-            self.waiting.append(seq)
+            return
+        group = seq.info.admission_group
+        queued = [s.admission_turn for s in self.waiting if s.info.admission_group == group]
+        seq.admission_turn = max([self._turn, *queued]) + 1
+        self.waiting.append(seq)
 
     def schedule(self) -> ScheduledBatch:
         batch, budget = ScheduledBatch(), self.limits.max_num_batched_tokens
@@ -79,12 +88,13 @@ class Scheduler:
         for seq in [s for s in self.running if not s.in_decode]:
             if seq in self.running:
                 budget -= self._schedule_prefill(seq, budget, batch)
-        for seq in [s for s in self.waiting if not s.pic.blocked]:
+        for seq in self._admission_order():
             if budget <= 0 or len(self.running) >= self.limits.max_num_seqs or not self._admit(seq):
                 break
             self.waiting.remove(seq)
             self.running.append(seq)
             batch.admitted.append(seq)
+            self._turn = max(self._turn, seq.admission_turn)
             budget -= self._schedule_prefill(seq, budget, batch)
         batch.chunks.sort(key=lambda c: not c.runs_as_decode)  # stable: decodes first, in order
         batch.num_decodes = sum(c.runs_as_decode for c in batch.chunks)
@@ -132,6 +142,12 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def _admission_order(self) -> list[Sequence]:
+        """Unblocked waiting sequences by turn (every group's first, then every group's second, ...),
+        in queue order within a turn (what was put first stays first)."""
+        waiting = [s for s in self.waiting if not s.pic.blocked]
+        return [waiting[i] for i in sorted(range(len(waiting)), key=lambda i: (waiting[i].admission_turn, i))]
 
     # -- prefill chunks ------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ class RequestInfo:
     cache_salt: str | None
     cache_mode: str
     seam_width: int = 8
+    group: str | None = None  # the requests of one client call (a batch's prompts) share it; None: its own
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -36,6 +37,11 @@ class RequestInfo:
     @property
     def prompt_ids(self) -> tuple[int, ...]:
         return self.prompt.token_ids
+
+    @property
+    def admission_group(self) -> str:
+        """What the scheduler admits in turn with others: the group, else the request itself."""
+        return self.group or self.request_id
 
     @property
     def segment_ends(self) -> tuple[int, ...]:
@@ -65,6 +71,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.checkpoints: list[int] = []  # prefix lengths whose state is kept once computed
         self.pic = PicState()  # owned by the PIC assembler
+        self.admission_turn = 0  # its round in fair admission (Scheduler.add); 0: ahead of every round
 
     @property
     def remaining(self) -> int:

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from hypic.kernels.host_copy import host_to_device
-from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
-from hypic.kernels.varlen import expand_key_heads, initial_states, to_chunks
+from hypic.kernels.triton_lazy import triton_kernel
+from hypic.kernels.varlen import decode_launch, expand_key_heads, initial_states, to_chunks
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -166,14 +166,10 @@ def gdn_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     """One token per sequence: reads ssm_pool[slots[b]], writes the new state back in place and
     the output into `out` [B, HV, V]. No host sync, fixed grid: CUDA-graph capturable."""
     q, k, v = map(_rows_contiguous, (q, k, v))
-    batch, heads, key_dim = q.shape
-    value_heads, value_dim = v.shape[1], v.shape[2]
-    block_v = 16 if batch < 16 else 32  # small batches: more programs to fill the GPU
-    grid = (batch, value_heads, -(-value_dim // block_v))
+    grid, shape = decode_launch(q, v)
     _gdn_decode_kernel[grid](
         q, k, v, g.contiguous(), beta.contiguous(), out, ssm_pool, slots, has_state, scale,
-        q.stride(0), k.stride(0), v.stride(0), out.stride(0),
-        H=heads, HV=value_heads, K=key_dim, V=value_dim, BK=next_power_of_2(key_dim), BV=block_v)
+        q.stride(0), k.stride(0), v.stride(0), out.stride(0), **shape)
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:

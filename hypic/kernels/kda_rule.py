@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from hypic.kernels.gdn import CHUNK, _unit_lower_inverse  # the gated delta rule's WY chunking, shared
-from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
-from hypic.kernels.varlen import expand_key_heads, initial_states, to_chunks
+from hypic.kernels.triton_lazy import triton_kernel
+from hypic.kernels.varlen import decode_launch, expand_key_heads, initial_states, to_chunks
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -142,13 +142,9 @@ def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     """One token per sequence: reads ssm_pool[slots[b]], writes the new state back in place and the
     output into `out` [B, HV, V]. No host sync, fixed grid: CUDA-graph capturable."""
     q, k, v, g = (x.contiguous() for x in (q, k, v, g))
-    batch, heads, key_dim = q.shape
-    value_heads, value_dim = v.shape[1], v.shape[2]
-    block_v = 16 if batch < 16 else 32  # small batches: more programs to fill the GPU
-    grid = (batch, value_heads, -(-value_dim // block_v))
-    _kda_decode_kernel[grid](
-        q, k, v, g, beta.contiguous(), out, ssm_pool, slots, has_state, scale, out.stride(0),
-        H=heads, HV=value_heads, K=key_dim, V=value_dim, BK=next_power_of_2(key_dim), BV=block_v)
+    grid, shape = decode_launch(q, v)
+    _kda_decode_kernel[grid](q, k, v, g, beta.contiguous(), out, ssm_pool, slots, has_state, scale, out.stride(0),
+                             **shape)
 
 
 @triton_kernel

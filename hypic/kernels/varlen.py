@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hypic.kernels.triton_lazy import next_power_of_2
+
 
 @dataclass(frozen=True)
 class StateSpans:
@@ -57,3 +59,14 @@ def to_chunks(x: torch.Tensor, length: int, chunk: int) -> torch.Tensor:
     if pad:
         x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
     return x.unflatten(1, (-1, chunk))
+
+
+def decode_launch(q: torch.Tensor, v: torch.Tensor) -> tuple[tuple[int, int, int], dict[str, int]]:
+    """Grid and shape constants of a one-token-a-sequence recurrence kernel (q [B, H, K], v [B, HV, V]):
+    a program per sequence, value head and block of value channels."""
+    batch, heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[1], v.shape[2]
+    block_v = 16 if batch < 16 else 32  # small batches: more programs to fill the GPU
+    grid = (batch, value_heads, -(-value_dim // block_v))
+    return grid, {"H": heads, "HV": value_heads, "K": key_dim, "V": value_dim, "BK": next_power_of_2(key_dim),
+                  "BV": block_v}

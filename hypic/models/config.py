@@ -28,8 +28,26 @@ ConfigT = TypeVar("ConfigT")
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 
 
+class LayerIds:
+    """full_layers / linear_layers: the ids of a config's attention layers and of its linear-mixer
+    layers, read from its list of layer kinds (`layer_types`; a subclass may name another list)."""
+
+    FULL, LINEAR = "full_attention", "linear_attention"
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        return self.layer_types
+
+    @cached_property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds()) if k == self.FULL)
+
+    @cached_property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds()) if k == self.LINEAR)
+
+
 @dataclass(frozen=True)
-class HybridConfig:
+class HybridConfig(LayerIds):
     """One hybrid (Gated DeltaNet + gated full attention) text model. Model-type differences live here,
     never in `if model_type` branches scattered through the layers."""
 
@@ -95,14 +113,6 @@ class HybridConfig:
     # ---- derived values -------------------------------------------------------------------------
 
     @cached_property
-    def full_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
-
-    @cached_property
-    def linear_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
-
-    @cached_property
     def moe_layers(self) -> tuple[int, ...]:
         """Layers whose MLP is the sparse MoE block (transformers' rule for each model type)."""
         if self.model_type == "qwen3_5_text" or self.num_experts == 0:
@@ -139,9 +149,7 @@ class HybridConfig:
         return 2 * self.linear_key_dim + self.linear_value_dim
 
     def _validate(self) -> None:
-        problems = _shape_problems(self)
-        if problems:
-            raise UnsupportedModelError(f"unsupported {self.model_type} config: {'; '.join(problems)}")
+        check_shape(self.model_type, _shape_problems(self))
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -153,9 +161,7 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _parse_text(text: dict[str, Any], outer: dict[str, Any]) -> dict[str, Any]:
-    missing = [k for k in _REQUIRED if k not in text]
-    if missing:
-        raise UnsupportedModelError(f"config.json lacks {', '.join(missing)}")
+    require(text, _REQUIRED)
     values = {k: text[k] for k in _REQUIRED}
     values.update({k: text.get(k, default) for k, default in _DEFAULTS.items()})
     if "tie_word_embeddings" in outer:  # a multimodal model ties (or not) at its top level
@@ -210,6 +216,36 @@ def as_ids(value: int | list[int] | None) -> tuple[int, ...]:
     return (value,) if isinstance(value, int) else tuple(value)
 
 
+def pick(config: dict[str, Any], *names: str, default: Any = None) -> Any:
+    """The first of `names` present (a field and its aliases: legacy or another release's), else `default`."""
+    return next((config[n] for n in names if config.get(n) is not None), default)
+
+
+def require(config: dict[str, Any], names: tuple[str, ...], *, null_is_missing: bool = False) -> None:
+    missing = [k for k in names if k not in config or (null_is_missing and config[k] is None)]
+    if missing:
+        raise UnsupportedModelError(f"config.json lacks {', '.join(missing)}")
+
+
+def check_shape(model_type: str, problems: list[str]) -> None:
+    if problems:
+        raise UnsupportedModelError(f"unsupported {model_type} config: {'; '.join(problems)}")
+
+
+def expert_problems(c: Any, has_moe: bool, what: str) -> list[str]:
+    """MoE layers need experts to route to and a width for them."""
+    if has_moe and not (0 < c.num_experts_per_tok <= c.num_experts and c.moe_intermediate_size > 0):
+        return [f"MoE {what} need 0 < num_experts_per_tok <= num_experts and moe_intermediate_size"]
+    return []
+
+
+def group_problems(c: Any, has_moe: bool) -> list[str]:
+    """The grouped router picks topk_group of n_group equal groups of experts."""
+    if has_moe and (c.num_experts % c.n_group or not 0 < c.topk_group <= c.n_group):
+        return [f"n_group {c.n_group} must divide the {c.num_experts} experts, 0 < topk_group <= n_group"]
+    return []
+
+
 def _shape_problems(c: HybridConfig) -> list[str]:
     problems = []
     if c.hidden_act != "silu":
@@ -222,8 +258,7 @@ def _shape_problems(c: HybridConfig) -> list[str]:
         problems.append("linear_num_value_heads must be a multiple of linear_num_key_heads")
     if c.rotary_dim % 2 or c.rotary_dim > c.head_dim:
         problems.append(f"rotary dim {c.rotary_dim} must be even and at most head_dim {c.head_dim}")
-    if c.moe_layers and not (0 < c.num_experts_per_tok <= c.num_experts and c.moe_intermediate_size > 0):
-        problems.append("MoE layers need 0 < num_experts_per_tok <= num_experts and moe_intermediate_size")
+    problems += expert_problems(c, bool(c.moe_layers), "layers")
     if len(c.moe_layers) < c.num_hidden_layers and not c.intermediate_size:
         problems.append("dense MLP layers need intermediate_size")
     return problems

@@ -9,11 +9,10 @@ encoding at all (`mla_use_nope`), its decoupled "rope" key part is shared by the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 from hypic.errors import UnsupportedModelError
-from hypic.models.config import as_ids
+from hypic.models.config import LayerIds, as_ids, check_shape, expert_problems, group_problems, pick, require
 
 KIMI_MODEL_TYPES: tuple[str, ...] = ("kimi_linear",)
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
@@ -22,7 +21,7 @@ _LINEAR_ATTN_KEYS = frozenset({"kda_layers", "full_attn_layers", "num_heads", "h
 
 
 @dataclass(frozen=True)
-class KimiLinearConfig:
+class KimiLinearConfig(LayerIds):
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -62,21 +61,11 @@ class KimiLinearConfig:
     def from_dict(cls, config: dict[str, Any]) -> KimiLinearConfig:
         if config.get("model_type") not in KIMI_MODEL_TYPES:
             raise UnsupportedModelError(f"model_type {config.get('model_type')!r} is not Kimi-Linear")
-        missing = [k for k in _REQUIRED if config.get(k) is None]
-        if missing:
-            raise UnsupportedModelError(f"config.json lacks {', '.join(missing)}")
+        require(config, _REQUIRED, null_is_missing=True)
         _refuse_variants(config)
         parsed = cls(**_fields(config))
         parsed._validate()
         return parsed
-
-    @cached_property
-    def full_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
-
-    @cached_property
-    def linear_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
 
     @property
     def qk_head_dim(self) -> int:
@@ -97,14 +86,7 @@ class KimiLinearConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     def _validate(self) -> None:
-        problems = _shape_problems(self)
-        if problems:
-            raise UnsupportedModelError(f"unsupported kimi_linear config: {'; '.join(problems)}")
-
-
-def _pick(config: dict[str, Any], *names: str, default: Any = None) -> Any:
-    """The first of `names` present (the release's field and transformers' name for it), else `default`."""
-    return next((config[n] for n in names if config.get(n) is not None), default)
+        check_shape(self.model_type, _shape_problems(self))
 
 
 def _fields(c: dict[str, Any]) -> dict[str, Any]:
@@ -114,21 +96,21 @@ def _fields(c: dict[str, Any]) -> dict[str, Any]:
         "model_type": c["model_type"], "vocab_size": c["vocab_size"], "hidden_size": c["hidden_size"],
         "num_hidden_layers": layers, "layer_types": _layer_types(c, linear, layers), "moe_layers": _moe_layers(c),
         "rms_norm_eps": c.get("rms_norm_eps", 1e-5),
-        "max_position_embeddings": _pick(c, "model_max_length", "max_position_embeddings", default=1048576),
+        "max_position_embeddings": pick(c, "model_max_length", "max_position_embeddings", default=1048576),
         "tie_word_embeddings": bool(c.get("tie_word_embeddings", False)),
-        "linear_num_heads": _pick(linear, "num_heads", default=c.get("linear_num_heads", 32)),
-        "linear_head_dim": _pick(linear, "head_dim", default=c.get("linear_head_dim", 128)),
-        "linear_conv_kernel_dim": _pick(linear, "short_conv_kernel_size", default=c.get("linear_conv_kernel_dim", 4)),
+        "linear_num_heads": pick(linear, "num_heads", default=c.get("linear_num_heads", 32)),
+        "linear_head_dim": pick(linear, "head_dim", default=c.get("linear_head_dim", 128)),
+        "linear_conv_kernel_dim": pick(linear, "short_conv_kernel_size", default=c.get("linear_conv_kernel_dim", 4)),
         "num_attention_heads": c["num_attention_heads"], "q_lora_rank": c.get("q_lora_rank"),
         "kv_lora_rank": c["kv_lora_rank"], "qk_nope_head_dim": c["qk_nope_head_dim"],
         "qk_rope_head_dim": c["qk_rope_head_dim"], "v_head_dim": c["v_head_dim"],
         "attention_bias": bool(c.get("attention_bias", False)),
         "intermediate_size": c.get("intermediate_size", 9216), "moe_intermediate_size": c.get("moe_intermediate_size", 1024),
-        "num_experts": _pick(c, "num_experts", "num_local_experts", "n_routed_experts", default=256),
-        "num_experts_per_tok": _pick(c, "num_experts_per_token", "num_experts_per_tok", default=8),
-        "num_shared_experts": _pick(c, "num_shared_experts", "n_shared_experts", default=1),
-        "n_group": _pick(c, "num_expert_group", "n_group", default=1), "topk_group": c.get("topk_group") or 1,
-        "norm_topk_prob": bool(_pick(c, "moe_renormalize", "norm_topk_prob", default=True)),
+        "num_experts": pick(c, "num_experts", "num_local_experts", "n_routed_experts", default=256),
+        "num_experts_per_tok": pick(c, "num_experts_per_token", "num_experts_per_tok", default=8),
+        "num_shared_experts": pick(c, "num_shared_experts", "n_shared_experts", default=1),
+        "n_group": pick(c, "num_expert_group", "n_group", default=1), "topk_group": c.get("topk_group") or 1,
+        "norm_topk_prob": bool(pick(c, "moe_renormalize", "norm_topk_prob", default=True)),
         "routed_scaling_factor": float(c.get("routed_scaling_factor", 1.0)),
         "eos_token_ids": as_ids(c.get("eos_token_id")), "bos_token_id": c.get("bos_token_id"),
         "pad_token_id": c.get("pad_token_id")}
@@ -186,11 +168,7 @@ def _refuse_variants(c: dict[str, Any]) -> None:
 
 
 def _shape_problems(c: KimiLinearConfig) -> list[str]:
-    problems = []
-    if c.moe_layers and not (0 < c.num_experts_per_tok <= c.num_experts and c.moe_intermediate_size > 0):
-        problems.append("MoE layers need 0 < num_experts_per_tok <= num_experts and moe_intermediate_size")
-    if c.moe_layers and (c.num_experts % c.n_group or not 0 < c.topk_group <= c.n_group):
-        problems.append(f"n_group {c.n_group} must divide the {c.num_experts} experts, 0 < topk_group <= n_group")
+    problems = expert_problems(c, bool(c.moe_layers), "layers") + group_problems(c, bool(c.moe_layers))
     if not c.linear_layers:
         problems.append("no KDA layer")
     return problems

@@ -18,7 +18,7 @@ from functools import cached_property
 from typing import Any
 
 from hypic.errors import UnsupportedModelError
-from hypic.models.config import as_ids
+from hypic.models.config import LayerIds, as_ids, check_shape, expert_problems, group_problems, pick, require
 
 MAMBA2_MODEL_TYPES: tuple[str, ...] = ("nemotron_h", "granitemoehybrid", "bamba")
 BLOCK_KINDS: tuple[str, ...] = ("mamba", "attention", "mlp", "moe")
@@ -30,7 +30,7 @@ _REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads")
 
 
 @dataclass(frozen=True)
-class Mamba2HybridConfig:
+class Mamba2HybridConfig(LayerIds):
     model_type: str  # one of MAMBA2_MODEL_TYPES
     vocab_size: int
     hidden_size: int
@@ -80,9 +80,7 @@ class Mamba2HybridConfig:
         model_type = config.get("model_type")
         if model_type not in _PARSERS:
             raise UnsupportedModelError(f"model_type {model_type!r} is not a Mamba2 hybrid ({MAMBA2_MODEL_TYPES})")
-        missing = [k for k in _REQUIRED if k not in config]
-        if missing:
-            raise UnsupportedModelError(f"config.json lacks {', '.join(missing)}")
+        require(config, _REQUIRED)
         _refuse_variants(config)
         parsed = cls(**_common(config), **_PARSERS[model_type](config))
         parsed._validate()
@@ -90,13 +88,10 @@ class Mamba2HybridConfig:
 
     # ---- derived values -------------------------------------------------------------------------
 
-    @cached_property
-    def full_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, b in enumerate(self.blocks) if b == "attention")
+    FULL, LINEAR = "attention", "mamba"
 
-    @cached_property
-    def linear_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, b in enumerate(self.blocks) if b == "mamba")
+    def layer_kinds(self) -> tuple[str, ...]:
+        return self.blocks
 
     @property
     def attn_qk_norm(self) -> bool:
@@ -116,17 +111,10 @@ class Mamba2HybridConfig:
         return self.mamba_intermediate + 2 * self.n_groups * self.ssm_state_size
 
     def _validate(self) -> None:
-        problems = _shape_problems(self)
-        if problems:
-            raise UnsupportedModelError(f"unsupported {self.model_type} config: {'; '.join(problems)}")
+        check_shape(self.model_type, _shape_problems(self))
 
 
 # ---- parsing ---------------------------------------------------------------------------------------
-
-def _pick(config: dict[str, Any], *names: str, default: Any = None) -> Any:
-    """The first of `names` present (a field and its legacy aliases), else `default`."""
-    return next((config[n] for n in names if config.get(n) is not None), default)
-
 
 def _common(c: dict[str, Any]) -> dict[str, Any]:
     heads = c["num_attention_heads"]
@@ -135,7 +123,7 @@ def _common(c: dict[str, Any]) -> dict[str, Any]:
             "head_dim": c.get("head_dim") or c["hidden_size"] // heads,
             "eos_token_ids": as_ids(c.get("eos_token_id")), "bos_token_id": c.get("bos_token_id"),
             "pad_token_id": c.get("pad_token_id"),
-            "time_step_limit": tuple(_as_float(x) for x in _pick(c, "time_step_limit", "mamba_dt_limit",
+            "time_step_limit": tuple(_as_float(x) for x in pick(c, "time_step_limit", "mamba_dt_limit",
                                                                  default=(0.0, math.inf)))}
 
 
@@ -149,7 +137,7 @@ def _nemotron_h(c: dict[str, Any]) -> dict[str, Any]:
     DeepSeek router; no positional encoding in attention (transformers' NemotronHAttention)."""
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     eps = c.get("layer_norm_epsilon", 1e-5)
-    experts = _pick(c, "n_routed_experts", "num_local_experts", default=8)
+    experts = pick(c, "n_routed_experts", "num_local_experts", default=8)
     return {
         "blocks": _nemotron_blocks(c), "rms_norm_eps": eps,
         "tie_word_embeddings": False,  # transformers' NemotronHForCausalLM keeps lm_head even when asked to tie
@@ -157,9 +145,9 @@ def _nemotron_h(c: dict[str, Any]) -> dict[str, Any]:
             "max_position_embeddings", 4096), "attention_bias": False, "attention_scale": head_dim ** -0.5,
         "rotary_dim": 0, "rope_theta": 10000.0,
         "mamba_num_heads": c.get("mamba_num_heads", 128), "mamba_head_dim": c.get("mamba_head_dim", 64),
-        "ssm_state_size": c.get("ssm_state_size", 128), "n_groups": _pick(c, "n_groups", "mamba_n_groups", default=8),
-        "conv_kernel": _pick(c, "conv_kernel", "mamba_d_conv", default=4),
-        "conv_bias": _pick(c, "use_conv_bias", "mamba_conv_bias", default=True), "mamba_norm_eps": eps,
+        "ssm_state_size": c.get("ssm_state_size", 128), "n_groups": pick(c, "n_groups", "mamba_n_groups", default=8),
+        "conv_kernel": pick(c, "conv_kernel", "mamba_d_conv", default=4),
+        "conv_bias": pick(c, "use_conv_bias", "mamba_conv_bias", default=True), "mamba_norm_eps": eps,
         "mlp_act": c.get("mlp_hidden_act", "relu2"), "intermediate_size": c.get("intermediate_size", 21504),
         "num_experts": experts, "num_experts_per_tok": c.get("num_experts_per_tok", 2),
         "moe_intermediate_size": c.get("moe_intermediate_size", 7688),
@@ -179,7 +167,7 @@ def _nemotron_blocks(c: dict[str, Any]) -> tuple[str, ...]:
             raise UnsupportedModelError(
                 f"hybrid_override_pattern has unknown characters {unknown}; hypic knows {sorted(PATTERN_CHARS)}")
         return tuple(PATTERN_CHARS[ch] for ch in pattern)
-    return _named_blocks(_pick(c, "layers_block_type", "layer_types"), "layers_block_type")
+    return _named_blocks(pick(c, "layers_block_type", "layer_types"), "layers_block_type")
 
 
 def _named_blocks(names: list[str] | None, field: str) -> tuple[str, ...]:
@@ -217,7 +205,7 @@ def _granitemoehybrid(c: dict[str, Any]) -> dict[str, Any]:
     experts = c.get("num_local_experts", 8)
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     rope = c.get("position_embedding_type") == "rope"
-    mixers = _named_blocks(_pick(c, "layer_types", "layers_block_type"), "layer_types")
+    mixers = _named_blocks(pick(c, "layer_types", "layers_block_type"), "layer_types")
     return {**_granite_style(c, mixers, "moe" if experts else "mlp", head_dim if rope else 0),
             "attention_scale": float(c.get("attention_multiplier", 1.0)),
             "intermediate_size": c.get("shared_intermediate_size", 1024), "num_experts": experts,
@@ -271,11 +259,8 @@ def _shape_problems(c: Mamba2HybridConfig) -> list[str]:
         problems.append(f"mlp_hidden_act {c.mlp_act!r} (Nemotron-H blocks are relu2)")
     if c.rotary_dim % 2 or c.rotary_dim > c.head_dim:
         problems.append(f"rotary dim {c.rotary_dim} must be even and at most head_dim {c.head_dim}")
-    if "moe" in c.blocks and not (0 < c.num_experts_per_tok <= c.num_experts and c.moe_intermediate_size > 0):
-        problems.append("MoE blocks need 0 < num_experts_per_tok <= num_experts and moe_intermediate_size")
-    if c.router == "sigmoid_grouped" and "moe" in c.blocks and (
-            c.num_experts % c.n_group or not 0 < c.topk_group <= c.n_group):
-        problems.append(f"n_group {c.n_group} must divide the {c.num_experts} experts, 0 < topk_group <= n_group")
+    problems += expert_problems(c, "moe" in c.blocks, "blocks")
+    problems += group_problems(c, c.router == "sigmoid_grouped" and "moe" in c.blocks)
     if not c.linear_layers:
         problems.append("no Mamba2 block")
     return problems

@@ -17,6 +17,7 @@ from hypic.models.layers import (GroupedSigmoidRouter, ReluSquaredMLP, RMSNorm, 
                                  SwiGLUMLP)
 from hypic.models.mamba2 import Mamba2Mixer
 from hypic.models.mamba2_config import Mamba2HybridConfig
+from hypic.models.stack import DecoderStack, add_norm
 
 
 def build_mlp(config: Mamba2HybridConfig, width: int) -> nn.Module:
@@ -45,62 +46,38 @@ def build_block(config: Mamba2HybridConfig, kind: str) -> nn.Module:
 
 
 class Block(nn.Module):
-    """norm -> mixer or MLP; the caller adds it to the stream (times the residual multiplier)."""
+    """norm -> mixer or MLP, times the residual multiplier: the stream's next delta."""
 
     def __init__(self, config: Mamba2HybridConfig, index: int) -> None:
         super().__init__()
         self.index, self.kind = index, config.blocks[index]
         self.linear_index = config.linear_layers.index(index) if self.kind == "mamba" else -1
+        self.multiplier = config.residual_multiplier
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=False)
         self.mixer = build_block(config, self.kind)
 
-    def forward(self, normed: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+    def mix(self, normed: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         if self.kind == "mamba":
             return self.mixer(normed, batch, *caches.state(self.index), self.linear_index)
         if self.kind == "attention":
             return self.mixer(normed, batch, *caches.kv(self.index))
         return self.mixer(normed)
 
+    def forward(self, delta: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
+                caches: ModelCaches) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, residual = add_norm(self.norm, delta, residual)
+        out = self.mix(normed, batch, caches)
+        return (out * self.multiplier if self.multiplier != 1.0 else out), residual
 
-class Mamba2HybridModel(nn.Module):
-    """embed (x embedding_multiplier) -> blocks -> final norm (logits rows only) -> lm head / logits_scaling."""
 
+class Mamba2HybridModel(DecoderStack):
     def __init__(self, config: Mamba2HybridConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.blocks = nn.ModuleList(Block(config, i) for i in range(len(config.blocks)))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=False)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
-                                                                         bias=False)
+        super().__init__(config, offset=False, embedding_multiplier=config.embedding_multiplier,
+                         logits_scaling=config.logits_scaling)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(len(config.blocks)))
 
     def cache_shape(self) -> CacheShape:
         """Pages for the attention blocks, a state slot for each Mamba2 block (its mixer's shapes)."""
         c = self.config
-        linear = tuple(block.mixer.shape for block in self.blocks if block.kind == "mamba")
+        linear = tuple(block.mixer.shape for block in self.layers if block.kind == "mamba")
         return CacheShape(c.full_layers, c.linear_layers, c.num_key_value_heads, c.head_dim, linear)
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        """Hidden states [M, hidden] of the tokens at batch.logits_indices, after the final norm."""
-        hidden = self.embed_tokens(batch.input_ids)
-        if self.config.embedding_multiplier != 1.0:
-            hidden = hidden * self.config.embedding_multiplier
-        delta, multiplier = None, self.config.residual_multiplier
-        for block in self.blocks:
-            if delta is None:
-                normed = block.norm(hidden)
-            else:
-                normed, hidden = block.norm(delta, hidden)  # the stream is hidden + delta, added in the norm
-            delta = block(normed, batch, caches)
-            delta = delta * multiplier if multiplier != 1.0 else delta
-        rows = batch.logits_indices
-        return self.norm(delta[rows], hidden[rows])[0]
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[M, hidden] -> [M, vocab_size] float32 (vocab_size may exceed the tokenizer's vocabulary)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden, weight)
-        scaling = self.config.logits_scaling
-        return (logits / scaling if scaling != 1.0 else logits).float()

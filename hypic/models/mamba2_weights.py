@@ -37,7 +37,7 @@ def mamba2_weight_recipes(config: Mamba2HybridConfig, names: Iterable[str]) -> d
 
 
 def _block_recipes(config: Mamba2HybridConfig, j: int, names: set[str]) -> dict[str, Recipe]:
-    kind, ours = config.blocks[j], f"blocks.{j}."
+    kind, ours = config.blocks[j], f"layers.{j}."
     src = _source_prefix(config, j)
     norm = _norm_name(config, j)
     recipes = {ours + "norm.weight": Recipe((norm,))}

@@ -33,20 +33,30 @@ def random_state_dict(config: HybridConfig | Mamba2HybridConfig | KimiLinearConf
 
 def checkpoint_shapes(config: HybridConfig) -> Shapes:
     c = config
-    shapes: Shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
-                      "model.norm.weight": (c.hidden_size,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    shapes = _ends_shapes(c)
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (c.hidden_size,),
-                       p + "post_attention_layernorm.weight": (c.hidden_size,)})
+        shapes.update(_layer_norm_shapes(c, p))
         linear = c.layer_types[i] == "linear_attention"
         shapes.update(_gdn_shapes(c, p + "linear_attn.") if linear else _attention_shapes(c, p + "self_attn."))
         moe = i in c.moe_layers
         mlp = _moe_shapes(c, p + "mlp.") if moe else _mlp_shapes(c.hidden_size, c.intermediate_size, p + "mlp.")
         shapes.update(mlp)
     return shapes
+
+
+def _ends_shapes(c: HybridConfig | Mamba2HybridConfig | KimiLinearConfig, embed: str = "embed_tokens",
+                 final_norm: str = "norm") -> Shapes:
+    """The embedding, the final norm and (untied) the lm head, in that order (the seed draws in it)."""
+    shapes: Shapes = {f"model.{embed}.weight": (c.vocab_size, c.hidden_size),
+                      f"model.{final_norm}.weight": (c.hidden_size,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    return shapes
+
+
+def _layer_norm_shapes(c: HybridConfig | KimiLinearConfig, p: str) -> Shapes:
+    return {p + "input_layernorm.weight": (c.hidden_size,), p + "post_attention_layernorm.weight": (c.hidden_size,)}
 
 
 def _gdn_shapes(c: HybridConfig, p: str) -> Shapes:
@@ -88,10 +98,7 @@ def _moe_shapes(c: HybridConfig, p: str) -> Shapes:
 def mamba2_checkpoint_shapes(config: Mamba2HybridConfig) -> Shapes:
     """transformers' in-memory names of each model type (the loader reads them as it reads the releases')."""
     c, names = config, _MAMBA2_NAMES[config.model_type]
-    shapes: Shapes = {f"model.{names['embed']}.weight": (c.vocab_size, c.hidden_size),
-                      f"model.{names['final_norm']}.weight": (c.hidden_size,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    shapes = _ends_shapes(c, names["embed"], names["final_norm"])
     for j, kind in enumerate(c.blocks):
         layer = f"model.layers.{j}." if c.model_type == "nemotron_h" else f"model.layers.{j // 2}."
         shapes[layer + names["norms"][j % len(names["norms"])] + ".weight"] = (c.hidden_size,)
@@ -153,13 +160,10 @@ _MAMBA2_BLOCKS = {"mamba": _mamba2_mixer_shapes, "attention": _mamba2_attention_
 def kimi_checkpoint_shapes(config: KimiLinearConfig) -> Shapes:
     """transformers' in-memory names of Kimi-Linear (conv1d over [q|k|v], forget_gate.*, mlp.*, fused experts)."""
     c = config
-    shapes: Shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    shapes = _ends_shapes(c)
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (c.hidden_size,),
-                       p + "post_attention_layernorm.weight": (c.hidden_size,)})
+        shapes.update(_layer_norm_shapes(c, p))
         mixer = _kda_shapes if c.layer_types[i] == "linear_attention" else _mla_shapes
         shapes.update(mixer(c, p + "self_attn."))
         shapes.update(_kimi_moe_shapes(c, p + "mlp.") if i in c.moe_layers else

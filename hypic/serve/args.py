@@ -8,9 +8,11 @@ import re
 from hypic.config import CACHE_MODES, SEGMENT_STATE_DTYPES, EngineConfig
 from hypic.errors import InvalidRequestError
 from hypic.serve.agent_args import add_agent_arguments, agent_options
+from hypic.serve.limits import RequestLimits
 from hypic.serve.state import ServerSettings
 
 _DEFAULTS = EngineConfig()
+_LIMITS = RequestLimits()
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -20,6 +22,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add_model_arguments(parser)
     _add_cache_arguments(parser)
     _add_server_arguments(parser)
+    _add_limit_arguments(parser)
     _add_parallel_arguments(parser)
     add_agent_arguments(parser)
 
@@ -85,6 +88,23 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-level", choices=_LOG_LEVELS, default="info", help="(default: %(default)s)")
 
 
+def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("what one request or connection may cost (docs/limits.md)")
+    group.add_argument("--max-body-bytes", type=_size, default=_LIMITS.max_body_bytes, metavar="SIZE",
+                       help="largest request body; larger ones get 413 (default: 16MiB)")
+    group.add_argument("--max-json-depth", type=_positive_int, default=_LIMITS.max_json_depth, metavar="N",
+                       help="deepest nesting of a body's arrays and objects (default: %(default)s)")
+    group.add_argument("--max-sequences-per-request", type=_positive_int, default=_LIMITS.max_sequences,
+                       metavar="N", help="prompts x n of one request (default: %(default)s)")
+    group.add_argument("--header-timeout", type=_positive_float, default=_LIMITS.header_timeout_s,
+                       metavar="SECONDS", help="a connection's request head, or its next one, must arrive "
+                                               "within this (default: %(default)s)")
+    group.add_argument("--body-timeout", type=_positive_float, default=_LIMITS.body_timeout_s, metavar="SECONDS",
+                       help="a request body must arrive within this after its head (default: %(default)s)")
+    group.add_argument("--max-connections", type=_positive_int, default=_LIMITS.max_connections, metavar="N",
+                       help="open connections; more are answered 503 and closed (default: %(default)s)")
+
+
 def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("segment parallelism")
     group.add_argument("--workers", type=_positive_int, default=1, metavar="N",
@@ -130,7 +150,15 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         raise InvalidRequestError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
     return ServerSettings(args.served_model_name, args.api_key or None, args.shutdown_grace,
                           workers=args.workers, gpus=args.gpus, transport=args.transport,
-                          router_address=args.router_address, **agent_options(args))
+                          router_address=args.router_address, limits=request_limits(args), **agent_options(args))
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(
+        max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
+        max_sequences=args.max_sequences_per_request, max_segments=args.max_segments,
+        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, max_connections=args.max_connections,
+    )
 
 
 def _device(text: str) -> str:
@@ -143,6 +171,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
     return value
 
 

@@ -12,7 +12,7 @@ from msgspec.structs import replace
 
 from hypic.outputs import RequestOutput
 from hypic.serve.chat_reply import ReplyFormat, ReplyStream, reply_format, whole_reply
-from hypic.serve.choices import UsageCounter, collect, worth_sending
+from hypic.serve.choices import collect, worth_sending
 from hypic.engine.client import GenerateRequest
 from hypic.serve.http_errors import bad_request, engine_errors
 from hypic.serve.logprobs import chat_logprobs
@@ -25,9 +25,9 @@ from hypic.serve.protocol import (
     ChatResponse,
     unsupported_fields,
 )
-from hypic.serve.request_body import check_model, check_stream_options, read_body, reject_unsupported
+from hypic.serve.request_body import check_messages, check_model, check_stream_options, read_body, reject_unsupported
 from hypic.serve.request_group import submitted
-from hypic.serve.responses import DONE, event, json_response, start_events, stream_errors
+from hypic.serve.responses import event, json_response, stream_events
 from hypic.serve.sampling import or_default, sampling_params
 from hypic.serve.state import STATE
 from hypic.serve.template import render_chat
@@ -45,6 +45,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     check_model(state, body.model)
     reject_unsupported(unsupported_fields(body, UNSUPPORTED))
     check_stream_options(body.stream, body.stream_options)
+    check_messages(state, body.messages)
     check_tools(body)
     tools = template_tools(body)
     prompt = render_chat(state.client.tokenizer, body.messages, body.chat_template_kwargs, tools)
@@ -94,22 +95,11 @@ async def _stream(
     request: web.Request, outputs: AsyncIterator[tuple[int, RequestOutput]], head: ChatChunk, body: ChatRequest,
     form: ReplyFormat,
 ) -> web.StreamResponse:
-    response = await start_events(request)
     replies = [ReplyStream(form) for _ in range(body.n)]
-    usage = UsageCounter()
     roles = [ChatChunkChoice(index, ChatDelta(role="assistant", content=""), None, None) for index in range(body.n)]
-    try:
-        await response.write(b"".join(event(replace(head, choices=[role])) for role in roles))
-        async with stream_errors(response, _PARAM_NAMES):
-            async for _, output in outputs:
-                usage.add(output)
-                await response.write(_chunks(head, output, body, replies))
-            if body.stream_options and body.stream_options.include_usage:
-                await response.write(event(replace(head, choices=[], usage=usage.usage())))
-        await response.write(DONE)
-    except ConnectionError:  # the client left; leaving submitted() aborts what is unfinished
-        log.debug("%s: client disconnected mid-stream", head.id)
-    return response
+    opening = b"".join(event(replace(head, choices=[role])) for role in roles)
+    return await stream_events(request, outputs, head, lambda _, output: _chunks(head, output, body, replies),
+                               stream_options=body.stream_options, param_names=_PARAM_NAMES, opening=opening)
 
 
 def _chunks(head: ChatChunk, output: RequestOutput, body: ChatRequest, replies: list[ReplyStream]) -> bytes:

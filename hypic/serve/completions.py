@@ -14,14 +14,14 @@ from msgspec.structs import replace
 from hypic.engine.text.tokenizer import Tokenizer
 from hypic.outputs import RequestOutput, TokenLogprob
 from hypic.sampling_params import SamplingParams
-from hypic.serve.choices import ChoiceBuffer, UsageCounter, choice_index, collect, worth_sending
+from hypic.serve.choices import ChoiceBuffer, choice_index, collect, worth_sending
 from hypic.engine.client import GenerateRequest
 from hypic.serve.http_errors import bad_request, engine_errors
 from hypic.serve.logprobs import completion_logprobs, vllm_prompt_logprobs
 from hypic.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse, PromptLogprob
-from hypic.serve.request_body import check_model, check_stream_options, read_body, reject_unsupported
+from hypic.serve.request_body import check_model, check_prompts, check_stream_options, read_body, reject_unsupported
 from hypic.serve.request_group import submitted
-from hypic.serve.responses import DONE, event, json_response, start_events, stream_errors
+from hypic.serve.responses import event, json_response, stream_events
 from hypic.serve.sampling import or_default, sampling_params
 from hypic.serve.state import STATE
 from hypic.serve.structured import requested_constraint
@@ -39,6 +39,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     _reject_unsupported(body)
     check_stream_options(body.stream, body.stream_options)
     prompts = completion_prompts(body)
+    check_prompts(state, prompts, body.n)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     log.debug("%s: %d prompt(s), n=%d, user=%s", request_id, len(prompts), body.n, body.user)
     with engine_errors(_PARAM_NAMES):
@@ -59,7 +60,7 @@ def _engine_requests(body: CompletionRequest, prompts: list[Prompt], params: Sam
     keeps workers from prefilling its segments."""
     params = dataclasses.replace(params, prompt_logprobs=returns.scored_k)
     cache_mode = body.cache_mode if returns.scored_k is None else "none"
-    return [GenerateRequest(prompt, params, f"{request_id}-{index}", body.cache_salt, cache_mode)
+    return [GenerateRequest(prompt, params, f"{request_id}-{index}", body.cache_salt, cache_mode, group=request_id)
             for index, prompt in enumerate(prompts)]
 
 
@@ -160,19 +161,10 @@ async def _stream(
     request: web.Request, outputs: AsyncIterator[tuple[int, RequestOutput]], head: CompletionResponse,
     body: CompletionRequest, returns: PromptReturn,
 ) -> web.StreamResponse:
-    response = await start_events(request)
-    usage, offsets = UsageCounter(), {}
-    try:
-        async with stream_errors(response, _PARAM_NAMES):
-            async for prompt_index, output in _noted(outputs, returns):
-                usage.add(output)
-                await response.write(_chunks(head, prompt_index, output, body, offsets, returns))
-            if body.stream_options and body.stream_options.include_usage:
-                await response.write(event(replace(head, choices=[], usage=usage.usage())))
-        await response.write(DONE)
-    except ConnectionError:  # the client left; leaving submitted() aborts what is unfinished
-        log.debug("%s: client disconnected mid-stream", head.id)
-    return response
+    offsets: dict[int, int] = {}
+    return await stream_events(request, _noted(outputs, returns), head,
+                               lambda index, output: _chunks(head, index, output, body, offsets, returns),
+                               stream_options=body.stream_options, param_names=_PARAM_NAMES)
 
 
 def _chunks(

@@ -1,6 +1,7 @@
 """GET /v1/models, /v1/models/{model}, /health, /metrics, /version and POST /tokenize, /detokenize."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 from aiohttp import web
@@ -11,7 +12,7 @@ from hypic.errors import InvalidRequestError
 from hypic.serve.http_errors import ApiError, bad_request
 from hypic.serve.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                   TokenizeResponse, VersionResponse)
-from hypic.serve.request_body import check_model, read_body
+from hypic.serve.request_body import check_messages, check_model, check_prompts, read_body
 from hypic.serve.responses import json_response
 from hypic.serve.state import STATE, ServerState
 from hypic.serve.template import render_chat
@@ -48,7 +49,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("send exactly one of prompt and messages", "prompt")
     try:
-        tokens = _tokens(state, body)
+        tokens = await _tokens(state, body)
     except InvalidRequestError as error:
         raise bad_request(str(error), "prompt" if body.prompt is not None else "messages") from None
     return json_response(TokenizeResponse(tokens, len(tokens), state.client.info.max_model_len))
@@ -69,11 +70,14 @@ async def version(request: web.Request) -> web.Response:
     return json_response(VersionResponse(__version__))
 
 
-def _tokens(state: ServerState, body: TokenizeRequest) -> list[int]:
+async def _tokens(state: ServerState, body: TokenizeRequest) -> list[int]:
+    """Refused at once if the text cannot fit the context; tokenized in a worker thread."""
     if body.prompt is not None:
-        return state.client.tokenize(body.prompt)
+        check_prompts(state, [body.prompt], 1)
+        return await asyncio.to_thread(state.client.tokenize, body.prompt)
+    check_messages(state, body.messages)
     text = render_chat(state.client.tokenizer, body.messages, None)
-    return state.client.tokenize(text, add_special_tokens=False)
+    return await asyncio.to_thread(state.client.tokenize, text, add_special_tokens=False)
 
 
 def _card(state: ServerState) -> ModelCard:

@@ -1,8 +1,9 @@
-"""Request middlewares, outermost first: metrics, errors, draining, authentication."""
+"""Request middlewares, outermost first: memory, metrics, errors, draining, authentication."""
 from __future__ import annotations
 
 import asyncio
 import hmac
+import math
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -10,12 +11,23 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from hypic.serve.http_errors import ApiError, from_http_exception, internal_error
+from hypic.serve.memory import LARGE_BODY_BYTES, give_back_memory
 from hypic.serve.state import STATE
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers never carry the API key
 _CLIENT_GONE = "499"  # nginx's code for a client that closed the connection first
+
+
+@web.middleware
+async def give_back_large_bodies(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """After a large body, once its handler is done with it, free memory goes back to the system."""
+    try:
+        return await handler(request)
+    finally:
+        if request.content.total_bytes >= LARGE_BODY_BYTES:
+            await give_back_memory()
 
 
 @web.middleware
@@ -52,8 +64,12 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
 
 @web.middleware
 async def refuse_when_draining(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.app[STATE].draining and request.path != "/metrics":
-        raise ApiError(503, "the server is shutting down; retry on another replica", code="shutting_down")
+    """Retry-After: the grace period, after which a restarted server may be back."""
+    state = request.app[STATE]
+    if state.draining and request.path != "/metrics":
+        retry = str(max(1, math.ceil(state.settings.shutdown_grace_s)))
+        raise ApiError(503, "the server is shutting down; retry on another replica", code="shutting_down",
+                       headers={"Retry-After": retry})
     return await handler(request)
 
 
@@ -72,4 +88,4 @@ async def check_api_key(request: web.Request, handler: Handler) -> web.StreamRes
     return await handler(request)
 
 
-MIDDLEWARES = (count_requests, json_errors, refuse_when_draining, check_api_key)
+MIDDLEWARES = (give_back_large_bodies, count_requests, json_errors, refuse_when_draining, check_api_key)

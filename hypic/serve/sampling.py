@@ -12,6 +12,7 @@ from hypic.structured_outputs import StructuredOutputs
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _SEED_LIMIT = 1 << 63  # completion i seeds with seed + i: stays inside what torch.Generator takes
+_TOKEN_ID_DIGITS = 10  # past any vocabulary (zero padding included); int() fails past 4,300 digits
 
 
 def sampling_params(body: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
@@ -50,9 +51,14 @@ def or_default(max_tokens: int | None, settings: ServerSettings) -> int | None:
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     """JSON object keys are strings; OpenAI's are token ids. The engine checks them against the vocabulary."""
     for key in bias:
-        if not key.strip().isdecimal():
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        digits = key.strip()
+        if not digits.isdecimal() or len(digits) > _TOKEN_ID_DIGITS:
+            raise bad_request(f"logit_bias keys must be token ids, got {_shown(key)}", "logit_bias")
     return {int(key): value for key, value in bias.items()}
+
+
+def _shown(key: str) -> str:
+    return repr(key) if len(key) <= 40 else f"{key[:20]!r}... ({len(key)} characters)"
 
 
 def _check_finite(body: SamplingFields) -> None:

@@ -1,11 +1,13 @@
 """What every handler needs: the engine client, the server's settings and its metrics."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from hypic.engine.client import EngineClient
+from hypic.serve.limits import RequestLimits
 from hypic.serve.metrics import ServerMetrics
 
 
@@ -14,7 +16,7 @@ class ServerSettings:
     served_model_name: str | None = None  # None: the engine's model name
     api_key: str | None = None  # None: no authentication
     shutdown_grace_s: float = 30.0
-    max_body_bytes: int = 64 << 20  # a full-context prompt of token ids fits with room to spare
+    limits: RequestLimits = RequestLimits()
     workers: int = 1  # engine processes (segment parallelism); 1: the engine runs in this process
     gpus: tuple[int, ...] | None = None
     transport: str = "auto"
@@ -31,7 +33,9 @@ class ServerState:
     client: EngineClient
     settings: ServerSettings
     metrics: ServerMetrics
+    max_prompt_chars: int  # more characters than this cannot fit the context even at the longest token
     draining: bool = False  # set once shutdown begins: new requests get 503
+    large_bodies: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))  # see read_body
 
     @property
     def model_name(self) -> str:

@@ -25,11 +25,17 @@ def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], template_kwar
         raise bad_request(str(error), "messages") from None
 
 
+def message_chars(messages: list[ChatMessage]) -> int:
+    """Characters of the messages' text (what the template wraps, so a lower bound of its output)."""
+    return sum(len(_text(message.content)) for message in messages)
+
+
+def _text(content: str | list | None) -> str:
+    return "\n".join(part.text for part in content) if isinstance(content, list) else content or ""
+
+
 def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
-    content = message.content
-    if isinstance(content, list):
-        content = "\n".join(part.text for part in content)
-    turn = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
+    turn = {"role": "system" if message.role == "developer" else message.role, "content": _text(message.content)}
     extra = {"name": message.name, "tool_call_id": message.tool_call_id, "reasoning_content": message.reasoning_content}
     if message.tool_calls:
         extra["tool_calls"] = [_template_call(index, call) for call in message.tool_calls]

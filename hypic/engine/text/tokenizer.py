@@ -1,6 +1,7 @@
 """A Hugging Face tokenizer directory: encode, decode, special tokens and the chat template.
 
-Reads `tokenizer.json` with the `tokenizers` library, `tokenizer_config.json` (special tokens,
+Reads `tokenizer.json` with the `tokenizers` library (or converts a tiktoken `tiktoken.model` to the
+same kind of backend at load, see `tiktoken_bpe`), `tokenizer_config.json` (special tokens,
 add_bos_token/add_eos_token, chat_template), `chat_template.jinja` / `additional_chat_templates/`
 (which win over the config's template, as in transformers) and `generation_config.json` (extra eos
 ids). `clean_up_tokenization_spaces` is never applied (as in vLLM's streaming output).
@@ -20,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 from tokenizers.processors import TemplateProcessing
 
+from hypic.engine.text.tiktoken_bpe import TIKTOKEN_FILE, backend_from_tiktoken, tiktoken_scheme
 from hypic.errors import InvalidRequestError, UnsupportedModelError
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"})
@@ -31,7 +33,7 @@ class Tokenizer:
     """Text <-> token ids for one model. Build it with `Tokenizer.from_dir(path)`."""
 
     def __init__(self, backend: _Backend, config: Mapping[str, Any], templates: Mapping[str, str],
-                 generation_eos_ids: Iterable[int] = ()) -> None:
+                 generation_eos_ids: Iterable[int] = (), *, sort_tool_keys: bool = False) -> None:
         backend.no_truncation()  # a tokenizer.json may carry training-time truncation/padding
         backend.no_padding()
         self._backend = backend
@@ -47,18 +49,16 @@ class Tokenizer:
         self.special_prefix, self.special_suffix = _special_affixes(backend)
         """Ids that `encode(..., add_special_tokens=True)` puts before / after the text (e.g. BOS)."""
         self._templates = {name: _compile_template(name, text) for name, text in templates.items()}
+        self._sort_tool_keys = sort_tool_keys  # the release's tokenizer code sorts them before rendering
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
-        if not (path / "tokenizer.json").is_file():
-            raise UnsupportedModelError(
-                f"{path} has no tokenizer.json; hypic needs a fast tokenizer. Create one with "
-                "transformers: AutoTokenizer.from_pretrained(dir).save_pretrained(dir)")
         config = _read_json(path / "tokenizer_config.json")
-        backend = _Backend.from_file(str(path / "tokenizer.json"))
+        backend, sort_tool_keys = _read_backend(path, config)
         generation = _read_json(path / "generation_config.json")
-        return cls(backend, config, _read_templates(path, config), _as_ids(generation.get("eos_token_id")))
+        return cls(backend, config, _read_templates(path, config), _as_ids(generation.get("eos_token_id")),
+                   sort_tool_keys=sort_tool_keys)
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -81,6 +81,10 @@ class Tokenizer:
         """What one token decodes to on its own (for logprobs); a partial UTF-8 byte reads as U+FFFD."""
         return self._backend.decode([token_id], skip_special_tokens=False)
 
+    def to_json(self) -> str:
+        """The backend as tokenizer.json text (what llguidance reads), also for a converted tiktoken file."""
+        return self._backend.to_str()
+
     def use_chat_template(self, text: str) -> None:
         """Replaces the model's chat template(s) (a server's --chat-template)."""
         self._templates = {"default": _compile_template("--chat-template", text)}
@@ -93,6 +97,7 @@ class Tokenizer:
         override the named special tokens. Text-only: content may be a string, None, or a list of
         {"type": "text"} parts (joined with newlines). Message keys set to None are dropped."""
         template = self._template_for(tools)
+        tools = _sorted_keys(tools) if self._sort_tool_keys else tools
         context = {**self.named_tokens, **kwargs, "messages": _normalise_messages(messages),
                    "add_generation_prompt": add_generation_prompt, "tools": tools}
         try:
@@ -126,6 +131,18 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
         raise UnsupportedModelError(f"{path} is not valid JSON: {error}") from error
+
+
+def _read_backend(path: Path, config: Mapping[str, Any]) -> tuple[_Backend, bool]:
+    """The backend, and whether chat templates get the tools with sorted keys."""
+    if (path / "tokenizer.json").is_file():
+        return _Backend.from_file(str(path / "tokenizer.json")), False
+    if (path / TIKTOKEN_FILE).is_file():
+        scheme = tiktoken_scheme(path, config)
+        return backend_from_tiktoken(path, config, scheme), scheme.sorts_tool_keys
+    raise UnsupportedModelError(
+        f"{path} has neither tokenizer.json nor {TIKTOKEN_FILE}; hypic needs a fast tokenizer. Create one "
+        "with transformers: AutoTokenizer.from_pretrained(dir).save_pretrained(dir)")
 
 
 def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
@@ -284,6 +301,15 @@ def _normalise_message(index: int, message: Mapping[str, Any]) -> dict[str, Any]
     if reasoning is not None:
         fields = {"thinking": reasoning, **fields, "reasoning_content": reasoning}
     return fields
+
+
+def _sorted_keys(value: Any) -> Any:
+    """Dicts at every depth with their keys in order (lists keep theirs)."""
+    if isinstance(value, Mapping):
+        return {key: _sorted_keys(value[key]) for key in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted_keys(item) for item in value]
+    return value
 
 
 def _text_content(index: int, content: Any) -> str:
