@@ -32,10 +32,10 @@ from hypic.dist.affinity import prefix_hashes
 from hypic.dist.link import Link
 from hypic.dist.messages import (NODE_CODEC, Abort, Build, Cancel, Expect, Failed, Generate, Heartbeat,
                                  Flush, FlushReply, Hello, Output, Plan, PlanReply, Probe, ProbeReply, Pull,
-                                 Shutdown, Welcome, read_message, write_message)
+                                 Shutdown, TierMove, TierMoves, Welcome, read_message, write_message)
 from hypic.dist.net import connect
 from hypic.dist.remote_errors import error_info
-from hypic.dist.segment_wire import planned_job
+from hypic.dist.segment_wire import key_ref, planned_job
 from hypic.dist.segment_work import SegmentWork
 from hypic.dist.transport import TensorTransport
 from hypic.engine.async_engine import AsyncEngine
@@ -206,6 +206,9 @@ class EngineNode:
     async def _heartbeats(self) -> None:
         while True:
             await self._send_quietly(Heartbeat(self._stats(), self.work.counters()))
+            moves = await self.engine.segment_moves()
+            if moves:
+                await self._send_quietly(TierMoves([TierMove(key_ref(k), tier) for k, tier in moves.items()]))
             await asyncio.sleep(self.spec.heartbeat_s)
 
     def _stats(self) -> dict[str, Any]:

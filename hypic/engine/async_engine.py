@@ -163,6 +163,10 @@ class AsyncEngine:
     async def import_segment(self, key: SegmentKey, tup: SegmentTuple) -> bool:
         return await self._call(lambda core: core.import_segment(key, tup))
 
+    async def segment_moves(self) -> dict[SegmentKey, str | None]:
+        """Keys whose best tier in this engine's store changed since the last call, with the tier now."""
+        return await self._call(lambda core: core.store.take_moves())
+
     async def flush_segments(self, salt: str | None = None) -> int:
         """Drops the public pool's entries (of one salt) and the matching prefix checkpoints."""
         return await self._call(lambda core: core.flush_segments(salt))

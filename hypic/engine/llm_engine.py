@@ -116,9 +116,9 @@ class LLMEngine:
 
     def segment_jobs(self, prompt: SegmentedPrompt, cache_salt: str | None = None,
                      cache_mode: str | None = None) -> list[SegmentJob]:
-        """A prompt's PIC segments, each marked with whether the local store holds it."""
+        """A prompt's PIC segments, each marked with the local store's best tier holding it (or None)."""
         planned = self.pic.plan(prompt, cache_mode or self.config.cache_mode, cache_salt)
-        return [dataclasses.replace(p.job, cached=p.job.key in self.store) for p in planned]
+        return [dataclasses.replace(p.job, tier=self.store.tier(p.job.key)) for p in planned]
 
     def start_segment_jobs(self, jobs: list[SegmentJob]) -> None:
         """Prefill (as cold child jobs) the segments that are neither stored nor under way."""
