@@ -79,7 +79,6 @@ class LLMEngine:
         self.structured = StructuredDecoding((self.model_dir / "tokenizer.json").read_text(encoding="utf-8"),
                                              self.tokenizer.vocab_size, self.eos_ids)
         self.requests: dict[str, RequestState] = {}
-        self.finished_segments: list[tuple[SegmentKey, bool]] = []
         self.last_step_ran = True  # False when the last step found nothing it could schedule
         self.counters = dict.fromkeys(("finished", "aborted", "prompt", "generated", "cached"), 0)
         logger.info("hypic engine ready: %s on %s (%s), %s, max_model_len %d; %s", self.model_dir.name,
@@ -126,6 +125,14 @@ class LLMEngine:
             if job.key not in self.store and job.key not in self.pic.jobs:
                 self.scheduler.add(self.pic.start_job(job), first=True)
 
+    def fetch_segment(self, key: SegmentKey) -> None:
+        """Start reading an entry only the disk tier holds, for a peer (`segment_pending` until done)."""
+        self.pic.fetch(key)
+
+    def segment_pending(self, key: SegmentKey) -> bool:
+        """Being prefilled or read from disk here."""
+        return key in self.pic.jobs or key in self.pic.fetching
+
     def export_segment(self, key: SegmentKey) -> SegmentTuple | None:
         return self.pic.export(key)
 
@@ -147,7 +154,7 @@ class LLMEngine:
         return state.output([d for d in deltas if d is not None])
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self.pic.fetching)
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -162,10 +169,8 @@ class LLMEngine:
         masks = self.structured.fill(batch)  # beside the forward
         logits, capture = self.runner.execute(batch)
         self.scheduler.after_step(batch)
-        self.finished_segments = []  # (key, stored) of the cold segments this step finished
-        for job, stored in self.pic.after_step(batch, capture):
+        for job, _ in self.pic.after_step(batch, capture):
             self.scheduler.finish(job, "stop")
-            self.finished_segments.append((job.pic.job.key, stored))
         rows = self._sampling_rows(batch)
         deltas: dict[str, list[CompletionDelta]] = {}
         if rows:

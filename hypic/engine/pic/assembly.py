@@ -35,6 +35,7 @@ class PicAssembler:
         self.fingerprint, self.conv_kernel, self.seam_width = fingerprint, conv_kernel, seam_width
         self.jobs: dict[SegmentKey, Sequence] = {}  # cold segments being prefilled
         self.waiters: dict[SegmentKey, list[tuple[Sequence, PlannedSegment]]] = defaultdict(list)
+        self.fetching: set[SegmentKey] = set()  # disk reads for a peer's pull, promoted when done
 
     def plan(self, prompt: SegmentedPrompt, mode: str, salt: str | None) -> list[PlannedSegment]:
         if mode not in ("hypic", "naive"):
@@ -66,7 +67,8 @@ class PicAssembler:
         new_jobs = []
         for key in self.store.finished_reads():
             waiting = self.waiters.get(key)
-            entry = self.store.get(key) if waiting else None
+            entry = self.store.get(key) if waiting or key in self.fetching else None
+            self.fetching.discard(key)
             if entry is not None:
                 self.store.unpin(entry)
                 self._wake(key, stored=True, source="disk")
@@ -102,6 +104,11 @@ class PicAssembler:
         """The isolated prefill of one cold segment (one per key at a time)."""
         self.jobs[job.key] = seq = self._job_sequence(job)
         return seq
+
+    def fetch(self, key: SegmentKey) -> None:
+        """Promote a disk-only entry for a peer: its read runs off the engine thread, `poll` lands it."""
+        if key not in self.fetching and self.store.start_read(key):
+            self.fetching.add(key)
 
     def export(self, key: SegmentKey) -> SegmentTuple | None:
         """A copy of a stored tuple (to send to a peer), or None if the store lacks it."""
