@@ -17,6 +17,7 @@ import torch
 from hypic.cache.segment_store import SegmentKey, SegmentStore, SegmentTuple
 from hypic.engine.pic.plan import PicPolicy, PlannedSegment, SegmentJob, plan_segments
 from hypic.engine.pic.pieces import Cached
+from hypic.engine.pic.read_cost import ReadOrRecompute
 from hypic.engine.scheduler import ScheduledBatch
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.sequence import RequestInfo, Sequence
@@ -30,8 +31,8 @@ _PREFILL_ONLY = SamplingParams(max_tokens=0)
 
 class PicAssembler:
     def __init__(self, store: SegmentStore, caches, inv_freq: torch.Tensor, fingerprint: str,
-                 conv_kernel: int, seam_width: int) -> None:
-        self.store, self.caches, self.inv_freq = store, caches, inv_freq
+                 conv_kernel: int, seam_width: int, costs: ReadOrRecompute) -> None:
+        self.store, self.caches, self.inv_freq, self.costs = store, caches, inv_freq, costs
         self.fingerprint, self.conv_kernel, self.seam_width = fingerprint, conv_kernel, seam_width
         self.jobs: dict[SegmentKey, Sequence] = {}  # cold segments being prefilled
         self.waiters: dict[SegmentKey, list[tuple[Sequence, PlannedSegment]]] = defaultdict(list)
@@ -55,11 +56,18 @@ class PicAssembler:
                 continue
             seq.pic.awaiting.add(segment.job.key)
             self.waiters[segment.job.key].append((seq, segment))
-            if segment.job.key not in self.jobs and not self.store.start_read(segment.job.key):
+            if segment.job.key not in self.jobs and not self._read_from_disk(segment.job):
                 new_jobs.append(self.start_job(segment.job))
         if planned:
             seq.pic.approximate_from = planned[0].span[0]
         return new_jobs
+
+    def _read_from_disk(self, job: SegmentJob) -> bool:
+        """Start reading an entry only the disk holds, unless recomputing it is cheaper (then False)."""
+        if self.store.tier(job.key) != "disk":
+            return False
+        nbytes = self.store.layout.entry_bytes(job.interior[1] - job.interior[0])
+        return self.costs.read(nbytes, len(job.token_ids)) and self.store.start_read(job.key)
 
     def poll(self) -> list[Sequence]:
         """Disk reads that finished: promoted for the requests waiting on them; a failed one (or no
