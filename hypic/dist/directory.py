@@ -33,6 +33,10 @@ class SegmentDirectory:
     def tier(self, key: SegmentKey, node_id: int) -> str | None:
         return self._holders.get(key, {}).get(node_id)
 
+    def held(self, node_id: int) -> dict[SegmentKey, str]:
+        """Every key the node holds, with its tier there."""
+        return {key: holders[node_id] for key, holders in self._holders.items() if node_id in holders}
+
     def rank(self, key: SegmentKey, node_id: int) -> int:
         """0 for a pool holder, 1 for host memory, 2 for disk; len(TIERS) for a non-holder."""
         tier = self.tier(key, node_id)
