@@ -40,7 +40,7 @@ from hypic.dist.segment_work import SegmentWork
 from hypic.dist.transport import TensorTransport
 from hypic.engine.async_engine import AsyncEngine
 from hypic.engine.pic.segments import SegmentedPrompt
-from hypic.errors import HypicError, PromptTooLongError
+from hypic.errors import EngineDeadError, HypicError, PromptTooLongError
 
 log = logging.getLogger("hypic.dist")
 
@@ -206,10 +206,17 @@ class EngineNode:
     async def _heartbeats(self) -> None:
         while True:
             await self._send_quietly(Heartbeat(self._stats(), self.work.counters()))
-            moves = await self.engine.segment_moves()
-            if moves:
-                await self._send_quietly(TierMoves([TierMove(key_ref(k), tier) for k, tier in moves.items()]))
+            await self._report_tier_moves()
             await asyncio.sleep(self.spec.heartbeat_s)
+
+    async def _report_tier_moves(self) -> None:
+        """The keys whose best tier changed here, for the router's segment directory."""
+        try:
+            moves = await self.engine.segment_moves()
+        except EngineDeadError:
+            return  # the heartbeats go on: the router learns of the dead engine from its requests
+        if moves:
+            await self._send_quietly(TierMoves([TierMove(key_ref(k), tier) for k, tier in moves.items()]))
 
     def _stats(self) -> dict[str, Any]:
         return msgspec.to_builtins(self.engine.stats())
