@@ -3,6 +3,7 @@ pool, lower-tier hits reported as such, faults on disk cost a recompute, other w
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 import torch
@@ -183,9 +184,10 @@ def disk_warmed(tiny_model_dir, reference, tmp_path):
 
 
 @pytest.mark.parametrize("read_bytes_per_s, kind", [(1.0, set()), (1e15, {"pic_disk"})])
-def test_a_disk_entry_slower_to_read_than_to_recompute_is_recomputed(tiny_model_dir, reference, tmp_path,
+def test_a_disk_entry_slower_to_read_than_to_recompute_is_recomputed(tiny_model_dir, reference, tmp_path, caplog,
                                                                      read_bytes_per_s, kind):
     ref, config = disk_warmed(tiny_model_dir, reference, tmp_path)
+    caplog.set_level(logging.INFO, logger="hypic")
 
     def disk_speed(core: LLMEngine) -> None:  # the injected read rate; the prefill rate as it is measured
         core.pic.costs.read_bytes_per_s = read_bytes_per_s
@@ -195,6 +197,12 @@ def test_a_disk_entry_slower_to_read_than_to_recompute_is_recomputed(tiny_model_
     disk = core.stats().segment_disk
     assert (disk.hits, disk.recomputed) == ((0, 2) if read_bytes_per_s == 1.0 else (2, 0))
     assert disk.recompute_tokens_per_s == core.pic.costs.tokens_per_s > 0
+    per_segment = core.store.layout.entry_bytes(1024)
+    capacities = (config.segment_pool_bytes // per_segment, config.segment_host_bytes // per_segment,
+                  disk.capacity_bytes // per_segment)
+    line = "segment tiers (1k-token segments): " + ", ".join(
+        f"{name} {n}" for name, n in zip(("pool", "host", "disk"), capacities))  # every tier is on
+    assert any(line + " (disk reads " in r.getMessage() and " GB/s)" in r.getMessage() for r in caplog.records)
 
 
 def test_a_peer_pulling_an_entry_held_only_on_disk_gets_it_read(tiny_model_dir, reference, tmp_path):
