@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from hypic.cache.tier_stats import TierStats
 from hypic.config import CACHE_MODES, EngineConfig
 from hypic.engine.pic.assembly import PicAssembler
 from hypic.engine.pic.plan import SegmentJob
+from hypic.engine.pic.read_cost import ReadOrRecompute, StepClock
 from hypic.engine.prompt_logprobs import PromptScores, PromptScoring
 from hypic.engine.request_state import Completion, RequestState
 from hypic.engine.runner import ModelRunner, RunnerSettings
@@ -79,7 +81,6 @@ class LLMEngine:
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self.structured = StructuredDecoding(self.tokenizer.to_json(), self.tokenizer.vocab_size, self.eos_ids)
         self.requests: dict[str, RequestState] = {}
-        self.finished_segments: list[tuple[SegmentKey, bool]] = []
         self.last_step_ran = True  # False when the last step found nothing it could schedule
         self.counters = dict.fromkeys(("finished", "aborted", "prompt", "generated", "cached"), 0)
         logger.info("hypic engine ready: %s on %s (%s), %s, max_model_len %d; %s", self.model_dir.name,
@@ -117,15 +118,23 @@ class LLMEngine:
 
     def segment_jobs(self, prompt: SegmentedPrompt, cache_salt: str | None = None,
                      cache_mode: str | None = None) -> list[SegmentJob]:
-        """A prompt's PIC segments, each marked with whether the local store holds it."""
+        """A prompt's PIC segments, each marked with the local store's best tier holding it (or None)."""
         planned = self.pic.plan(prompt, cache_mode or self.config.cache_mode, cache_salt)
-        return [dataclasses.replace(p.job, cached=p.job.key in self.store) for p in planned]
+        return [dataclasses.replace(p.job, tier=self.store.tier(p.job.key)) for p in planned]
 
     def start_segment_jobs(self, jobs: list[SegmentJob]) -> None:
         """Prefill (as cold child jobs) the segments that are neither stored nor under way."""
         for job in jobs:
             if job.key not in self.store and job.key not in self.pic.jobs:
                 self.scheduler.add(self.pic.start_job(job), first=True)
+
+    def fetch_segment(self, key: SegmentKey) -> None:
+        """Start reading an entry only the disk tier holds, for a peer (`segment_pending` until done)."""
+        self.pic.fetch(key)
+
+    def segment_pending(self, key: SegmentKey) -> bool:
+        """Being prefilled or read from disk here."""
+        return key in self.pic.jobs or key in self.pic.fetching
 
     def export_segment(self, key: SegmentKey) -> SegmentTuple | None:
         return self.pic.export(key)
@@ -148,7 +157,7 @@ class LLMEngine:
         return state.output([d for d in deltas if d is not None])
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self.pic.fetching)
 
     def waiting_sequences(self) -> int:
         """Completions not yet running, as admission counts them (see AsyncEngine)."""
@@ -171,6 +180,7 @@ class LLMEngine:
         self.last_step_ran = bool(batch.chunks)
         if not batch.chunks:
             return []
+        self.step_clock.start(_prefill_tokens(batch))
         self.pic.scatter(batch)
         masks = self.structured.fill(batch)  # beside the forward
         scoring, scored = self._prompt_scoring(batch)
@@ -178,10 +188,8 @@ class LLMEngine:
         if scores is not None:
             self._record_prompt_scores(scored, scores)
         self.scheduler.after_step(batch)
-        self.finished_segments = []  # (key, stored) of the cold segments this step finished
-        for job, stored in self.pic.after_step(batch, capture):
+        for job, _ in self.pic.after_step(batch, capture):
             self.scheduler.finish(job, "stop")
-            self.finished_segments.append((job.pic.job.key, stored))
         rows = self._sampling_rows(batch)
         deltas: dict[str, list[CompletionDelta]] = {}
         if rows:
@@ -193,6 +201,7 @@ class LLMEngine:
         for chunk in batch.chunks:
             if chunk.samples and chunk.seq.info.params.max_tokens == 0 and not chunk.seq.finished:
                 self._collect(deltas, chunk.seq, self._finish(self._completion(chunk.seq), "length"))
+        self.step_clock.stop()
         return self._outputs(deltas)
 
     def _request_state(self, info: RequestInfo) -> RequestState:
@@ -383,8 +392,10 @@ class LLMEngine:
         self.store = SegmentStore(layout, pool_bytes, self.device, lower)
         c = self.model_config
         inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta).to(self.device)
+        costs = ReadOrRecompute(lower.disk.read_bytes_per_s if lower and lower.disk else math.inf)
         self.pic = PicAssembler(self.store, self.caches, inv_freq, self._fingerprint(),
-                                shape.conv_kernel, self.config.seam_width)
+                                shape.conv_kernel, self.config.seam_width, costs)
+        self.step_clock = StepClock(self.device, costs)
         self.runner = ModelRunner(self.model, self.caches, settings, scratch_slot=plan.num_slots,
                                   scratch_block=plan.num_blocks, store=self.store)
         self.runner.capture_graphs()
@@ -400,8 +411,18 @@ class LLMEngine:
         lower = self.store.lower
         tiers = [("pool", self.store.capacity_bytes), ("host", lower.capacity_bytes if lower else 0),
                  ("disk", lower.disk.capacity_bytes if lower and lower.disk else 0)]
-        return "segment tiers (1k-token segments): " + ", ".join(
+        line = "segment tiers (1k-token segments): " + ", ".join(
             f"{name} {capacity // entry}" for name, capacity in tiers if capacity)
+        if lower and lower.disk:
+            line += f" (disk reads {lower.disk.read_bytes_per_s / 1e9:.2f} GB/s)"
+        return line
+
+    def _disk_stats(self) -> DiskStats | None:
+        lower, costs = self.store.lower, self.pic.costs
+        if lower is None or lower.disk is None:
+            return None
+        return dataclasses.replace(lower.disk.stats(), recompute_tokens_per_s=costs.tokens_per_s,
+                                   recomputed=costs.recomputed)
 
     def stats(self) -> EngineStats:
         c = self.counters
@@ -412,10 +433,18 @@ class LLMEngine:
             block_size=self.config.block_size, state_slots_total=self.plan.num_slots,
             state_slots_free=self.slots.num_free, prefix_cache=self.prefix.stats(),
             segment_pool=self.store.stats(), segment_host=lower.stats() if lower else None,
-            segment_disk=lower.disk.stats() if lower and lower.disk else None,
+            segment_disk=self._disk_stats(),
             requests_finished=c["finished"], requests_aborted=c["aborted"], prompt_tokens=c["prompt"],
             generated_tokens=c["generated"], cached_tokens=c["cached"],
             preemptions=self.scheduler.preemptions)
+
+
+def _prefill_tokens(batch: ScheduledBatch) -> int:
+    """Tokens the step computes from scratch, or 0 when it composes cached pieces (then its time
+    says little about the prefill rate)."""
+    if any(c.chunk.cached for c in batch.chunks):
+        return 0
+    return sum(c.chunk.num_tokens for c in batch.chunks)
 
 
 def _check_resume(resume: Mapping[int, list[int]], params: SamplingParams) -> None:
