@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 class TokenLogprob:
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None only for the first prompt token of prompt_logprobs: nothing predicts it
     top: tuple[tuple[int, str, float], ...] = ()  # (token_id, text, logprob) alternatives, best first
+    rank: int | None = None  # prompt logprobs: 1 + how many tokens were likelier
 
 
 @dataclass(frozen=True)
@@ -43,3 +44,6 @@ class RequestOutput:
     deltas: tuple[CompletionDelta, ...]  # completions that advanced in this step
     finished: bool  # every completion finished
     metrics: RequestMetrics
+    # Once, on the first output after the whole prompt is scored (params.prompt_logprobs set): one
+    # entry per prompt token
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None

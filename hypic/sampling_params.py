@@ -26,6 +26,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict, hash=False)
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and k alternatives
+    prompt_logprobs: int | None = None  # the same for each prompt token; the prefill then recomputes everything
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutputs | None = None  # constrained decoding (JSON schema, regex, choice, grammar)
@@ -68,6 +69,7 @@ def _number_in(low: float, high: float) -> Rule:
     return Rule(lambda v: low <= v <= high, f"a number in [{low:g}, {high:g}]")
 
 
+_TOP_K = Rule(lambda v: v is None or 0 <= v <= 20, "an integer in [0, 20] or None (off)")
 _RULES = {
     "n": Rule(lambda v: v >= 1, "an integer >= 1"),
     "max_tokens": Rule(lambda v: v is None or v >= 0, "an integer >= 0 or None (until the context is full)"),
@@ -83,5 +85,6 @@ _RULES = {
     "repetition_penalty": Rule(lambda v: v > 0.0, "a number > 0"),
     "logit_bias": Rule(lambda v: all(t >= 0 and -100.0 <= b <= 100.0 for t, b in v.items()),
                        "a dict of token id (an integer >= 0) -> bias (a number in [-100, 100])"),
-    "logprobs": Rule(lambda v: v is None or 0 <= v <= 20, "an integer in [0, 20] or None (off)"),
+    "logprobs": _TOP_K,
+    "prompt_logprobs": _TOP_K,
 }

@@ -19,6 +19,8 @@ class Finished:
     finish_reason: dict[int, str | None] = field(default_factory=dict)
     logprobs: dict[int, list] = field(default_factory=dict)
     metrics: RequestMetrics | None = None
+    prompt_logprobs: tuple | None = None
+    outputs_with_prompt_logprobs: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -34,6 +36,9 @@ async def collect(engine: AsyncEngine, prompt, params: SamplingParams, **kwargs)
             done.logprobs.setdefault(d.index, []).extend(d.logprobs or ())
             done.finish_reason[d.index] = d.finish_reason
         done.metrics = out.metrics
+        if out.prompt_logprobs is not None:
+            done.prompt_logprobs = out.prompt_logprobs
+            done.outputs_with_prompt_logprobs += 1
     return done
 
 

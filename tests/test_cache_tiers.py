@@ -149,3 +149,25 @@ def test_host_tier_budget_defaults() -> None:
     assert segment_host_bytes(EngineConfig(), gpu, 1 << 20) == 10 << 20  # ten pools
     assert segment_host_bytes(EngineConfig(segment_host_bytes=0), gpu, 1 << 20) == 0
     assert segment_host_bytes(EngineConfig(), gpu, 1 << 50) < 1 << 50  # never more than the host has
+
+
+def test_each_key_reports_its_best_tier_once_it_moves(tmp_path) -> None:
+    store = tiered(pool=1, host=1, disk_dir=tmp_path)
+    fill(store, "a")
+    assert store.take_moves() == {key("a"): "pool"} and store.take_moves() == {}
+    fill(store, "b")  # a goes down to host memory (and is written to disk)
+    assert store.take_moves() == {key("a"): "host", key("b"): "pool"}
+    fill(store, "c")  # b down to host; a leaves host memory, on disk only now
+    assert store.take_moves() == {key("a"): "disk", key("b"): "host", key("c"): "pool"}
+    assert [store.tier(key(n)) for n in "abcd"] == ["disk", "host", "pool", None]
+    entry = get(store, key("a"))  # promoted from disk; c down to host, b to disk only
+    store.unpin(entry)
+    assert store.take_moves() == {key("a"): "pool", key("b"): "disk", key("c"): "host"}
+
+
+def test_without_lower_tiers_an_eviction_reports_the_key_gone() -> None:
+    lay = layout()
+    store = SegmentStore(lay, lay.entry_bytes(LEN), "cpu")
+    for name in "ab":
+        assert store.put(key(name), random_tuple(lay, LEN, seed=ord(name)))
+    assert store.take_moves() == {key("a"): None, key("b"): "pool"}

@@ -10,14 +10,15 @@ from hypic.dist.link import Link
 from hypic.dist.messages import (DATA_CODEC, MAX_FRAME_BYTES, NODE_CODEC, Abort, Arrived, Build, Cancel,
                                  ErrorInfo, Expect, Failed, Generate, Heartbeat, Hello, Job, KeyRef, NcclHello,
                                  NodeCounters, Output, Plan, PlannedJob, PlanReply, Probe, ProbeReply, Progress,
-                                 ProtocolError, Pull, Shutdown, TensorSpec, TransferHeader, Welcome, frame,
+                                 ProtocolError, Pull, Shutdown, TensorSpec, TierMove, TierMoves, TransferHeader,
+                                 Welcome, frame,
                                  read_frame, read_message, write_message)
 from hypic.dist.net import Address, connect, listen
 from hypic.outputs import CompletionDelta, RequestMetrics, RequestOutput, TokenLogprob
 from hypic.sampling_params import SamplingParams
 
 KEY = KeyRef(b"\x01" * 16, "tenant")
-SEGMENT = PlannedJob(KEY, (5, 6, 7, 8), (2, 3), False, True)
+SEGMENT = PlannedJob(KEY, (5, 6, 7, 8), (2, 3), False, "host")
 OUTPUT = RequestOutput("r1", (CompletionDelta(0, "hé", (4, 9), (TokenLogprob(4, "h", -0.123456789012345678,
                                                                             ((9, "é", -2.5),)),), "stop"),),
                        True, RequestMetrics(12.5, 0.001, 0.02, 7, 3, {"pic": 3}, 2))
@@ -26,6 +27,7 @@ NODE_MESSAGES = [
     Hello(3, 1234, "cuda:3", "tcp://10.0.0.2:5000", "nccl", "tiny", 4096),
     Welcome(3),
     Heartbeat({"running": 1, "prefix_cache": {"hits": 2}}, NodeCounters(segments_built=4, send_seconds=0.5)),
+    TierMoves([TierMove(KEY, "host"), TierMove(KeyRef(b"\x02" * 16, None), None)]),
     Generate("r1", ["sys", "doc", "q"], SamplingParams(temperature=0.0, max_tokens=3, stop=("x",), logprobs=1),
              "salt", "hypic", False),
     Generate("r2", [1, 2, 3], SamplingParams()),

@@ -1,6 +1,8 @@
 """Router decisions: combine node choice, pulls over recomputation, LPT of cold segments, affinity."""
 from __future__ import annotations
 
+import pytest
+
 from hypic.cache.prefix_cache import token_bytes
 from hypic.cache.segment_store import SegmentKey
 from hypic.dist.affinity import AffinityMap, prefix_hashes
@@ -117,3 +119,37 @@ def test_round_robin_baseline_ignores_sizes_and_loads():
     placements = r.place([seg("a", 4000), seg("b", 100), seg("c", 4000), seg("d", 100)], combine=0,
                          nodes=nodes(0, 9000))
     assert [p.source for p in placements] == [0, 1, 0, 1]
+
+
+def test_the_directory_keeps_each_holders_tier_and_follows_its_moves():
+    d, a, b = SegmentDirectory(8), seg("a", 64).key, seg("b", 64).key
+    d.add(a, 0)
+    d.add(a, 1, "disk")
+    assert (d.tier(a, 0), d.tier(a, 1), d.tier(a, 2)) == ("pool", "disk", None)
+    assert [d.rank(a, n) for n in (0, 1, 2)] == [0, 2, 3]
+    d.moved(0, {a: "host", b: "pool"})  # node 0 demoted a, stored b
+    assert d.tier(a, 0) == "host" and d.holders(b) == {0}
+    d.moved(0, {a: None})
+    assert d.holders(a) == {1} and d.tier(a, 1) == "disk"
+    d.forget_node(1)
+    assert d.holders(a) == frozenset() and len(d) == 1
+
+
+def test_a_pull_prefers_the_best_tier_then_the_least_loaded_holder():
+    r, s = router(), seg("a", 64)
+    r.directory.add(s.key, 1, "disk")
+    r.directory.add(s.key, 2, "host")
+    r.directory.add(s.key, 3, "pool")
+    loads = nodes(0, 0, 0, 9000)  # the pool holder is the busiest: its tier still wins
+    assert [(p.kind, p.source) for p in r.place([s], combine=0, nodes=loads)] == [("pull", 3)]
+    r.directory.drop(s.key, 3)
+    assert [(p.kind, p.source) for p in r.place([s], combine=0, nodes=loads)] == [("pull", 2)]
+    r.directory.drop(s.key, 2)
+    assert [(p.kind, p.source) for p in r.place([s], combine=0, nodes=loads)] == [("pull", 1)]
+    r.directory.add(s.key, 0, "disk")  # the combine node's own disk beats any pull
+    assert [(p.kind, p.source) for p in r.place([s], combine=0, nodes=loads)] == [("local", 0)]
+
+
+def test_the_directory_refuses_an_unknown_tier():
+    with pytest.raises(ValueError, match="none of"):
+        SegmentDirectory(4).add(seg("a", 64).key, 0, "tape")

@@ -3,8 +3,10 @@ pool, lower-tier hits reported as such, faults on disk cost a recompute, other w
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
+import torch
 from conftest import make_model_dir
 from engine_util import collect, cpu_config, greedy
 
@@ -170,3 +172,54 @@ def test_every_tier_gives_back_its_pins_after_aborts(tiny_model_dir, reference):
     assert pool.bytes == sum(e.nbytes for e in core.store._index.values())
     assert host.bytes == sum(h.nbytes for h in core.store.lower._index.values())
     assert pool.evictions > 0 and host.hits > 0 and core.stats().requests_aborted > 0
+
+
+def disk_warmed(tiny_model_dir, reference, tmp_path):
+    """A disk directory holding documents 0 and 1 (demoted through a one-entry pool and host tier)."""
+    ref, entry = reference
+    config = tier_config(tiny_model_dir, segment_pool_bytes=entry * 3 // 2, segment_host_bytes=entry * 3 // 2,
+                         segment_disk_dir=tmp_path)
+    serve(config, jobs(1))
+    return ref, config
+
+
+@pytest.mark.parametrize("read_bytes_per_s, kind", [(1.0, set()), (1e15, {"pic_disk"})])
+def test_a_disk_entry_slower_to_read_than_to_recompute_is_recomputed(tiny_model_dir, reference, tmp_path, caplog,
+                                                                     read_bytes_per_s, kind):
+    ref, config = disk_warmed(tiny_model_dir, reference, tmp_path)
+    caplog.set_level(logging.INFO, logger="hypic")
+
+    def disk_speed(core: LLMEngine) -> None:  # the injected read rate; the prefill rate as it is measured
+        core.pic.costs.read_bytes_per_s = read_bytes_per_s
+    warm, core = serve(config, jobs()[len(DOCS):], before=disk_speed)
+    assert_same_outputs(warm, ref[len(DOCS):])
+    assert kinds(warm)[:2] == [kind] * 2
+    disk = core.stats().segment_disk
+    assert (disk.hits, disk.recomputed) == ((0, 2) if read_bytes_per_s == 1.0 else (2, 0))
+    assert disk.recompute_tokens_per_s == core.pic.costs.tokens_per_s > 0
+    per_segment = core.store.layout.entry_bytes(1024)
+    capacities = (config.segment_pool_bytes // per_segment, config.segment_host_bytes // per_segment,
+                  disk.capacity_bytes // per_segment)
+    line = "segment tiers (1k-token segments): " + ", ".join(
+        f"{name} {n}" for name, n in zip(("pool", "host", "disk"), capacities))  # every tier is on
+    assert any(line + " (disk reads " in r.getMessage() and " GB/s)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_peer_pulling_an_entry_held_only_on_disk_gets_it_read(tiny_model_dir, reference, tmp_path):
+    _, config = disk_warmed(tiny_model_dir, reference, tmp_path)
+    unbounded = tier_config(tiny_model_dir)
+
+    async def exported(engine_config, prompt):
+        async with AsyncEngine(engine_config) as engine:
+            job = engine.segment_jobs(prompt)[0]
+            if engine_config is unbounded:
+                await engine.build_segments([job])
+            tier = engine.core.store.tier(job.key)
+            return tier, await engine.export_segment(job.key), engine.core.store.stats()
+    tier, from_disk, pool = asyncio.run(exported(config, jobs()[0]))
+    assert tier == "disk" and pool.entries == 1 and pool.promotions == 1  # promoted on the way out
+    _, built, _ = asyncio.run(exported(unbounded, jobs()[0]))
+    assert from_disk.interior == built.interior
+    for name in ("T", "S0", "conv_tail", "K", "V"):
+        for got, want in zip(getattr(from_disk, name), getattr(built, name), strict=True):
+            torch.testing.assert_close(got, want.to(got.dtype), rtol=0, atol=0)

@@ -135,7 +135,6 @@ def _idle_and_accounted(client: InProcessEngineClient) -> bool:
         ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
         ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
-        ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
         ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
         ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
         ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
@@ -260,8 +259,9 @@ _PROMPT = st.one_of(_TEXT, _SEGMENTS.map("<|segment|>".join), st.lists(st.intege
                     st.lists(_TEXT, min_size=1, max_size=2))
 _COMPLETION = st.one_of(
     st.fixed_dictionaries({"prompt": _PROMPT, "max_tokens": st.integers(0, 3)},
-                          optional={"logprobs": st.integers(0, 5), **_SAMPLING}),
-    st.fixed_dictionaries({"segments": _SEGMENTS, "max_tokens": st.integers(0, 3)}, optional=_SAMPLING),
+                          optional={"logprobs": st.integers(0, 5), "echo": st.booleans(), **_SAMPLING}),
+    st.fixed_dictionaries({"segments": _SEGMENTS, "max_tokens": st.integers(0, 3)},
+                          optional={"logprobs": st.integers(0, 5), "echo": st.booleans(), **_SAMPLING}),
 )
 _MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": _TEXT})
 _CHAT = st.fixed_dictionaries(

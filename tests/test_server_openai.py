@@ -49,10 +49,15 @@ def _root(client: openai.OpenAI) -> str:
 
 
 def _tokenize(client: openai.OpenAI, body: dict) -> int:
+    return _token_ids_and_count(client, body)[1]
+
+
+def _token_ids_and_count(client: openai.OpenAI, body: dict) -> tuple[list[int], int]:
     headers = {"Content-Type": "application/json"}
     request = urllib.request.Request(_root(client) + "/tokenize", data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())["count"]
+        reply = json.loads(response.read())
+    return reply["tokens"], reply["count"]
 
 
 def _get(client: openai.OpenAI, path: str) -> str:
@@ -153,6 +158,84 @@ def test_max_tokens_zero_returns_an_empty_completion_with_usage(client) -> None:
     response = client.completions.create(model=NAME, prompt="warm up", max_tokens=0)
     assert response.choices[0].text == "" and response.usage.completion_tokens == 0
     assert response.usage.prompt_tokens > 0
+
+
+def _hf_prompt_logprobs(ids: list[int]):
+    """transformers' log_softmax over the tokenizer's vocabulary at each prompt position but the last."""
+    import torch
+    from engine_util import hf_model
+
+    from hypic.engine.setup import BUNDLED_MODEL
+    from hypic.engine.text.tokenizer import Tokenizer
+
+    vocab = Tokenizer.from_dir(BUNDLED_MODEL).vocab_size
+    with torch.no_grad():
+        logits = hf_model(BUNDLED_MODEL)(input_ids=torch.tensor([ids])).logits[0, :-1, :vocab].double()
+    return torch.log_softmax(logits, -1)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3
+    ids, _ = _token_ids_and_count(client, {"prompt": prompt})
+    choice = client.completions.create(model=NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=2).choices[0]
+    reference, got = _hf_prompt_logprobs(ids), choice.logprobs
+    assert choice.text == prompt and len(got.tokens) == len(ids)
+    assert got.token_logprobs[0] is None and got.top_logprobs[0] is None  # nothing predicts the first token
+    expected = [float(reference[p, ids[p + 1]]) for p in range(len(ids) - 1)]
+    assert got.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    for top, row in zip(got.top_logprobs[1:], reference, strict=True):  # the top 2, and the prompt token
+        assert sorted(top.values(), reverse=True)[:2] == pytest.approx(row.topk(2).values.tolist(), abs=1e-4)
+    offsets = [sum(len(token) for token in got.tokens[:i]) for i in range(len(ids))]
+    assert got.text_offset == offsets
+
+
+def test_vllm_prompt_logprobs_without_echo(client) -> None:
+    prompt = "Once upon a time there was a fox."
+    ids, _ = _token_ids_and_count(client, {"prompt": prompt})
+    choice = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0.0,
+                                       extra_body={"prompt_logprobs": 3}).choices[0]
+    reference, got = _hf_prompt_logprobs(ids), choice.model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids) and not choice.text.startswith(prompt)
+    for position, entry in enumerate(got[1:]):
+        row, token = reference[position], ids[position + 1]
+        assert entry[str(token)]["logprob"] == pytest.approx(float(row[token]), abs=1e-4)
+        best = row.topk(3)
+        assert [entry[str(int(t))]["rank"] for t in best.indices] == [1, 2, 3]
+        assert [entry[str(int(t))]["logprob"] for t in best.indices] == pytest.approx(best.values.tolist(), abs=1e-4)
+
+
+def test_echo_puts_the_prompt_before_each_choice_streamed_or_not(client) -> None:
+    """Two prompts, n=2, a stop string the prompts contain (only the completion is searched)."""
+    prompts, steps = ["The quick brown fox", "Once upon a time, the fox"], 6
+    args = dict(model=NAME, prompt=prompts, max_tokens=steps, n=2, logprobs=1, stop=["fox"], **GREEDY)
+    plain = client.completions.create(**args).choices
+    echoed = client.completions.create(echo=True, **args).choices
+    streamed: dict[int, list[str]] = {}
+    for chunk in client.completions.create(echo=True, stream=True, **args):
+        for choice in chunk.choices:
+            streamed.setdefault(choice.index, []).append(choice.text)
+    for without, choice in zip(plain, echoed, strict=True):
+        prompt = prompts[choice.index // 2]
+        assert choice.text == prompt + without.text and choice.finish_reason == without.finish_reason
+        assert streamed[choice.index][0].startswith(prompt) and "".join(streamed[choice.index]) == choice.text
+        tail = len(without.logprobs.tokens)
+        assert choice.logprobs.tokens[-tail:] == without.logprobs.tokens
+        assert choice.logprobs.token_logprobs[-tail:] == pytest.approx(without.logprobs.token_logprobs, abs=1e-4)
+        assert len(choice.logprobs.tokens) == _tokenize(client, {"prompt": prompt}) + tail
+
+
+def test_echo_of_segments_and_of_token_ids(client) -> None:
+    """Segments come back joined (scored by a full recompute, nothing cached); token ids decoded."""
+    segments = ["Answer briefly. ", "The fox lives in the forest. ", "Where is the fox?"]
+    for _ in range(2):  # the second time the segments are in the pool, and still not used
+        whole = client.completions.create(model=NAME, prompt=None, max_tokens=0, echo=True, logprobs=0,
+                                          extra_body={"segments": segments})
+    choice = whole.choices[0]
+    assert choice.text == "".join(segments) and choice.logprobs.token_logprobs[0] is None
+    assert len(choice.logprobs.tokens) == whole.usage.prompt_tokens and whole.usage.prompt_tokens_details.cached_tokens == 0
+    ids, _ = _token_ids_and_count(client, {"prompt": "The fox lives in the forest."})
+    by_ids = client.completions.create(model=NAME, prompt=ids, max_tokens=2, echo=True, **GREEDY).choices[0]
+    assert by_ids.text.startswith("The fox lives in the forest.") and by_ids.logprobs is None
 
 
 def test_bad_request_raises_the_clients_typed_error(client) -> None:

@@ -41,9 +41,11 @@ class _File:
 @dataclass(frozen=True)
 class DiskStats(TierStats):
     """`pinned`: writes under way; `demotions`: files written; `errors`: failed writes, and files
-    found missing, truncated or corrupt."""
+    found missing, truncated or corrupt. The engine fills in the last two fields."""
 
     read_bytes_per_s: float = 0.0  # measured at start-up
+    recompute_tokens_per_s: float = 0.0  # the engine's prefill rate it weighs reads against
+    recomputed: int = 0  # entries recomputed rather than read: cheaper so (short segments, a slow disk)
 
 
 def layout_signature(layout: SegmentLayout) -> str:

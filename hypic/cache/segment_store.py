@@ -292,6 +292,7 @@ class SegmentStore:
         # evicted entries whose demotion copy may still read them: their space is reused once it lands
         self._draining: list[tuple[SegmentEntry, torch.cuda.Event]] = []
         self._hits = self._misses = self._evictions = self._promotions = self._demotions = 0
+        self._moved: set[SegmentKey] = set()  # keys whose best tier changed since `take_moves`
 
     # flat views for the kernels (zero-copy; element offsets come from SegmentEntry)
     def t_src(self, linear_index: int) -> torch.Tensor:
@@ -355,6 +356,19 @@ class SegmentStore:
         """Held by the pool or a tier below it."""
         return key in self._index or (self.lower is not None and key in self.lower)
 
+    def tier(self, key: SegmentKey) -> str | None:
+        """The best tier holding `key`: "pool", "host", "disk", or None."""
+        if key in self._index:
+            return "pool"
+        return self.lower.tier(key) if self.lower is not None else None
+
+    def take_moves(self) -> dict[SegmentKey, str | None]:
+        """Each key whose best tier changed since the last call, with its tier now (None: gone);
+        what a cluster's segment directory learns from."""
+        moved = self._moved | (self.lower.take_moved() if self.lower is not None else set())
+        self._moved = set()
+        return {key: self.tier(key) for key in moved}
+
     def get(self, key: SegmentKey) -> SegmentEntry | None:
         """The entry, pinned (call `unpin` when done), promoted from a lower tier if need be; None
         on a miss. `entry.source` says which tier it came from."""
@@ -390,6 +404,7 @@ class SegmentStore:
         entry = SegmentEntry(key, claim.interior, offset, claim.nbytes, self.layout, self._arena, source=claim.tier)
         entry.ready = self.lower.copy_up(claim, self._bytes(entry))
         self._index[key] = entry
+        self._moved.add(key)
         self._promotions += 1
         return entry
 
@@ -407,6 +422,7 @@ class SegmentStore:
         entry = SegmentEntry(key, tup.interior, offset, nbytes, self.layout, self._arena)
         self._write(entry, tup)
         self._index[key] = entry
+        self._moved.add(key)
         return True
 
     def unpin(self, entry: SegmentEntry) -> None:
@@ -445,6 +461,7 @@ class SegmentStore:
         if entry is None:
             return False
         self._evictions += 1
+        self._moved.add(entry.key)
         copying = self.lower.demote(entry.key, entry.interior, self._bytes(entry)) if self.lower is not None else None
         self._demotions += self.lower is not None and entry.key in self.lower
         if copying is None:

@@ -79,9 +79,19 @@ class LowerTiers:
         self._read: dict[SegmentKey, futures.Future] = {}  # finished, until claimed or the next poll
         self.disk = disk
         self._counts = dict.fromkeys(("hits", "misses", "promotions", "demotions", "evictions"), 0)
+        self._moved: set[SegmentKey] = set()  # host entries evicted since `take_moved`
 
     def __contains__(self, key: SegmentKey) -> bool:
         return key in self._index or (self.disk is not None and key in self.disk)
+
+    def tier(self, key: SegmentKey) -> str | None:
+        if key in self._index:
+            return "host"
+        return "disk" if self.disk is not None and key in self.disk else None
+
+    def take_moved(self) -> set[SegmentKey]:
+        moved, self._moved = self._moved, set()
+        return moved
 
     def demote(self, key: SegmentKey, interior: tuple[int, int], src: torch.Tensor) -> torch.cuda.Event | None:
         """Copy a pool entry's bytes down. Returns the copy's event (None: done, or not copied);
@@ -192,6 +202,7 @@ class LowerTiers:
         if held is None:
             return False
         self._free.release(held.offset, held.nbytes)
+        self._moved.add(held.key)
         self._counts["evictions"] += 1
         return True
 

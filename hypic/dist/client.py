@@ -20,10 +20,12 @@ from hypic.dist.cluster import Cluster, NodeHandle
 from hypic.dist.config import DistConfig
 from hypic.dist.launch import LocalNodes, plan_nodes
 from hypic.dist.ledger import Ledger
-from hypic.dist.messages import Abort, Arrived, Failed, Flush, Output, Probe, ProbeReply, Progress, Shutdown
+from hypic.dist.messages import (Abort, Arrived, Failed, Flush, Output, Probe, ProbeReply, Progress, Shutdown,
+                                 TierMoves)
 from hypic.dist.request_record import RequestRecord
 from hypic.dist.request_runner import DOWN, RequestRunner
 from hypic.dist.router import Router
+from hypic.dist.segment_wire import key_of
 from hypic.dist.stats import ClusterStats, cluster_stats, merge_engine_stats
 from hypic.engine.client import EngineInfo, GenerateRequest
 from hypic.engine.pic.segments import SegmentedPrompt
@@ -149,6 +151,9 @@ class DistributedEngineClient:
     # -- ClusterListener --------------------------------------------------------------------------
 
     def node_message(self, node: NodeHandle, message: Any) -> None:
+        if isinstance(message, TierMoves):
+            self.router.directory.moved(node.node_id, {key_of(m.key): m.tier for m in message.moves})
+            return
         record = self._requests.get(getattr(message, "request_id", ""))
         if record is None:
             return

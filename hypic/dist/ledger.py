@@ -66,7 +66,7 @@ class Ledger:
                       queue_time=None if m.queue_time is None else m.queue_time + record.generate_sent - record.arrival,
                       ttft=None if record.first_token is None else record.first_token - record.arrival,
                       dist=record.timings)
-        return RequestOutput(output.request_id, output.deltas, output.finished, DistRequestMetrics(**values))
+        return dataclasses.replace(output, metrics=DistRequestMetrics(**values))
 
     def abort_output(self, record: RequestRecord) -> RequestOutput:
         deltas = tuple(CompletionDelta(i, "", (), None, "abort") for i in range(record.request.params.n)

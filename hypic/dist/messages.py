@@ -43,7 +43,7 @@ class PlannedJob(msgspec.Struct, frozen=True, array_like=True):
     token_ids: tuple[int, ...]
     interior: tuple[int, int]
     identity_T: bool
-    cached: bool = False  # in the planning node's store now
+    tier: str | None = None  # the planning node's best tier holding it now (None: not held)
 
 
 class Job(msgspec.Struct, frozen=True, array_like=True):
@@ -115,6 +115,17 @@ class Pulse(msgspec.Struct, frozen=True, tag=True):
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     stats: dict[str, Any]  # the engine's EngineStats as builtins
     counters: NodeCounters
+
+
+class TierMove(msgspec.Struct, frozen=True, array_like=True):
+    key: KeyRef
+    tier: str | None  # the node's best tier holding the key now: pool | host | disk; None: dropped
+
+
+class TierMoves(msgspec.Struct, frozen=True, tag=True):
+    """A node's keys whose best tier changed since its last report (sent at heartbeat pace)."""
+
+    moves: list[TierMove]
 
 
 class Generate(msgspec.Struct, frozen=True, tag=True):
@@ -241,7 +252,7 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
     grace_s: float = 0.0
 
 
-NodeMessage = (Hello | Welcome | PulseHello | Pulse | Heartbeat | Generate | Output | Failed | Abort | Plan | PlanReply | Build
+NodeMessage = (Hello | Welcome | PulseHello | Pulse | Heartbeat | TierMoves | Generate | Output | Failed | Abort | Plan | PlanReply | Build
                | Pull | Expect | Progress | Arrived | Cancel | Probe | ProbeReply | Flush | FlushReply | Shutdown)
 
 

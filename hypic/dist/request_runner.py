@@ -116,8 +116,8 @@ class RequestRunner:
         record.segments = [segment_job(job) for job in reply.jobs]
         record.prefix_hashes, record.prompt_tokens = reply.prefix_hashes, reply.prompt_tokens
         for job in reply.jobs:
-            if job.cached:
-                self.router.directory.add(key_of(job.key), planner.node_id)
+            if job.tier is not None:
+                self.router.directory.add(key_of(job.key), planner.node_id, job.tier)
         return reply
 
     async def _gather(self, record: RequestRecord, combine: NodeHandle,

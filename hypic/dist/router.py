@@ -1,7 +1,8 @@
 """Placement decisions of the router (paper §4.4, Fig. 9): which node combines a request, and where
 each of its PIC segments comes from.
 
-A segment the combine node holds costs nothing; one another node holds is pulled from it; a cold
+A segment the combine node holds costs nothing (in any tier: its engine promotes it); one another
+node holds is pulled from the holder with the best tier (GPU pool, then host memory, then disk); a cold
 one is prefilled — the cold set spread Longest-Processing-Time-first over the live nodes, the
 combine node included, from each node's current load. Pure logic over snapshots of node loads: the
 cluster and the per-request dispatch (`dispatch.py`) act on what it returns.
@@ -68,7 +69,8 @@ class Router:
             if combine in holders:
                 placements.append(Placement(segment, "local", combine))
             elif holders:
-                source = min(holders, key=lambda h: (self.load(usable[h]), h))
+                rank = self.directory.rank  # the best tier first, then the least loaded holder
+                source = min(holders, key=lambda h: (rank(segment.key, h), self.load(usable[h]), h))
                 placements.append(Placement(segment, "pull", source))
             else:
                 cold.append(segment)

@@ -29,12 +29,12 @@ def key_of(ref: KeyRef) -> SegmentKey:
 
 def planned_job(job: SegmentJob, *, with_tokens: bool = True) -> PlannedJob:
     tokens = tuple(job.token_ids) if with_tokens else ()
-    return PlannedJob(key_ref(job.key), tokens, tuple(job.interior), job.identity_T, job.cached)
+    return PlannedJob(key_ref(job.key), tokens, tuple(job.interior), job.identity_T, job.tier)
 
 
 def segment_job(planned: PlannedJob) -> SegmentJob:
     return SegmentJob(key_of(planned.key), tuple(planned.token_ids), tuple(planned.interior), planned.identity_T,
-                      planned.cached)
+                      planned.tier)
 
 
 def tuple_tensors(tup: SegmentTuple) -> list[torch.Tensor]:

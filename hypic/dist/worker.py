@@ -32,15 +32,15 @@ from hypic.dist.affinity import prefix_hashes
 from hypic.dist.link import Link
 from hypic.dist.messages import (NODE_CODEC, Abort, Build, Cancel, Expect, Failed, Generate, Heartbeat,
                                  Flush, FlushReply, Hello, Output, Plan, PlanReply, Probe, ProbeReply, Pull,
-                                 Shutdown, Welcome, read_message, write_message)
+                                 Shutdown, TierMove, TierMoves, Welcome, read_message, write_message)
 from hypic.dist.net import connect
 from hypic.dist.remote_errors import error_info
-from hypic.dist.segment_wire import planned_job
+from hypic.dist.segment_wire import key_ref, planned_job
 from hypic.dist.segment_work import SegmentWork
 from hypic.dist.transport import TensorTransport
 from hypic.engine.async_engine import AsyncEngine
 from hypic.engine.pic.segments import SegmentedPrompt
-from hypic.errors import HypicError, PromptTooLongError
+from hypic.errors import EngineDeadError, HypicError, PromptTooLongError
 
 log = logging.getLogger("hypic.dist")
 
@@ -206,7 +206,17 @@ class EngineNode:
     async def _heartbeats(self) -> None:
         while True:
             await self._send_quietly(Heartbeat(self._stats(), self.work.counters()))
+            await self._report_tier_moves()
             await asyncio.sleep(self.spec.heartbeat_s)
+
+    async def _report_tier_moves(self) -> None:
+        """The keys whose best tier changed here, for the router's segment directory."""
+        try:
+            moves = await self.engine.segment_moves()
+        except EngineDeadError:
+            return  # the heartbeats go on: the router learns of the dead engine from its requests
+        if moves:
+            await self._send_quietly(TierMoves([TierMove(key_ref(k), tier) for k, tier in moves.items()]))
 
     def _stats(self) -> dict[str, Any]:
         return msgspec.to_builtins(self.engine.stats())

@@ -62,8 +62,10 @@ class _Call:
 
 @dataclass
 class _SegmentWait:
-    keys: set  # keys still being prefilled
-    jobs: tuple[SegmentJob, ...]
+    """Resolves `future` with the tuples of `keys` once none is being prefilled or read here."""
+
+    keys: tuple[SegmentKey, ...]
+    jobs: tuple[SegmentJob, ...]  # to prefill first (those the store lacks)
     future: asyncio.Future
 
 
@@ -179,14 +181,23 @@ class AsyncEngine:
         """Prefills the segments here (batched with everything else), stores and returns their tuples
         (None for one the pool could not hold)."""
         future = self._loop.create_future()
-        self._inbox.put(_SegmentWait(set(), tuple(jobs), future))
+        self._inbox.put(_SegmentWait(tuple(job.key for job in jobs), tuple(jobs), future))
         return await future
 
     async def export_segment(self, key: SegmentKey) -> SegmentTuple | None:
-        return await self._call(lambda core: core.export_segment(key))
+        """A copy of a stored tuple for a peer, from whichever tier holds it (a disk read runs off
+        the engine thread first); None if no tier does."""
+        self._check_alive()
+        future = self._loop.create_future()
+        self._inbox.put(_SegmentWait((key,), (), future))
+        return (await future)[0]
 
     async def import_segment(self, key: SegmentKey, tup: SegmentTuple) -> bool:
         return await self._call(lambda core: core.import_segment(key, tup))
+
+    async def segment_moves(self) -> dict[SegmentKey, str | None]:
+        """Keys whose best tier in this engine's store changed since the last call, with the tier now."""
+        return await self._call(lambda core: core.store.take_moves())
 
     async def flush_segments(self, salt: str | None = None) -> int:
         """Drops the public pool's entries (of one salt) and the matching prefix checkpoints."""
@@ -304,7 +315,8 @@ class AsyncEngine:
             self._resolve(command.future, command.fn, core)
         elif isinstance(command, _SegmentWait):
             core.start_segment_jobs(list(command.jobs))
-            command.keys = {job.key for job in command.jobs if job.key in core.pic.jobs}
+            for key in command.keys:
+                core.fetch_segment(key)
             self._segment_waits.append(command)
             self._settle_segment_waits(core)
         return True
@@ -322,12 +334,9 @@ class AsyncEngine:
         self._loop.call_soon_threadsafe(self._release_pending, command.params.n)
 
     def _settle_segment_waits(self, core: LLMEngine) -> None:
-        finished = {key for key, _ in core.finished_segments}
-        for wait in list(self._segment_waits):
-            wait.keys -= finished
-            if not wait.keys:
-                self._segment_waits.remove(wait)
-                self._resolve(wait.future, lambda c: [c.export_segment(j.key) for j in wait.jobs], core)
+        for wait in [w for w in self._segment_waits if not any(map(core.segment_pending, w.keys))]:
+            self._segment_waits.remove(wait)
+            self._resolve(wait.future, lambda c: [c.export_segment(key) for key in wait.keys], core)
 
     def _resolve(self, future: asyncio.Future, fn: Callable[[LLMEngine], Any], core: LLMEngine) -> None:
         try:

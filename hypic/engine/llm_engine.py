@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from hypic.cache.tier_stats import TierStats
 from hypic.config import CACHE_MODES, EngineConfig
 from hypic.engine.pic.assembly import PicAssembler
 from hypic.engine.pic.plan import SegmentJob
+from hypic.engine.pic.read_cost import ReadOrRecompute, StepClock
+from hypic.engine.prompt_logprobs import PromptScores, PromptScoring
 from hypic.engine.request_state import Completion, RequestState
 from hypic.engine.runner import ModelRunner, RunnerSettings
 from hypic.engine.sampler import Sampler, SamplingRow, make_generator, validate_for_vocab
@@ -35,7 +38,7 @@ from hypic.errors import InvalidRequestError, PromptTooLongError
 from hypic.kernels.host_copy import host_to_device
 from hypic.kernels.scatter_kv import rope_inv_freq
 from hypic.models.registry import load_model
-from hypic.outputs import CompletionDelta, RequestOutput
+from hypic.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from hypic.sampling_params import SamplingParams
 
 logger = logging.getLogger("hypic")
@@ -78,7 +81,6 @@ class LLMEngine:
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self.structured = StructuredDecoding(self.tokenizer.to_json(), self.tokenizer.vocab_size, self.eos_ids)
         self.requests: dict[str, RequestState] = {}
-        self.finished_segments: list[tuple[SegmentKey, bool]] = []
         self.last_step_ran = True  # False when the last step found nothing it could schedule
         self.counters = dict.fromkeys(("finished", "aborted", "prompt", "generated", "cached"), 0)
         logger.info("hypic engine ready: %s on %s (%s), %s, max_model_len %d; %s", self.model_dir.name,
@@ -98,7 +100,7 @@ class LLMEngine:
             params = dataclasses.replace(params, max_tokens=0)  # a warm-up: it only fills the caches
         info = self._request_info(prompt, params, request_id, cache_salt, cache_mode, group)
         _check_resume(resume or {}, params)
-        state = RequestState(info)
+        state = self._request_state(info)
         self.requests[request_id] = state
         self.structured.add(request_id, params.structured)
         planned = self.pic.plan(prompt, info.cache_mode, cache_salt)
@@ -116,15 +118,23 @@ class LLMEngine:
 
     def segment_jobs(self, prompt: SegmentedPrompt, cache_salt: str | None = None,
                      cache_mode: str | None = None) -> list[SegmentJob]:
-        """A prompt's PIC segments, each marked with whether the local store holds it."""
+        """A prompt's PIC segments, each marked with the local store's best tier holding it (or None)."""
         planned = self.pic.plan(prompt, cache_mode or self.config.cache_mode, cache_salt)
-        return [dataclasses.replace(p.job, cached=p.job.key in self.store) for p in planned]
+        return [dataclasses.replace(p.job, tier=self.store.tier(p.job.key)) for p in planned]
 
     def start_segment_jobs(self, jobs: list[SegmentJob]) -> None:
         """Prefill (as cold child jobs) the segments that are neither stored nor under way."""
         for job in jobs:
             if job.key not in self.store and job.key not in self.pic.jobs:
                 self.scheduler.add(self.pic.start_job(job), first=True)
+
+    def fetch_segment(self, key: SegmentKey) -> None:
+        """Start reading an entry only the disk tier holds, for a peer (`segment_pending` until done)."""
+        self.pic.fetch(key)
+
+    def segment_pending(self, key: SegmentKey) -> bool:
+        """Being prefilled or read from disk here."""
+        return key in self.pic.jobs or key in self.pic.fetching
 
     def export_segment(self, key: SegmentKey) -> SegmentTuple | None:
         return self.pic.export(key)
@@ -147,7 +157,7 @@ class LLMEngine:
         return state.output([d for d in deltas if d is not None])
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self.pic.fetching)
 
     def waiting_sequences(self) -> int:
         """Completions not yet running, as admission counts them (see AsyncEngine)."""
@@ -170,14 +180,16 @@ class LLMEngine:
         self.last_step_ran = bool(batch.chunks)
         if not batch.chunks:
             return []
+        self.step_clock.start(_prefill_tokens(batch))
         self.pic.scatter(batch)
         masks = self.structured.fill(batch)  # beside the forward
-        logits, capture = self.runner.execute(batch)
+        scoring, scored = self._prompt_scoring(batch)
+        logits, capture, scores = self.runner.execute(batch, scoring)
+        if scores is not None:
+            self._record_prompt_scores(scored, scores)
         self.scheduler.after_step(batch)
-        self.finished_segments = []  # (key, stored) of the cold segments this step finished
-        for job, stored in self.pic.after_step(batch, capture):
+        for job, _ in self.pic.after_step(batch, capture):
             self.scheduler.finish(job, "stop")
-            self.finished_segments.append((job.pic.job.key, stored))
         rows = self._sampling_rows(batch)
         deltas: dict[str, list[CompletionDelta]] = {}
         if rows:
@@ -189,7 +201,39 @@ class LLMEngine:
         for chunk in batch.chunks:
             if chunk.samples and chunk.seq.info.params.max_tokens == 0 and not chunk.seq.finished:
                 self._collect(deltas, chunk.seq, self._finish(self._completion(chunk.seq), "length"))
+        self.step_clock.stop()
         return self._outputs(deltas)
+
+    def _request_state(self, info: RequestInfo) -> RequestState:
+        state = RequestState(info)
+        if info.params.prompt_logprobs is not None:  # nothing predicts the first prompt token
+            first = info.prompt_ids[0]
+            state.prompt_scores[0] = TokenLogprob(first, self.tokenizer.token_text(first), None)
+        return state
+
+    def _prompt_scoring(self, batch: ScheduledBatch) -> tuple[PromptScoring | None, list[tuple[RequestState, int]]]:
+        """The rows of the step whose hidden states score prompt tokens (requests with prompt_logprobs),
+        and the (request, position) of each."""
+        rows, scored, taken, offset = [], [], set(), batch.num_decodes  # a decode (one token) scores nothing
+        for scheduled in batch.chunks[batch.num_decodes:]:
+            chunk, request_id = scheduled.chunk, scheduled.seq.info.request_id
+            state = self.requests.get(request_id)  # None: a cold PIC segment's job
+            fresh = [p for p in state.unscored(chunk.start, chunk.end) if (request_id, p) not in taken] if state else []
+            taken.update((request_id, p) for p in fresh)  # two of its completions in one step (resumed)
+            rows += [offset + p - chunk.start for p in fresh]  # no cached pieces: one row per position
+            scored += [(state, p) for p in fresh]
+            offset += chunk.num_tokens
+        if not rows:
+            return None, []
+        targets = tuple(state.info.prompt_ids[p + 1] for state, p in scored)
+        return PromptScoring(tuple(rows), targets, max(s.info.params.prompt_logprobs for s, _ in scored)), scored
+
+    def _record_prompt_scores(self, scored: list[tuple[RequestState, int]], scores: PromptScores) -> None:
+        text = self.tokenizer.token_text
+        for i, (state, position) in enumerate(scored):
+            k, token = state.info.params.prompt_logprobs, state.info.prompt_ids[position + 1]
+            top = tuple((t, text(t), lp) for t, lp in zip(scores.top_ids[i][:k], scores.top_logprobs[i][:k]))
+            state.prompt_scores[position + 1] = TokenLogprob(token, text(token), scores.logprobs[i], top, scores.ranks[i])
 
     def _sampling_rows(self, batch: ScheduledBatch) -> list[tuple[int, Completion]]:
         """(logits row, completion) pairs; the n completions of a request share its prefill row."""
@@ -291,6 +335,8 @@ class LLMEngine:
         mode = cache_mode or self.config.cache_mode
         if mode not in CACHE_MODES:
             raise InvalidRequestError(f"cache_mode must be one of {CACHE_MODES}, got {mode!r}")
+        if params.prompt_logprobs is not None:
+            mode = "none"  # no prefix checkpoint or cached interior carries the hidden states it scores
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
         validate_for_vocab(params, self._served_vocab_size)
@@ -342,8 +388,10 @@ class LLMEngine:
         self.store = SegmentStore(layout, pool_bytes, self.device, lower)
         c = self.model_config
         inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta).to(self.device)
+        costs = ReadOrRecompute(lower.disk.read_bytes_per_s if lower and lower.disk else math.inf)
         self.pic = PicAssembler(self.store, self.caches, inv_freq, self._fingerprint(),
-                                shape.conv_kernel, self.config.seam_width)
+                                shape.conv_kernel, self.config.seam_width, costs)
+        self.step_clock = StepClock(self.device, costs)
         self.runner = ModelRunner(self.model, self.caches, settings, scratch_slot=plan.num_slots,
                                   scratch_block=plan.num_blocks, store=self.store)
         self.runner.capture_graphs()
@@ -359,8 +407,18 @@ class LLMEngine:
         lower = self.store.lower
         tiers = [("pool", self.store.capacity_bytes), ("host", lower.capacity_bytes if lower else 0),
                  ("disk", lower.disk.capacity_bytes if lower and lower.disk else 0)]
-        return "segment tiers (1k-token segments): " + ", ".join(
+        line = "segment tiers (1k-token segments): " + ", ".join(
             f"{name} {capacity // entry}" for name, capacity in tiers if capacity)
+        if lower and lower.disk:
+            line += f" (disk reads {lower.disk.read_bytes_per_s / 1e9:.2f} GB/s)"
+        return line
+
+    def _disk_stats(self) -> DiskStats | None:
+        lower, costs = self.store.lower, self.pic.costs
+        if lower is None or lower.disk is None:
+            return None
+        return dataclasses.replace(lower.disk.stats(), recompute_tokens_per_s=costs.tokens_per_s,
+                                   recomputed=costs.recomputed)
 
     def stats(self) -> EngineStats:
         c = self.counters
@@ -371,10 +429,18 @@ class LLMEngine:
             block_size=self.config.block_size, state_slots_total=self.plan.num_slots,
             state_slots_free=self.slots.num_free, prefix_cache=self.prefix.stats(),
             segment_pool=self.store.stats(), segment_host=lower.stats() if lower else None,
-            segment_disk=lower.disk.stats() if lower and lower.disk else None,
+            segment_disk=self._disk_stats(),
             requests_finished=c["finished"], requests_aborted=c["aborted"], prompt_tokens=c["prompt"],
             generated_tokens=c["generated"], cached_tokens=c["cached"],
             preemptions=self.scheduler.preemptions)
+
+
+def _prefill_tokens(batch: ScheduledBatch) -> int:
+    """Tokens the step computes from scratch, or 0 when it composes cached pieces (then its time
+    says little about the prefill rate)."""
+    if any(c.chunk.cached for c in batch.chunks):
+        return 0
+    return sum(c.chunk.num_tokens for c in batch.chunks)
 
 
 def _check_resume(resume: Mapping[int, list[int]], params: SamplingParams) -> None:

@@ -56,6 +56,9 @@ class RequestState:
         self.completions: dict[int, Completion] = {}  # sequence index -> completion
         self.token_steps = 0
         self.token_step_times: tuple[float, float] | None = None  # time.monotonic() of the first and latest
+        self.prompt_scores: dict[int, TokenLogprob] = {}  # prompt position -> its logprob (params.prompt_logprobs)
+        # the engine enters position 0 (logprob None) on arrival, the rest as steps score them
+        self.prompt_logprobs_sent = False
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -68,7 +71,24 @@ class RequestState:
 
     def output(self, deltas: list[CompletionDelta]) -> RequestOutput:
         gap = self._token_step() if any(d.token_ids for d in deltas) else None
-        return RequestOutput(self.info.request_id, tuple(deltas), self.finished, self.metrics(gap))
+        return RequestOutput(self.info.request_id, tuple(deltas), self.finished, self.metrics(gap),
+                             self._prompt_logprobs())
+
+    def unscored(self, start: int, end: int) -> list[int]:
+        """Positions in [start, end) whose hidden states score a prompt token not scored yet (the
+        hidden state at p scores token p + 1; a preempted request's recompute scores nothing again)."""
+        if self.info.params.prompt_logprobs is None:
+            return []
+        last = len(self.info.prompt_ids) - 1
+        return [p for p in range(start, min(end, last)) if p + 1 not in self.prompt_scores]
+
+    def _prompt_logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        """Every prompt token's logprob, once, as soon as all are scored."""
+        length = len(self.info.prompt_ids)
+        if self.info.params.prompt_logprobs is None or self.prompt_logprobs_sent or len(self.prompt_scores) < length:
+            return None
+        self.prompt_logprobs_sent = True
+        return tuple(self.prompt_scores[p] for p in range(length))
 
     def _token_step(self) -> float | None:
         """Seconds since the previous step that gave this request tokens (None for the first)."""

@@ -10,7 +10,9 @@ from hypic.cache.segment_store import SegmentStore
 from hypic.engine.pic.graphs import AssemblyGraphs
 from hypic.engine.batch_builder import build_step
 from hypic.engine.cuda_graphs import DecodeGraphs
+from hypic.engine.prompt_logprobs import PromptScores, PromptScoring, score_prompt_rows
 from hypic.engine.scheduler import ScheduledBatch
+from hypic.kernels.host_copy import host_to_device
 from hypic.models.batch import Capture, ForwardBatch
 
 
@@ -50,22 +52,36 @@ class ModelRunner:
                     graphs.capture()
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, Capture | None]:
-        """Logits [M, V] (float32) of the chunks that sample, in chunk order, and the tuples
-        captured from the step's cold segments."""
-        padded = self.assembly_graphs.padded(batch) if self.assembly_graphs is not None else None
+    def execute(self, batch: ScheduledBatch, scoring: PromptScoring | None = None
+                ) -> tuple[torch.Tensor, Capture | None, PromptScores | None]:
+        """Logits [M, V] (float32) of the chunks that sample, in chunk order, the tuples captured
+        from the step's cold segments, and the scores of the prompt tokens `scoring` names."""
+        padded = self.assembly_graphs.padded(batch) if self.assembly_graphs is not None and scoring is None else None
+        scores = None
         if padded is not None:
             logits = self.assembly_graphs.run(self._forward_batch(padded), sum(c.samples for c in batch.chunks))
             capture = None
         else:
             forward = self._forward_batch(batch)
-            if self.graphs is not None and self.graphs.can_run(forward):
+            if scoring is not None:
+                logits, scores = self._scored(forward, scoring)
+            elif self.graphs is not None and self.graphs.can_run(forward):
                 logits = self.graphs.run(forward)
             else:
                 logits = self.model.compute_logits(self.model(forward, self.caches))
             capture = forward.pic.capture if forward.pic is not None else None
         logits[:, self.settings.tokenizer_vocab_size:] = float("-inf")
-        return logits, capture
+        return logits, capture, scores
+
+    def _scored(self, forward: ForwardBatch, scoring: PromptScoring) -> tuple[torch.Tensor, PromptScores]:
+        """An eager forward whose hidden states also come back at the scored prompt rows."""
+        num_sampling = forward.logits_indices.shape[0]
+        extra = host_to_device(list(scoring.rows), torch.long, self.device)
+        forward.logits_indices = torch.cat([forward.logits_indices, extra])
+        hidden = self.model(forward, self.caches)
+        scores = score_prompt_rows(hidden[num_sampling:], scoring, self.model.compute_logits,
+                                   self.settings.tokenizer_vocab_size)
+        return self.model.compute_logits(hidden[:num_sampling]), scores
 
     def _forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:
         return build_step(batch, self.settings.block_size, self.store, self.device)

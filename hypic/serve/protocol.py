@@ -134,7 +134,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     segments: list[str | list[int]] | None = None  # extension (DESIGN §7): prompt given as segments (texts or ids)
     max_tokens: TokenBudget | None = None  # None: the server's default (docs/agents.md)
     logprobs: TopLogprobs | None = None
-    echo: bool = False  # unsupported when true
+    echo: bool = False  # the prompt before the completion (with logprobs: its tokens' logprobs too)
+    prompt_logprobs: TopLogprobs | None = None  # extension (vLLM): each prompt token's logprob and k alternatives
     suffix: str | None = None  # unsupported when set
     best_of: int | None = None  # supported only as best_of == n
 
@@ -196,9 +197,17 @@ class Usage(Struct):
 
 class CompletionLogprobs(Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(Struct):
+    """vLLM's entry of `prompt_logprobs`."""
+
+    logprob: float
+    rank: int  # 1: the likeliest token
+    decoded_token: str
 
 
 class CompletionChoice(Struct):
@@ -206,6 +215,7 @@ class CompletionChoice(Struct):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # extension (vLLM); token id -> entry
 
 
 class CompletionResponse(Struct):

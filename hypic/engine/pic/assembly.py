@@ -17,6 +17,7 @@ import torch
 from hypic.cache.segment_store import SegmentKey, SegmentStore, SegmentTuple
 from hypic.engine.pic.plan import PicPolicy, PlannedSegment, SegmentJob, plan_segments
 from hypic.engine.pic.pieces import Cached
+from hypic.engine.pic.read_cost import ReadOrRecompute
 from hypic.engine.scheduler import ScheduledBatch
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.sequence import RequestInfo, Sequence
@@ -31,11 +32,12 @@ _PREFILL_ONLY = SamplingParams(max_tokens=0)
 
 class PicAssembler:
     def __init__(self, store: SegmentStore, caches, inv_freq: torch.Tensor, fingerprint: str,
-                 conv_kernel: int, seam_width: int) -> None:
-        self.store, self.caches, self.inv_freq = store, caches, inv_freq
+                 conv_kernel: int, seam_width: int, costs: ReadOrRecompute) -> None:
+        self.store, self.caches, self.inv_freq, self.costs = store, caches, inv_freq, costs
         self.fingerprint, self.conv_kernel, self.seam_width = fingerprint, conv_kernel, seam_width
         self.jobs: dict[SegmentKey, Sequence] = {}  # cold segments being prefilled
         self.waiters: dict[SegmentKey, list[tuple[Sequence, PlannedSegment]]] = defaultdict(list)
+        self.fetching: set[SegmentKey] = set()  # disk reads for a peer's pull, promoted when done
 
     def plan(self, prompt: SegmentedPrompt, mode: str, salt: str | None) -> list[PlannedSegment]:
         if mode not in ("hypic", "naive"):
@@ -55,11 +57,18 @@ class PicAssembler:
                 continue
             seq.pic.awaiting.add(segment.job.key)
             self.waiters[segment.job.key].append((seq, segment))
-            if segment.job.key not in self.jobs and not self.store.start_read(segment.job.key):
+            if segment.job.key not in self.jobs and not self._read_from_disk(segment.job):
                 new_jobs.append(self.start_job(segment.job))
         if planned:
             seq.pic.approximate_from = planned[0].span[0]
         return new_jobs
+
+    def _read_from_disk(self, job: SegmentJob) -> bool:
+        """Start reading an entry only the disk holds, unless recomputing it is cheaper (then False)."""
+        if self.store.tier(job.key) != "disk":
+            return False
+        nbytes = self.store.layout.entry_bytes(job.interior[1] - job.interior[0])
+        return self.costs.read(nbytes, len(job.token_ids)) and self.store.start_read(job.key)
 
     def poll(self) -> list[Sequence]:
         """Disk reads that finished: promoted for the requests waiting on them; a failed one (or no
@@ -67,7 +76,8 @@ class PicAssembler:
         new_jobs = []
         for key in self.store.finished_reads():
             waiting = self.waiters.get(key)
-            entry = self.store.get(key) if waiting else None
+            entry = self.store.get(key) if waiting or key in self.fetching else None
+            self.fetching.discard(key)
             if entry is not None:
                 self.store.unpin(entry)
                 self._wake(key, stored=True, source="disk")
@@ -106,6 +116,11 @@ class PicAssembler:
         """The isolated prefill of one cold segment (one per key at a time)."""
         self.jobs[job.key] = seq = self._job_sequence(job)
         return seq
+
+    def fetch(self, key: SegmentKey) -> None:
+        """Promote a disk-only entry for a peer: its read runs off the engine thread, `poll` lands it."""
+        if key not in self.fetching and self.store.start_read(key):
+            self.fetching.add(key)
 
     def export(self, key: SegmentKey) -> SegmentTuple | None:
         """A copy of a stored tuple (to send to a peer), or None if the store lacks it."""

@@ -35,7 +35,11 @@ class SegmentJob:
     token_ids: tuple[int, ...]
     interior: tuple[int, int]
     identity_T: bool  # naive: states are summed, never transformed
-    cached: bool = False  # the local segment store holds the key (filled in by the engine)
+    tier: str | None = None  # the local store's best tier holding the key (filled in by the engine)
+
+    @property
+    def cached(self) -> bool:
+        return self.tier is not None
 
 
 @dataclass(frozen=True)

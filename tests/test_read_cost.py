@@ -1,0 +1,59 @@
+"""The read-or-recompute decision for disk-only segments, from injected rates, and its step clock."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from hypic.engine.pic.read_cost import MIN_MEASURED_TOKENS, UNMEASURED_TOKENS_PER_S, ReadOrRecompute, StepClock
+
+
+def test_reads_when_the_disk_beats_the_prefill_and_recomputes_otherwise():
+    costs = ReadOrRecompute(read_bytes_per_s=1e9, tokens_per_s=10_000)  # 1 GB/s disk, 10k tokens/s prefill
+    assert costs.read(nbytes=50_000_000, tokens=1000)  # 50 ms to read, 100 ms to recompute
+    assert not costs.read(nbytes=50_000_000, tokens=100)  # a short segment: 10 ms to recompute
+    slow = ReadOrRecompute(read_bytes_per_s=1e7, tokens_per_s=10_000)  # a 10 MB/s disk
+    assert not slow.read(nbytes=50_000_000, tokens=1000)
+    assert (costs.recomputed, slow.recomputed) == (1, 1)
+
+
+def test_the_prefill_rate_is_a_constant_until_measured_then_follows_the_steps():
+    costs = ReadOrRecompute(1e9)
+    assert costs.tokens_per_s == UNMEASURED_TOKENS_PER_S and not costs.measured
+    costs.observe(MIN_MEASURED_TOKENS - 1, 1e-6)  # too small a step to say anything
+    assert not costs.measured
+    costs.observe(1000, 0.1)
+    assert costs.measured and costs.tokens_per_s == pytest.approx(10_000)
+    costs.observe(1000, 0.05)  # a faster step moves the rate towards it, not onto it
+    assert 10_000 < costs.tokens_per_s < 20_000
+
+
+def test_the_step_clock_hands_measured_steps_to_the_cost_model():
+    costs = ReadOrRecompute(1e9)
+    clock = StepClock(torch.device("cpu"), costs)
+    clock.start(0)  # a decode step: not measured
+    clock.stop()
+    assert not costs.measured
+    began = time.perf_counter()
+    clock.start(500)
+    time.sleep(0.02)
+    clock.stop()
+    elapsed = time.perf_counter() - began
+    assert 500 / elapsed <= costs.tokens_per_s <= 500 / 0.02
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_step_clock_reads_cuda_events_without_waiting():
+    costs = ReadOrRecompute(1e9)
+    clock = StepClock(torch.device("cuda"), costs)
+    x = torch.randn(4096, 4096, device="cuda")
+    clock.start(1000)
+    for _ in range(20):
+        x = x @ x / 64
+    clock.stop()
+    torch.cuda.synchronize()
+    clock.start(0)
+    clock.stop()  # the first step's events have completed by now
+    assert costs.measured and costs.tokens_per_s > 0
