@@ -31,7 +31,7 @@ from pathlib import Path
 
 import aiohttp
 
-OUT = Path("bench/results/dist_faults_cpu_bundled.json")
+OUT = Path("bench/results/dist_faults_cpu_default_model.json")
 SERVER_OPTIONS = ["--device", "cpu", "--port", "0", "--workers", "3", "--transport", "tcp"]
 STREAMED = {"prompt": "Note: Linda Gruzeifei's locker code is 8355. Answer:", "n": 2, "max_tokens": 160,
             "temperature": 0, "ignore_eos": True, "frequency_penalty": 0.5, "presence_penalty": 0.3,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import aiohttp
 
-OUT = Path("bench/results/hardening_cpu_bundled.json")
+OUT = Path("bench/results/hardening_cpu_default_model.json")
 API_KEY = "bench-secret-key-4711"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 NORMAL = {"prompt": "Note: the code is 1234. Answer:", "max_tokens": 1}

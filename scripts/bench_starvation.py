@@ -8,7 +8,7 @@
     cold document, at half saturation and when alone (one request at a time).
 Acceptance of item 2: both loaded figures within 2x their idle ones.
 
-    python scripts/bench_starvation.py --out bench/results/starvation_cpu_bundled.json
+    python scripts/bench_starvation.py --out bench/results/starvation_cpu_default_model.json
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cold-at", type=float, default=3.0, help="(default: %(default)s)")
     parser.add_argument("--cold-fraction", type=float, default=0.1, help="(default: %(default)s)")
     parser.add_argument("--requests", type=int, default=40, help="RAG requests per point (default: %(default)s)")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/starvation_cpu_bundled.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/starvation_cpu_default_model.json"))
     return parser.parse_args()
 
 

@@ -8,7 +8,7 @@ bundled model and its own tokenizer. The schema is an endless array of small obj
 constrained step is mid-grammar (strings, integers, keys, punctuation) and no request ends early.
 
     python scripts/bench_structured.py --device cuda   # -> bench/results/structured_h200_qwen3_5_moe.json
-    python scripts/bench_structured.py --device cpu    # -> bench/results/structured_cpu_bundled.json
+    python scripts/bench_structured.py --device cpu    # -> bench/results/structured_cpu_default_model.json
 """
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def main() -> None:
         torch.set_num_threads(args.cpu_threads)  # the mask filler's thread is left the other core
     engine = gpu_engine(args) if args.device == "cuda" else cpu_engine(args)
     device = torch.cuda.get_device_name().split()[-1].lower() if args.device == "cuda" else "cpu"
-    shape = args.shape if args.device == "cuda" else "bundled"
+    shape = args.shape if args.device == "cuda" else "default_model"
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": _commit(),
               "command": " ".join(sys.argv), "device": device, "shape": shape, "torch": torch.__version__,
               "vocab_size": engine.tokenizer.vocab_size, "cpu_threads": torch.get_num_threads(),

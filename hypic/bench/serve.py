@@ -1,7 +1,7 @@
 """`hypic bench serve`: drive an OpenAI-compatible server with RAG, chat or traced traffic over a
 sweep of request rates; print and save per-rate statistics, the sustainable rate and plots.
 
-    hypic bench serve --request-rate 0.5,1,2,inf --out bench/results/bench_serve_cpu_bundled.json
+    hypic bench serve --request-rate 0.5,1,2,inf --out bench/results/bench_serve_cpu_default_model.json
     hypic bench serve --url http://127.0.0.1:8000 --cache-modes none,prefix,hypic --preheat ...
     hypic bench serve --url http://vllm:8000 --backend openai --tokenizer MODEL_DIR ...
     hypic bench serve --url ... --trace requests.jsonl
