@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import aiohttp
+from results import before_after_arguments, write_labelled_run
 
 OUT = Path("bench/results/dist_faults_cpu_default_model.json")
 SERVER_OPTIONS = ["--device", "cpu", "--port", "0", "--workers", "3", "--transport", "tcp"]
@@ -138,28 +137,12 @@ async def run() -> dict:
     return results
 
 
-def commit_of(tree: Path) -> str:
-    stamp = tree / "COMMIT"  # an exported tree (git archive) has no .git: its commit is written beside it
-    if stamp.is_file():
-        return stamp.read_text().strip()
-    return subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--label", required=True, help="before | after")
-    parser.add_argument("--tree", type=Path, default=Path("."), help="the hypic source tree the server runs from")
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args()
+    args = before_after_arguments(__doc__, OUT)
     sys.path.insert(0, str(args.tree.resolve()))  # the engine workers, spawned, inherit this path
     results = asyncio.run(run())
-    record = json.loads(args.out.read_text()) if args.out.exists() else {"benchmark": "dist_faults", "runs": {}}
-    record["runs"][args.label] = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit_of(args.tree),
-        "command": " ".join(["python", *sys.argv]), "server_options": SERVER_OPTIONS, "results": results,
-    }
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_labelled_run(args, "dist_faults", SERVER_OPTIONS, results)
 
 
 if __name__ == "__main__":

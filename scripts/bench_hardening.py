@@ -12,9 +12,7 @@ its figures under its label into the JSON file:
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import datetime
 import json
 import os
 import re
@@ -28,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+from results import before_after_arguments, write_labelled_run
 
 OUT = Path("bench/results/hardening_cpu_default_model.json")
 API_KEY = "bench-secret-key-4711"
@@ -220,27 +219,11 @@ async def _run(tree: Path, log_path: Path) -> dict:
     return results
 
 
-def _commit(tree: Path) -> str:
-    stamp = tree / "COMMIT"  # an exported tree (git archive) carries no .git: its commit is written beside it
-    if stamp.is_file():
-        return stamp.read_text().strip()
-    return subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--label", required=True, help="before | after")
-    parser.add_argument("--tree", type=Path, default=Path("."), help="the hypic source tree the server runs from")
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args()
+    args = before_after_arguments(__doc__, OUT)
     results = asyncio.run(_run(args.tree, Path(f"/tmp/bench_hardening_{args.label}.log")))
-    record = json.loads(args.out.read_text()) if args.out.exists() else {"benchmark": "hardening", "runs": {}}
-    record["runs"][args.label] = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": _commit(args.tree),
-        "command": " ".join(["python", *sys.argv]), "server_options": SERVER_OPTIONS, "results": results,
-    }
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_labelled_run(args, "hardening", SERVER_OPTIONS, results)
 
 
 if __name__ == "__main__":

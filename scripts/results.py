@@ -6,7 +6,9 @@ Each holds the date, the commit and the command of its run; bench/RESULTS.md ind
 """
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import shlex
 import subprocess
 import sys
@@ -47,3 +49,33 @@ def _git(*args: str) -> str:
     except OSError:  # no git on this machine
         return "unknown"
     return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+def before_after_arguments(description: str, out: Path) -> argparse.Namespace:
+    """The command line of a benchmark that measures one tree under a label ("before" a fix on an
+    exported tree, "after" on this one) and keeps every label's run in one file."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--label", required=True, help="before | after")
+    parser.add_argument("--tree", type=Path, default=Path("."), help="the hypic source tree the server runs from")
+    parser.add_argument("--out", type=Path, default=out)
+    return parser.parse_args()
+
+
+def write_labelled_run(args: argparse.Namespace, benchmark: str, server_options: list[str], results: dict) -> None:
+    """Merges this run's figures under its label into args.out, with the date, commit and command."""
+    record = json.loads(args.out.read_text()) if args.out.exists() else {"benchmark": benchmark, "runs": {}}
+    record["runs"][args.label] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _tree_commit(args.tree), "command": shlex.join(["python", *sys.argv]),
+        "server_options": server_options, "results": results,
+    }
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+def _tree_commit(tree: Path) -> str:
+    stamp = tree / "COMMIT"  # an exported tree (git archive) has no .git: its commit is written beside it
+    if stamp.is_file():
+        return stamp.read_text().strip()
+    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
