@@ -71,8 +71,9 @@ def hf_greedy(model_dir: Path, prompt_ids: list[int], steps: int, vocab: int) ->
 
 
 def cpu_config(model_dir: Path, **overrides) -> EngineConfig:
+    # no pinned host tier by default: GPU test engines share one host (tier tests ask for one)
     base = dict(model=str(model_dir), device="cpu", block_size=4, cpu_cache_bytes=8 << 20,
-                max_num_batched_tokens=256, max_num_seqs=16)
+                max_num_batched_tokens=256, max_num_seqs=16, segment_host_bytes=0)
     return EngineConfig(**{**base, **overrides})
 
 

@@ -133,7 +133,8 @@ def assert_blocks_slots_and_pins_return(model_dir) -> None:
 def engine_run(model_dir, device: str, jobs, **overrides):
     """Each job cold and batched, then each one again warm, one after another."""
     config = EngineConfig(model=str(model_dir), device=device, dtype="float32", block_size=16, seam_width=4,
-                          cpu_cache_bytes=64 << 20, gpu_memory_utilization=0.3, max_num_seqs=8, **overrides)
+                          cpu_cache_bytes=64 << 20, gpu_memory_utilization=0.3, max_num_seqs=8,
+                          **{"segment_host_bytes": 0, **overrides})
 
     async def main():
         async with AsyncEngine(config) as engine:

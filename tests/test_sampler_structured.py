@@ -63,7 +63,7 @@ def test_token_mask_on_the_gpu_matches_the_cpu() -> None:
 
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def engine(request) -> LLMEngine:
-    return LLMEngine(EngineConfig(device=request.param, max_model_len=256, cpu_cache_bytes=32 << 20))
+    return LLMEngine(EngineConfig(device=request.param, max_model_len=256, cpu_cache_bytes=32 << 20, segment_host_bytes=0))
 
 
 def _prompt(engine: LLMEngine) -> SegmentedPrompt:

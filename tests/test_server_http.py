@@ -65,7 +65,8 @@ async def _serve(client: InProcessEngineClient, settings: ServerSettings) -> Ser
 
 
 async def _engine(device: str = "cpu", **options: Any) -> InProcessEngineClient:
-    config = EngineConfig(device=device, max_model_len=MODEL_LEN, cpu_cache_bytes=32 << 20, **options)
+    config = EngineConfig(device=device, max_model_len=MODEL_LEN, cpu_cache_bytes=32 << 20,
+                          **{"segment_host_bytes": 0, **options})
     client = InProcessEngineClient(config)
     await client.start()
     return client
