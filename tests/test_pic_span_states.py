@@ -91,3 +91,13 @@ def test_closed_form_on_gpu_from_bf16_inputs(name: str) -> None:
     cuda = {n: None if x is None else x.cuda() for n, x in tokens.items()}
     S0 = span_states(cuda["k"], cuda["v"], cuda["g"], cu_of(LENS).cuda(), tuple(LENS))
     assert rel_err(S0.double().cpu(), truth) <= 1e-5
+
+
+def test_negligible_weights_are_zero_not_subnormal() -> None:
+    """A fast-decay span's early weights underflow float32: they are dropped below 2^-64, never left as
+    subnormals (which slow a CPU GEMM some 30x); the last token of every span weighs exactly 1."""
+    tokens = gated_tokens("scalar", torch.Generator().manual_seed(25))
+    decay = span_states_module._decay_to_span_end(tokens["g"], cu_of(LENS))
+    assert ((decay == 0) | (decay >= 2.0 ** -64)).all() and (decay == 0).any()
+    last_rows = cu_of(LENS)[1:][torch.tensor(LENS) > 0].long() - 1
+    assert torch.equal(decay[last_rows], torch.ones_like(decay[last_rows]))

@@ -18,6 +18,7 @@ values are exact in float32; torch's bf16 GEMM with a float32 result is CUDA-onl
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 
 import torch
@@ -25,6 +26,9 @@ import torch
 from hypic.kernels.varlen import expand_key_heads
 
 ROW_BLOCK_ELEMENTS = 1 << 26  # elements of the larger weighted operand per block of rows (256 MB in float32)
+# Weights below 2^-64 are dropped: far below float32's resolution next to the span's last token (weight 1),
+# and as float32 subnormals they would slow CPU GEMMs down some 30x.
+NEGLIGIBLE_LOG_DECAY = -64 * math.log(2)
 
 
 def span_states(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -50,7 +54,8 @@ def _decay_to_span_end(g: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tenso
     cum = g.double().cumsum(0)
     lengths = cu_seqlens.long().diff()
     last_row = torch.repeat_interleave(cu_seqlens[1:].long() - 1, lengths, output_size=g.shape[0])  # no sync
-    return (cum[last_row] - cum).exp().float()
+    exponent = cum[last_row] - cum
+    return exponent.masked_fill_(exponent < NEGLIGIBLE_LOG_DECAY, -math.inf).exp().float()
 
 
 def _weighted(k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, lanes: int) -> tuple[torch.Tensor, torch.Tensor]:
