@@ -71,8 +71,7 @@ def test_row_blocks_cover_every_row_once_and_split_spans(monkeypatch: pytest.Mon
         covered += [(b, rows.start + r) for b, piece in pieces for r in range(piece.start, piece.stop)]
     starts = list(itertools.accumulate(lens, initial=0))
     assert covered == [(b, r) for b, (s, e) in enumerate(itertools.pairwise(starts)) for r in range(s, e)]
-    family, gen = get_family("scalar"), torch.Generator().manual_seed(23)
-    tokens = gated_tokens("scalar", gen)
+    tokens = gated_tokens("scalar", torch.Generator().manual_seed(23))
     whole = span_states(tokens["k"], tokens["v"], tokens["g"], cu_of(LENS), tuple(LENS))
     monkeypatch.setattr(span_states_module, "ROW_BLOCK_ELEMENTS", 333 * VALUE_HEADS * KEY_DIM)  # 333-row blocks
     blocked = span_states(tokens["k"], tokens["v"], tokens["g"], cu_of(LENS), tuple(LENS))
