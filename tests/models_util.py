@@ -175,7 +175,7 @@ class BatchBuilder:
             block_tables=torch.tensor(tables, dtype=torch.int32, **on),
             kv_lens=torch.tensor(kv_lens, dtype=torch.int32, **on), kv_write_slots=torch.tensor(write_slots, **on),
             logits_indices=torch.arange(sum(lens), **on), num_decodes=num_decodes, seq_lens_cpu=tuple(lens),
-            max_kv_len=max(kv_lens))
+            kv_lens_cpu=tuple(kv_lens), max_kv_len=max(kv_lens))
 
     def _place(self, seq: Seq, n: int, write_slots: list[int]) -> list[int]:
         positions = list(range(seq.length, seq.length + n))
