@@ -11,16 +11,14 @@ FLA would compute it in tf32).
 """
 from __future__ import annotations
 
-import functools
 import itertools
 from typing import Any
 
 import torch
 
 from hypic.kernels.gdn import CHUNK, _unit_lower_inverse  # the gated delta rule's WY chunking, shared
-from hypic.kernels.host_copy import host_to_device
 from hypic.kernels.triton_lazy import triton_kernel
-from hypic.kernels.varlen import decode_launch, expand_key_heads, initial_states, to_chunks
+from hypic.kernels.varlen import decode_launch, expand_key_heads, fla_cu_seqlens, initial_states, to_chunks
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -58,11 +56,12 @@ def _prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
                  ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, cu_seqlens: torch.Tensor, *,
                  scale: float, seq_lens: tuple[int, ...]) -> torch.Tensor:
     """FLA's varlen KDA chunk kernel (B = 1, key heads expanded to the value heads, the gate already in
-    log space); states are gathered from and scattered to the slab."""
+    log space and per key; spans from seq_lens, as `fla_cu_seqlens` says); states are gathered from
+    and scattered to the slab."""
     from fla.ops.kda import chunk_kda
 
     hv = v.shape[1]
-    cu, cu_cpu = _fla_cu_seqlens(seq_lens, q.device)
+    cu, cu_cpu = fla_cu_seqlens(seq_lens, q.device)
     o, final = chunk_kda(expand_key_heads(q, hv)[None], expand_key_heads(k, hv)[None], v[None], g[None].float(),
                          beta[None], scale=scale, initial_state=initial_states(ssm_pool, slots, has_state),
                          output_final_state=True, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
@@ -70,15 +69,6 @@ def _prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     ssm_pool.index_copy_(0, slots, final.float())
     return o[0]
 
-
-@functools.lru_cache(maxsize=16)
-def _fla_cu_seqlens(seq_lens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prefill spans' offsets from 0, on the device and on the host. FLA builds its chunk indices
-    from the host copy (from the device one it would read the lengths back) and copies them over with a
-    syncing `.to()`; it keeps them by the arguments' identity, so the same objects for every KDA layer of
-    a step (and every step of the same lengths) make that copy once."""
-    offsets = list(itertools.accumulate(seq_lens, initial=0))
-    return host_to_device(offsets, torch.long, device), torch.tensor(offsets, dtype=torch.long)
 
 
 # ----------------------------------------------------------------------------- torch reference
