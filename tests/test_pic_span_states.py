@@ -81,15 +81,16 @@ def test_row_blocks_cover_every_row_once_and_split_spans(monkeypatch: pytest.Mon
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["scalar", "diagonal"])
 def test_closed_form_on_gpu_from_bf16_inputs(name: str) -> None:
-    """bf16 k and v (float32 gates) as a Mamba2 layer gives them: float32 math, so within 1e-5 of the
-    float64 recurrence over the same bf16 values."""
+    """bf16 k and v (float32 gates) as a Mamba2 layer gives them, through the tensor cores: the
+    weighted operand is rounded to bf16 (2^-9 relative each), so within 2^-8 of the float64
+    recurrence over the same bf16 values."""
     family, gen = get_family(name), torch.Generator().manual_seed(24)
     tokens = gated_tokens(name, gen)
     tokens["k"], tokens["v"] = tokens["k"].bfloat16(), tokens["v"].bfloat16()
     _, truth = extract(family, as64(tokens), LENS)
     cuda = {n: None if x is None else x.cuda() for n, x in tokens.items()}
     S0 = span_states(cuda["k"], cuda["v"], cuda["g"], cu_of(LENS).cuda(), tuple(LENS))
-    assert rel_err(S0.double().cpu(), truth) <= 1e-5
+    assert rel_err(S0.double().cpu(), truth) <= 2 ** -8
 
 
 def test_negligible_weights_are_zero_not_subnormal() -> None:

@@ -11,11 +11,11 @@ the value heads of its group ([K, n] @ [n, G V]: keys are never expanded); a per
 keys expanded to the value heads ([K, n] @ [n, V] per value head). Same code on CPU and GPU.
 
 Precision and cost: the cumulative gates run in float64 (a long span reaches G ~ -1e4; float32
-cumulative sums leave 5e-5 to 2e-4 relative error in the tests' fast-decay S0, float64 ones <= 4e-7);
-the GEMMs run in float32 from any input dtype (bf16 values are exact in float32; torch's bf16 GEMM
-with a float32 result is CUDA-only). That is 2 N HV K V FLOPs at the float32 rate: for
-Nemotron 3 Nano's 23 Mamba2 layers about 0.4 TFLOP per 16k interior tokens
-(`scripts/bench_kernels.py --shape nemotron3_nano` times it against the chunk kernel).
+cumulative sums leave 5e-5 to 2e-4 relative error in the tests' fast-decay S0, float64 ones <= 4e-7).
+Float32 inputs stay float32 throughout. Half-precision inputs on a GPU go through the tensor cores:
+the weighted operand is rounded back to the input dtype (as the chunk kernels round their decayed
+keys) and the GEMM accumulates and returns float32. In float32 on the H200 the GEMMs ran at 4 TFLOP/s,
+2.6x slower than the chunk kernel they replace (`scripts/bench_kernels.py --shape nemotron3_nano`).
 """
 from __future__ import annotations
 
@@ -43,29 +43,34 @@ def span_states(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, cu_seqlens: t
     lanes, groups = (heads, 1) if per_key else (k.shape[1], heads // k.shape[1])
     out = torch.zeros(len(seq_lens), lanes, key_dim, groups * value_dim, dtype=torch.float32, device=v.device)
     decay = _decay_to_span_end(g, cu_seqlens)
+    tensor_cores = v.is_cuda and v.dtype in (torch.bfloat16, torch.float16)
     for rows, pieces in _row_blocks(seq_lens, max(1, ROW_BLOCK_ELEMENTS // (heads * max(key_dim, value_dim)))):
-        a, b = _weighted(k[rows], v[rows], decay[rows], lanes)
+        a, b = _weighted(k[rows], v[rows], decay[rows], lanes, v.dtype if tensor_cores else torch.float32)
         for span, piece in pieces:
-            out[span].baddbmm_(a[piece].permute(1, 2, 0), b[piece].transpose(0, 1))
+            lhs, rhs = a[piece].permute(1, 2, 0), b[piece].transpose(0, 1)
+            out[span] += torch.bmm(lhs, rhs, out_dtype=torch.float32) if tensor_cores else lhs @ rhs
     # [B, H, K, G, V] -> [B, H, G, K, V]: value head h G + j is key head h's j-th
     return out.unflatten(-1, (groups, value_dim)).transpose(2, 3).reshape(len(seq_lens), heads, key_dim, value_dim)
 
 
 def _decay_to_span_end(g: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """exp(G_end - G_t) per row [N, HV(, K)], float32, G summed in float64 over the row's span."""
-    cum = g.double().cumsum(0)
+    # scanned along the innermost dim: CUDA's outer-dim float64 scan took 2.9 ms a layer at 16k rows
+    cum = g.double().movedim(0, -1).contiguous().cumsum(-1).movedim(-1, 0)
     lengths = cu_seqlens.long().diff()
     last_row = torch.repeat_interleave(cu_seqlens[1:].long() - 1, lengths, output_size=g.shape[0])  # no sync
     exponent = cum[last_row] - cum
     return exponent.masked_fill_(exponent < NEGLIGIBLE_LOG_DECAY, -math.inf).exp().float()
 
 
-def _weighted(k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, lanes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The GEMM operands of some rows, float32: a [n, lanes, K] and b [n, lanes, G V] with
-    S0 per lane = a^T b. A per-key decay [n, HV, K] weighs the keys; a scalar one [n, HV] weighs v."""
+def _weighted(k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, lanes: int,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GEMM operands of some rows in `dtype` (weights applied in float32): a [n, lanes, K] and
+    b [n, lanes, G V] with S0 per lane = a^T b. A per-key decay [n, HV, K] weighs the keys; a scalar
+    one [n, HV] weighs v."""
     if decay.dim() == 3:
-        return expand_key_heads(k.float(), lanes) * decay, v.float()
-    return k.float(), (v.float() * decay[..., None]).reshape(v.shape[0], lanes, -1)
+        return (expand_key_heads(k.float(), lanes) * decay).to(dtype), v.to(dtype)
+    return k.to(dtype), (v.float() * decay[..., None]).to(dtype).reshape(v.shape[0], lanes, -1)
 
 
 def _row_blocks(seq_lens: tuple[int, ...], block: int) -> Iterator[tuple[slice, list[tuple[int, slice]]]]:
