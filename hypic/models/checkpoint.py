@@ -105,7 +105,7 @@ def weights_digest(path: str | Path, state_dict: dict[str, torch.Tensor] | None,
         for name in sorted(state_dict):
             tensor = state_dict[name].detach().cpu().contiguous()
             h.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
-            h.update(tensor.view(torch.uint8).numpy().tobytes())
+            h.update(tensor.view(torch.uint8).numpy())  # hashed in place: no second copy of the weights
         return h.hexdigest()
     known = json.loads(memo.read_text()) if memo.is_file() else {}
     parts = [_file_digest(file, known) for file in _safetensors_files(Path(path))]
