@@ -120,16 +120,36 @@ def test_a_failed_write_costs_only_the_entry(tmp_path) -> None:
     assert store.lower.stats().pinned == 0 and key("b") in store
 
 
+def test_the_host_arena_grows_a_slab_at_a_time_and_entries_never_span_two() -> None:
+    lay = layout()
+    entry = lay.entry_bytes(LEN)
+    store = SegmentStore(lay, entry, "cpu", LowerTiers(6 * entry + entry // 2, torch.device("cpu"), None, 2 * entry))
+    arena = store.lower.arena
+    assert store.lower.capacity_bytes == 6 * entry and arena.allocated_bytes == 2 * entry  # whole slabs only
+    tuples = fill(store, "abcd")  # a, b, c go down: the third needs a second slab
+    assert arena.allocated_bytes == 4 * entry and store.lower.stats().bytes == 3 * entry
+    tuples |= fill(store, "efgh")  # a..g below fill three slabs; g's demotion evicts a
+    assert arena.allocated_bytes == 6 * entry and store.lower.stats().evictions == 1 and key("a") not in store
+    assert [store.tier(key(name)) for name in "bcdefgh"] == ["host"] * 6 + ["pool"]
+    for name in "gfed":  # entries of all three slabs; g's promotion demotes h (b goes), then each is kept below
+        assert_holds(store, name, tuples[name], "host")
+    assert store.lower.stats().evictions == 2 and store.tier(key("c")) == "host"
+    assert store.lower.demote(key("z"), (0, 3 * LEN), torch.zeros(3 * entry, dtype=torch.uint8)) is None
+    assert key("z") not in store.lower and store.lower.stats().evictions == 2  # larger than a slab: dropped alone
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_copies_run_on_a_side_stream_and_entries_land_intact() -> None:
     lay = layout(state_dtype=torch.bfloat16, model_dtype=torch.bfloat16)
-    store = SegmentStore(lay, 2 * lay.entry_bytes(LEN), "cuda",
-                         LowerTiers(4 * lay.entry_bytes(LEN), torch.device("cuda"), None))
+    store = SegmentStore(lay, 2 * lay.entry_bytes(LEN), "cuda",  # a slab per entry: the second pinned off-thread
+                         LowerTiers(4 * lay.entry_bytes(LEN), torch.device("cuda"), None, lay.entry_bytes(LEN)))
     tuples = {n: random_tuple(lay, LEN, seed=ord(n)) for n in "abcd"}
     for name, tup in tuples.items():
         assert store.put(key(name), SegmentTuple(tup.interior, *[[t.cuda() for t in getattr(tup, part)]
                                                                  for part in ("T", "S0", "conv_tail", "K", "V")]))
-    assert store.stats().demotions == 2 and store.lower._arena.is_pinned()
+        store.lower.arena.wait()
+    arena = store.lower.arena
+    assert store.stats().demotions == 2 and len(arena.slabs) == 2 and all(s.is_pinned() for s in arena.slabs)
     entry = store.get(key("a"))
     assert entry.source == "host" and entry.ready is not None  # queued on the side stream, not done inline
     entry.ready.synchronize()

@@ -7,13 +7,15 @@ and every copy between it and the pool runs on one side stream, so copies are or
 themselves and overlap the engine's work: a request using a promoted entry is scheduled once its
 copy's event has completed (no other request waits), and an evicted entry's pool space is reused
 once its demotion copy has. On a CPU engine copies are plain memcpys. Single-threaded (the engine
-loop owns it); the disk tier's writes run on a thread of their own.
+loop owns it); the disk tier's writes, and the pinning of the host arena's slabs, run on threads of
+their own.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from concurrent import futures
 from dataclasses import dataclass
+
 import torch
 
 from hypic.cache.disk_tier import DiskTier
@@ -63,13 +65,72 @@ class SideCopies:
         return event
 
 
+class HostArena:
+    """The host tier's memory: slabs taken on first need, up to the budget, so that an engine does
+    not pin tens of GB before it serves (and torch's pinned allocator, which rounds a request up to
+    a power of two, pins no more than the budget). The first slab is made at once; on a GPU engine
+    each next one is pinned on a thread of its own while the ones before it fill, and a demotion
+    that finds it not yet pinned evicts instead of waiting. Slabs sit a gap apart in the offset
+    space, so holes never merge across two and an entry never spans them."""
+
+    def __init__(self, capacity_bytes: int, slab_bytes: int, pin: bool) -> None:
+        self.slab_bytes = min(slab_bytes, capacity_bytes // ALIGN * ALIGN)
+        self.capacity_bytes = capacity_bytes // self.slab_bytes * self.slab_bytes if self.slab_bytes else 0
+        self.free = FreeList(0)
+        self._stride, self._pin = self.slab_bytes + ALIGN, pin
+        self._slabs: list[torch.Tensor] = []
+        self._pinner = futures.ThreadPoolExecutor(1, thread_name_prefix="hypic-host-pin") if pin else None
+        self._next = self._start_next(at_once=True)
+        self.grow()
+
+    @property
+    def slabs(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self._slabs)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return len(self._slabs) * self.slab_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.allocated_bytes - self.free.free_bytes
+
+    def grow(self) -> bool:
+        """Add the next slab if it is ready; False when the budget is reached or it is still being pinned."""
+        if self._next is None or not self._next.done():
+            return False
+        self.free.release(len(self._slabs) * self._stride, self.slab_bytes)
+        self._slabs.append(self._next.result())
+        self._next = self._start_next()
+        return True
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        slab, start = divmod(offset, self._stride)
+        return self._slabs[slab][start: start + nbytes]
+
+    def wait(self) -> None:
+        """Until the slab being pinned is ready (shutdown, tests)."""
+        if self._next is not None:
+            self._next.result()
+
+    def _start_next(self, at_once: bool = False) -> futures.Future | None:
+        if not self.slab_bytes or self.allocated_bytes + self.slab_bytes > self.capacity_bytes:
+            return None
+        if self._pinner is not None and not at_once:
+            return self._pinner.submit(torch.empty, self.slab_bytes, dtype=torch.uint8, pin_memory=True)
+        made: futures.Future = futures.Future()
+        made.set_result(torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self._pin))
+        return made
+
+
 class LowerTiers:
     """The host arena (and the disk tier under it) as the pool sees them: demote, claim, copy up, flush."""
 
-    def __init__(self, capacity_bytes: int, device: torch.device, disk: DiskTier | None) -> None:
-        self.capacity_bytes = capacity_bytes // ALIGN * ALIGN
-        self._arena = torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        self._free = FreeList(self.capacity_bytes)
+    def __init__(self, capacity_bytes: int, device: torch.device, disk: DiskTier | None,
+                 slab_bytes: int = 1 << 30) -> None:
+        """`slab_bytes`: the host arena's unit of growth, and the largest entry it can hold."""
+        self.arena = HostArena(capacity_bytes, slab_bytes, pin=device.type == "cuda")
+        self.capacity_bytes = self.arena.capacity_bytes
         self._index: OrderedDict[SegmentKey, _Held] = OrderedDict()  # LRU first
         self._flushed: list[_Held] = []  # dropped while pinned: freed on their last unpin
         self._copies = SideCopies(device)
@@ -100,9 +161,11 @@ class LowerTiers:
         if key in self._index:  # promoted earlier and unchanged since (entries never change)
             self._index.move_to_end(key)
             return None
-        offset = self._free.allocate_evicting(src.numel(), self._evict_one)
+        offset = None
+        if src.numel() <= self.arena.slab_bytes:
+            offset = self.arena.free.allocate_evicting(src.numel(), lambda: self.arena.grow() or self._evict_one())
         if offset is None:
-            return None  # pinned entries hold the arena: this one is dropped, a later hit recomputes
+            return None  # pinned entries hold the arena (or it never fits): dropped, a later hit recomputes
         held = self._index[key] = _Held(key, interior, offset, src.numel())
         event = self._copies.copy(self._bytes(held), src)
         self._counts["demotions"] += 1
@@ -157,7 +220,7 @@ class LowerTiers:
 
     def flush(self, salt: str | None = None) -> int:
         """Drop every entry (of one salt) from both tiers; returns how many were dropped."""
-        dropped = drop_salt(self._index, self._flushed, self._free, salt)
+        dropped = drop_salt(self._index, self._flushed, self.arena.free, salt)
         return dropped + (self.disk.flush(salt) if self.disk is not None else 0)
 
     def reap(self) -> None:
@@ -170,7 +233,8 @@ class LowerTiers:
             self.disk.reap()
 
     def drain(self) -> None:
-        """Wait for every copy, disk write and disk read under way (shutdown, tests)."""
+        """Wait for every copy, disk write, disk read and slab pinning under way (shutdown, tests)."""
+        self.arena.wait()
         for event, _, _ in self._in_flight:
             if event is not None:
                 event.synchronize()
@@ -179,8 +243,7 @@ class LowerTiers:
 
     def stats(self) -> TierStats:
         pinned = sum(1 for h in self._index.values() if h.pins) + len(self._flushed)
-        return TierStats(len(self._index), self.capacity_bytes - self._free.free_bytes, self.capacity_bytes,
-                         pinned, **self._counts)
+        return TierStats(len(self._index), self.arena.used_bytes, self.capacity_bytes, pinned, **self._counts)
 
     def _write_down(self, held: _Held, event: torch.cuda.Event | None) -> None:
         future = self.disk.write(held.key, held.interior, self._bytes(held), event)
@@ -192,16 +255,16 @@ class LowerTiers:
         held.pins -= 1
         if held.pins == 0 and held in self._flushed:
             self._flushed.remove(held)
-            self._free.release(held.offset, held.nbytes)
+            self.arena.free.release(held.offset, held.nbytes)
 
     def _bytes(self, held: _Held) -> torch.Tensor:
-        return self._arena[held.offset: held.offset + held.nbytes]
+        return self.arena.view(held.offset, held.nbytes)
 
     def _evict_one(self) -> bool:
         held = pop_lru_unpinned(self._index)
         if held is None:
             return False
-        self._free.release(held.offset, held.nbytes)
+        self.arena.free.release(held.offset, held.nbytes)
         self._moved.add(held.key)
         self._counts["evictions"] += 1
         return True
