@@ -29,7 +29,6 @@ import itertools
 import math
 import os
 import random
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -53,12 +52,13 @@ from hypic.serve.app import build_app, runner_for
 from hypic.serve.state import ServerSettings
 
 COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}  # (a) bytes per timed copy
+TWENTY_PERCENT_AT = "4x4096"  # the prompt shape where the issue asks for a host hit within 20 % of recompute
 TIERS = ("pool", "host", "none")  # measured on the first engine; "disk" on the restarted one
 # what differs between the H200 run and the CPU smoke run (the bundled model, ~1 MB per entry)
 DEVICE_DEFAULTS = {
     "cuda": dict(pool_bytes=4 << 30, host_bytes=40 << 30, disk_bytes=24 << 30, prompts="4x4096,16x1024",
                  qps_doc_tokens=1024, qps_docs_per_request=4, qps_rates="8,12,18,27,40,60,inf", qps_requests=48),
-    "cpu": dict(pool_bytes=6 << 20, host_bytes=60 << 20, disk_bytes=256 << 20, prompts="2x128,4x32",
+    "cpu": dict(pool_bytes=4 << 20, host_bytes=40 << 20, disk_bytes=256 << 20, prompts="2x128,4x32",
                 qps_doc_tokens=32, qps_docs_per_request=2, qps_rates="20,inf", qps_requests=6),
 }
 
@@ -229,34 +229,48 @@ def drop_from_page_cache(directory: Path) -> None:
 
 
 def ttft_by_tier(config: EngineConfig, args: argparse.Namespace, rng: random.Random) -> tuple[dict, SegmentLayout]:
+    """(b), on two engines one after the other (each builds inside its own function, so that the
+    first is gone, device memory and all, before the second starts)."""
     shapes = [PromptShape.random(n, length, args.repeats + 1, rng) for n, length in args.prompts]
-    engine = LLMEngine(config)
-    filler = fillers(engine, max(length for _, length in args.prompts), rng)
-    figures = {shape.name: measure_first_engine(engine, shape, filler, rng, args.repeats) for shape in shapes}
-    engine.store.lower.drain()
-    host_stats = dataclasses.asdict(engine.store.lower.stats())
-    release(engine)
+    figures, host_stats, layout = first_engine(config, shapes, rng, args.repeats)
+    free_memory()
     drop_from_page_cache(Path(config.segment_disk_dir))
-    engine = LLMEngine(config)  # restarted on the same directory
-    for shape in shapes:
-        figures[shape.name]["disk"], figures[shape.name]["served_from"]["disk"] = measure_disk(engine, shape, rng)
-    disk_stats = dataclasses.asdict(engine.stats().segment_disk)
-    layout = engine.store.layout
-    release(engine)
+    disk_stats = restarted_engine(config, shapes, rng, figures)
+    free_memory()
     return {"prompts": figures, "host_stats": host_stats, "disk_stats_after_restart": disk_stats}, layout
 
 
-def host_target(figures: dict, host_to_device: float) -> dict:
-    """The issue's target beside the host-tier figure."""
+def first_engine(config: EngineConfig, shapes: list[PromptShape], rng: random.Random,
+                 repeats: int) -> tuple[dict, dict, SegmentLayout]:
+    """Pool, host and recompute figures; the tier's counters; the layout. Leaves the disk sets on disk."""
+    engine = LLMEngine(config)
+    filler = fillers(engine, max(len(shape.warm[0]) for shape in shapes), rng)
+    figures = {shape.name: measure_first_engine(engine, shape, filler, rng, repeats) for shape in shapes}
+    engine.store.lower.drain()
+    return figures, dataclasses.asdict(engine.store.lower.stats()), engine.store.layout
+
+
+def restarted_engine(config: EngineConfig, shapes: list[PromptShape], rng: random.Random, figures: dict) -> dict:
+    """Disk figures (into `figures`) of an engine restarted on the first one's directory; its disk counters."""
+    engine = LLMEngine(config)
+    for shape in shapes:
+        figures[shape.name]["disk"], figures[shape.name]["served_from"]["disk"] = measure_disk(engine, shape, rng)
+    return dataclasses.asdict(engine.stats().segment_disk)
+
+
+def host_target(name: str, figures: dict, host_to_device: float) -> dict:
+    """The issue's target beside the host-tier figure: within the pool hit + the copy + 3 ms, and
+    (at 4 x 4k) within 20 % of recompute."""
     budget = figures["pool"] + figures["entry_bytes"] / host_to_device + 3e-3
-    return {"host_budget": budget, "host_within_budget": figures["host"] <= budget,
-            "host_over_none": figures["host"] / figures["none"], "host_within_20pct_of_none": figures["host"] <= 0.2 * figures["none"]}
+    within_budget, within_20pct = figures["host"] <= budget, figures["host"] <= 0.2 * figures["none"]
+    return {"host_budget": budget, "host_within_budget": within_budget,
+            "host_over_none": figures["host"] / figures["none"], "host_within_20pct_of_none": within_20pct,
+            "target_met": within_budget and (within_20pct or name != TWENTY_PERCENT_AT)}
 
 
-def release(engine: LLMEngine) -> None:
-    """Let the next engine have this one's device memory (and its pinned host arena, which torch
-    keeps cached for the next one)."""
-    del engine
+def free_memory() -> None:
+    """Give the engine just gone's device memory back (its pinned host slabs stay cached by torch
+    for the next engine)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -303,7 +317,7 @@ def corpus_qps(config: EngineConfig, args: argparse.Namespace, entry_bytes: int,
     for label, host_bytes in (("host_tier", args.host_bytes), ("pool_only", 0)):
         tier_config = dataclasses.replace(config, segment_host_bytes=host_bytes, segment_disk_dir=None)
         figures[label] = asyncio.run(served_sweep(tier_config, options))
-        gc.collect()
+        free_memory()
     return figures
 
 
@@ -340,8 +354,8 @@ def main(argv: list[str] | None = None) -> dict:
             config, model = engine_config(args, disk_dir)
         with phase(result, "ttft"):
             result["ttft"], layout = ttft_by_tier(config, args, random.Random(0))
-        for figures in result["ttft"]["prompts"].values():
-            figures.update(host_target(figures, rates["host_to_device"]))
+        for name, figures in result["ttft"]["prompts"].items():
+            figures.update(host_target(name, figures, rates["host_to_device"]))
         with phase(result, "qps"):
             result["qps"] = corpus_qps(config, args, layout.entry_bytes(args.qps_doc_tokens), model)
     report(result)
@@ -359,17 +373,20 @@ def report(result: dict) -> None:
     print(f"{'prompt':>10} {'MB':>7} {'pool ms':>8} {'host ms':>8} {'budget ms':>10} {'disk ms':>8} {'none ms':>8} "
           f"{'host/none':>10}  target")
     for name, t in result["ttft"]["prompts"].items():
-        met = "met" if t["host_within_budget"] and t["host_within_20pct_of_none"] else "MISSED"
-        print(f"{name:>10} {t['entry_bytes'] / 1e6:7.0f} {t['pool'] * 1e3:8.1f} {t['host'] * 1e3:8.1f} "
-              f"{t['host_budget'] * 1e3:10.1f} {t['disk'] * 1e3:8.1f} {t['none'] * 1e3:8.1f} {t['host_over_none']:10.1%}  {met}")
+        ms = [t[tier] * 1e3 for tier in ("pool", "host", "host_budget", "disk", "none")]
+        columns = " ".join(f"{v:{w}.1f}" for v, w in zip(ms, (8, 8, 10, 8, 8)))
+        print(f"{name:>10} {t['entry_bytes'] / 1e6:7.0f} {columns} {t['host_over_none']:10.1%}  "
+              f"{'met' if t['target_met'] else 'MISSED'}")
     qps = result["qps"]
-    print(f"corpus of {qps['documents']} documents ({qps['documents'] * qps['entry_bytes'] / 2**30:.1f} GiB of entries, "
-          f"{qps['requests_per_rate']} requests per rate):")
+    corpus_gib = qps["documents"] * qps["entry_bytes"] / 2**30
+    print(f"corpus of {qps['documents']} documents ({corpus_gib:.1f} GiB of entries), "
+          f"{qps['requests_per_rate']} requests per rate:")
     for label in ("host_tier", "pool_only"):
         series = qps[label]["series"]
         print(f"  {label:>9}: sustainable {series['sustainable']['rate']} req/s ({series['sustainable']['bound']}), "
               f"saturated {series['saturated_rps']:.1f} req/s")
-    print(f"wall {sum(result['phase_s'].values()):.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in result["phase_s"].items()))
+    phases = result["phase_s"]
+    print(f"wall {sum(phases.values()):.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()))
 
 
 if __name__ == "__main__":
