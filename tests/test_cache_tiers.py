@@ -10,6 +10,7 @@ from hypic.cache.segment_store import SegmentStore, SegmentTuple
 from hypic.cache.tiers import LowerTiers
 from hypic.config import EngineConfig
 from hypic.engine.setup import segment_host_bytes
+from hypic.models.checkpoint import weights_digest
 from tests.test_segment_store_pool import key, layout, random_tuple
 
 LEN = 5
@@ -191,3 +192,21 @@ def test_without_lower_tiers_an_eviction_reports_the_key_gone() -> None:
     for name in "ab":
         assert store.put(key(name), random_tuple(lay, LEN, seed=ord(name)))
     assert store.take_moves() == {key("a"): None, key("b"): "pool"}
+
+
+def in_memory_weights() -> dict[str, torch.Tensor]:
+    return {"b": torch.randn(4, 8).to(torch.bfloat16), "a": torch.arange(6), "scalar": torch.tensor(2.0)}
+
+
+def test_the_weights_digest_of_in_memory_tensors_covers_their_contents(tmp_path) -> None:
+    weights, memo = in_memory_weights(), tmp_path / "memo.json"
+    assert weights_digest(tmp_path, weights, memo) == weights_digest(tmp_path, dict(weights), memo)
+    changed = dict(weights, a=torch.arange(6) + 1)
+    assert weights_digest(tmp_path, changed, memo) != weights_digest(tmp_path, weights, memo)
+
+
+@pytest.mark.gpu
+def test_the_weights_digest_of_device_tensors_is_that_of_their_host_copies(tmp_path) -> None:
+    weights, memo = in_memory_weights(), tmp_path / "memo.json"
+    on_gpu = {name: tensor.cuda() for name, tensor in weights.items()}
+    assert weights_digest(tmp_path, on_gpu, memo) == weights_digest(tmp_path, weights, memo)
