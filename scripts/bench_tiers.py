@@ -172,15 +172,15 @@ def fillers(engine: LLMEngine, interior_len: int, rng: random.Random) -> list[tu
 
 
 def push_out(engine: LLMEngine, keys: list[SegmentKey], filler: list[tuple[SegmentKey, SegmentTuple]]) -> None:
-    """Import fillers until no key of `keys` is in the pool (demoted, not dropped), then let the
-    copies and disk writes land, so that nothing of this runs beside the measured request."""
+    """Import fillers until no key of `keys` is in the pool (demoted, not dropped). Each import's
+    copies, disk writes and host slab pinning land before the next (faster than pinning, demotions
+    would evict below instead), so nothing of this runs beside the measured request."""
     for key, tup in itertools.islice(itertools.cycle(filler), 4 * len(filler)):
         if all(engine.store.tier(k) != "pool" for k in keys):
-            break
+            return
         engine.import_segment(key, tup)
-    else:
-        raise RuntimeError("the fillers did not push the documents out of the pool")
-    engine.store.lower.drain()
+        engine.store.lower.drain()
+    raise RuntimeError("the fillers did not push the documents out of the pool")
 
 
 def entry_keys(engine: LLMEngine, prompt) -> tuple[list[SegmentKey], int]:
