@@ -139,6 +139,24 @@ def test_the_host_arena_grows_a_slab_at_a_time_and_entries_never_span_two() -> N
     assert key("z") not in store.lower and store.lower.stats().evictions == 2  # larger than a slab: dropped alone
 
 
+def test_a_slab_the_host_cannot_allocate_ends_the_growth_not_the_engine(monkeypatch, caplog) -> None:
+    lay = layout()
+    entry, real_empty, slabs = lay.entry_bytes(LEN), torch.empty, []
+
+    def empty(*args, **kwargs):
+        if args == (2 * entry,) and kwargs.get("dtype") is torch.uint8:
+            slabs.append(args)
+            if len(slabs) == 2:
+                raise RuntimeError("out of memory")
+        return real_empty(*args, **kwargs)
+    monkeypatch.setattr(torch, "empty", empty)
+    store = SegmentStore(lay, entry, "cpu", LowerTiers(6 * entry, torch.device("cpu"), None, 2 * entry))
+    fill(store, "abcd")  # c's demotion finds no second slab: the first one's LRU entry makes room
+    assert "cannot allocate another" in caplog.text and store.lower.capacity_bytes == 2 * entry
+    assert [store.tier(key(name)) for name in "abcd"] == [None, "host", "host", "pool"]
+    assert store.lower.stats().evictions == 1 and store.lower.stats().bytes == 2 * entry
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_copies_run_on_a_side_stream_and_entries_land_intact() -> None:
     lay = layout(state_dtype=torch.bfloat16, model_dtype=torch.bfloat16)

@@ -12,6 +12,7 @@ their own.
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from concurrent import futures
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ import torch
 from hypic.cache.disk_tier import DiskTier
 from hypic.cache.segment_store import ALIGN, FreeList, SegmentKey, drop_salt, pop_lru_unpinned
 from hypic.cache.tier_stats import TierStats
+
+logger = logging.getLogger("hypic")
 
 @dataclass(eq=False)
 class Claim:
@@ -96,8 +99,14 @@ class HostArena:
         return self.allocated_bytes - self.free.free_bytes
 
     def grow(self) -> bool:
-        """Add the next slab if it is ready; False when the budget is reached or it is still being pinned."""
+        """Add the next slab if it is ready; False when the budget is reached or it is still being
+        pinned. A slab the host could not allocate ends the growth: the tier keeps what it has."""
         if self._next is None or not self._next.done():
+            return False
+        if self._next.exception() is not None:
+            logger.warning("host tier: cannot allocate another %d MiB slab (%s); it stays at %d MiB",
+                           self.slab_bytes >> 20, self._next.exception(), self.allocated_bytes >> 20)
+            self._next, self.capacity_bytes = None, self.allocated_bytes
             return False
         self.free.release(len(self._slabs) * self._stride, self.slab_bytes)
         self._slabs.append(self._next.result())
@@ -111,7 +120,7 @@ class HostArena:
     def wait(self) -> None:
         """Until the slab being pinned is ready (shutdown, tests)."""
         if self._next is not None:
-            self._next.result()
+            futures.wait([self._next])
 
     def _start_next(self, at_once: bool = False) -> futures.Future | None:
         if not self.slab_bytes or self.allocated_bytes + self.slab_bytes > self.capacity_bytes:
@@ -119,7 +128,10 @@ class HostArena:
         if self._pinner is not None and not at_once:
             return self._pinner.submit(torch.empty, self.slab_bytes, dtype=torch.uint8, pin_memory=True)
         made: futures.Future = futures.Future()
-        made.set_result(torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self._pin))
+        try:
+            made.set_result(torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self._pin))
+        except RuntimeError as error:  # out of (pinnable) memory: `grow` stops there
+            made.set_exception(error)
         return made
 
 
@@ -130,7 +142,6 @@ class LowerTiers:
                  slab_bytes: int = 1 << 30) -> None:
         """`slab_bytes`: the host arena's unit of growth, and the largest entry it can hold."""
         self.arena = HostArena(capacity_bytes, slab_bytes, pin=device.type == "cuda")
-        self.capacity_bytes = self.arena.capacity_bytes
         self._index: OrderedDict[SegmentKey, _Held] = OrderedDict()  # LRU first
         self._flushed: list[_Held] = []  # dropped while pinned: freed on their last unpin
         self._copies = SideCopies(device)
@@ -141,6 +152,10 @@ class LowerTiers:
         self.disk = disk
         self._counts = dict.fromkeys(("hits", "misses", "promotions", "demotions", "evictions"), 0)
         self._moved: set[SegmentKey] = set()  # host entries evicted since `take_moved`
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.arena.capacity_bytes
 
     def __contains__(self, key: SegmentKey) -> bool:
         return key in self._index or (self.disk is not None and key in self.disk)
