@@ -2,11 +2,14 @@
 flush by salt across tiers, salts on disk only as hashes, identity of a disk directory."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from hypic.cache.disk_tier import DiskTier
-from hypic.cache.segment_store import SegmentStore, SegmentTuple
+from hypic.cache import tiers
+from hypic.cache.segment_store import ALIGN, SegmentStore, SegmentTuple
 from hypic.cache.tiers import LowerTiers
 from hypic.config import EngineConfig
 from hypic.engine.setup import segment_host_bytes
@@ -137,6 +140,24 @@ def test_the_host_arena_grows_a_slab_at_a_time_and_entries_never_span_two() -> N
     assert store.lower.stats().evictions == 2 and store.tier(key("c")) == "host"
     assert store.lower.demote(key("z"), (0, 3 * LEN), torch.zeros(3 * entry, dtype=torch.uint8)) is None
     assert key("z") not in store.lower and store.lower.stats().evictions == 2  # larger than a slab: dropped alone
+
+
+def test_slabs_pinned_ahead_on_a_thread_are_taken_in_order_as_entries_need_them(monkeypatch) -> None:
+    made = []
+
+    def new_slab(nbytes: int, pin: bool) -> torch.Tensor:
+        made.append((threading.current_thread().name, pin))
+        return torch.full((nbytes,), len(made), dtype=torch.uint8)  # plain memory stands in for pinned
+    monkeypatch.setattr(tiers, "_new_slab", new_slab)
+    arena = tiers.HostArena(3 * ALIGN + 5, ALIGN, pin=True)
+    assert arena.capacity_bytes == 3 * ALIGN and len(arena.slabs) == 1  # whole slabs; the first at once
+    for count in (2, 3):
+        arena.wait()
+        assert arena.grow() and len(arena.slabs) == count
+    assert not arena.grow()  # the budget
+    assert [int(slab[0]) for slab in arena.slabs] == [1, 2, 3]
+    assert made == [("MainThread", True), ("hypic-host-pin", True), ("hypic-host-pin", True)]
+    assert arena.view(2 * (ALIGN + ALIGN) + 7, 3).tolist() == [3, 3, 3]  # offsets of slab k start k gaps apart
 
 
 def test_a_slab_the_host_cannot_allocate_ends_the_growth_not_the_engine(monkeypatch, caplog) -> None:

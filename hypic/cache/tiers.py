@@ -13,6 +13,8 @@ their own.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections import OrderedDict
 from concurrent import futures
 from dataclasses import dataclass
@@ -69,22 +71,28 @@ class SideCopies:
 
 
 class HostArena:
-    """The host tier's memory: slabs taken on first need, up to the budget, so that an engine does
-    not pin tens of GB before it serves (and torch's pinned allocator, which rounds a request up to
-    a power of two, pins no more than the budget). The first slab is made at once; on a GPU engine
-    each next one is pinned on a thread of its own while the ones before it fill, and a demotion
-    that finds it not yet pinned evicts instead of waiting. Slabs sit a gap apart in the offset
-    space, so holes never merge across two and an entry never spans them."""
+    """The host tier's memory in slabs, so that an engine does not pin tens of GB before it serves
+    (and torch's pinned allocator, which rounds one request up to a power of two, pins no more than
+    the budget). The first slab is made at once; on a GPU engine the others are pinned one after
+    another on a thread of their own from start-up, and each is taken when entries need it (a
+    demotion that finds the next one not yet pinned evicts below instead of waiting); elsewhere a
+    slab is made when needed. Slabs sit a gap apart in the offset space, so holes never merge
+    across two and an entry never spans them. A slab the host cannot allocate ends the growth."""
 
     def __init__(self, capacity_bytes: int, slab_bytes: int, pin: bool) -> None:
         self.slab_bytes = min(slab_bytes, capacity_bytes // ALIGN * ALIGN)
         self.capacity_bytes = capacity_bytes // self.slab_bytes * self.slab_bytes if self.slab_bytes else 0
         self.free = FreeList(0)
-        self._stride, self._pin = self.slab_bytes + ALIGN, pin
+        self._stride = self.slab_bytes + ALIGN
         self._slabs: list[torch.Tensor] = []
-        self._pinner = futures.ThreadPoolExecutor(1, thread_name_prefix="hypic-host-pin") if pin else None
-        self._next = self._start_next(at_once=True)
-        self.grow()
+        self._pinned: queue.SimpleQueue | None = None  # slabs pinned ahead, in order (a GPU engine)
+        self._spare: torch.Tensor | RuntimeError | None = None  # taken from `_pinned`, not yet used
+        if self.capacity_bytes:
+            self._add(_new_slab(self.slab_bytes, pin))
+        if pin and self.capacity_bytes > self.slab_bytes:
+            self._pinned = queue.SimpleQueue()
+            threading.Thread(target=self._pin_ahead, args=(self.capacity_bytes // self.slab_bytes - 1,),
+                             name="hypic-host-pin", daemon=True).start()
 
     @property
     def slabs(self) -> tuple[torch.Tensor, ...]:
@@ -99,40 +107,51 @@ class HostArena:
         return self.allocated_bytes - self.free.free_bytes
 
     def grow(self) -> bool:
-        """Add the next slab if it is ready; False when the budget is reached or it is still being
-        pinned. A slab the host could not allocate ends the growth: the tier keeps what it has."""
-        if self._next is None or not self._next.done():
+        """Add the next slab; False at the budget, or while the next one is still being pinned."""
+        if self.allocated_bytes >= self.capacity_bytes:
             return False
-        if self._next.exception() is not None:
-            logger.warning("host tier: cannot allocate another %d MiB slab (%s); it stays at %d MiB",
-                           self.slab_bytes >> 20, self._next.exception(), self.allocated_bytes >> 20)
-            self._next, self.capacity_bytes = None, self.allocated_bytes
-            return False
-        self.free.release(len(self._slabs) * self._stride, self.slab_bytes)
-        self._slabs.append(self._next.result())
-        self._next = self._start_next()
-        return True
+        if self._pinned is None:
+            return self._add(_new_slab(self.slab_bytes, pin=False))
+        if self._spare is None:
+            try:
+                self._spare = self._pinned.get_nowait()
+            except queue.Empty:
+                return False
+        slab, self._spare = self._spare, None
+        return self._add(slab)
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         slab, start = divmod(offset, self._stride)
         return self._slabs[slab][start: start + nbytes]
 
     def wait(self) -> None:
-        """Until the slab being pinned is ready (shutdown, tests)."""
-        if self._next is not None:
-            futures.wait([self._next])
+        """Until the next slab is pinned (tests, benchmarks)."""
+        if self._pinned is not None and self._spare is None and self.allocated_bytes < self.capacity_bytes:
+            self._spare = self._pinned.get()
 
-    def _start_next(self, at_once: bool = False) -> futures.Future | None:
-        if not self.slab_bytes or self.allocated_bytes + self.slab_bytes > self.capacity_bytes:
-            return None
-        if self._pinner is not None and not at_once:
-            return self._pinner.submit(torch.empty, self.slab_bytes, dtype=torch.uint8, pin_memory=True)
-        made: futures.Future = futures.Future()
-        try:
-            made.set_result(torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self._pin))
-        except RuntimeError as error:  # out of (pinnable) memory: `grow` stops there
-            made.set_exception(error)
-        return made
+    def _add(self, slab: torch.Tensor | RuntimeError) -> bool:
+        if isinstance(slab, RuntimeError):
+            logger.warning("host tier: cannot allocate another %d MiB slab (%s); it stays at %d MiB",
+                           self.slab_bytes >> 20, slab, self.allocated_bytes >> 20)
+            self.capacity_bytes = self.allocated_bytes
+            return False
+        self.free.release(len(self._slabs) * self._stride, self.slab_bytes)
+        self._slabs.append(slab)
+        return True
+
+    def _pin_ahead(self, count: int) -> None:
+        for _ in range(count):
+            slab = _new_slab(self.slab_bytes, pin=True)
+            self._pinned.put(slab)
+            if isinstance(slab, RuntimeError):
+                return
+
+
+def _new_slab(nbytes: int, pin: bool) -> torch.Tensor | RuntimeError:
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    except RuntimeError as error:  # out of (pinnable) memory
+        return error
 
 
 class LowerTiers:
