@@ -151,6 +151,7 @@ def test_slabs_pinned_ahead_on_a_thread_are_taken_in_order_as_entries_need_them(
     monkeypatch.setattr(tiers, "_new_slab", new_slab)
     arena = tiers.HostArena(3 * ALIGN + 5, ALIGN, pin=True)
     assert arena.capacity_bytes == 3 * ALIGN and len(arena.slabs) == 1  # whole slabs; the first at once
+    assert made == [("MainThread", True)]  # no pinning beside start-up (the engine captures its graphs then)
     for count in (2, 3):
         arena.wait()
         assert arena.grow() and len(arena.slabs) == count

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import weakref
 from collections import OrderedDict
 from concurrent import futures
 from dataclasses import dataclass
@@ -74,10 +75,12 @@ class HostArena:
     """The host tier's memory in slabs, so that an engine does not pin tens of GB before it serves
     (and torch's pinned allocator, which rounds one request up to a power of two, pins no more than
     the budget). The first slab is made at once; on a GPU engine the others are pinned one after
-    another on a thread of their own from start-up, and each is taken when entries need it (a
-    demotion that finds the next one not yet pinned evicts below instead of waiting); elsewhere a
-    slab is made when needed. Slabs sit a gap apart in the offset space, so holes never merge
-    across two and an entry never spans them. A slab the host cannot allocate ends the growth."""
+    another on a thread of their own once the first is full (so not while the engine captures its
+    CUDA graphs, which a pinned allocation from another thread can invalidate), each taken when
+    entries need it (a demotion that finds the next one not yet pinned evicts below instead of
+    waiting); elsewhere a slab is made when needed. Slabs sit a gap apart in the offset space, so
+    holes never merge across two and an entry never spans them. A slab the host cannot allocate
+    ends the growth."""
 
     def __init__(self, capacity_bytes: int, slab_bytes: int, pin: bool) -> None:
         self.slab_bytes = min(slab_bytes, capacity_bytes // ALIGN * ALIGN)
@@ -89,10 +92,12 @@ class HostArena:
         self._spare: torch.Tensor | RuntimeError | None = None  # taken from `_pinned`, not yet used
         if self.capacity_bytes:
             self._add(_new_slab(self.slab_bytes, pin))
+        self._pinner: threading.Thread | None = None
         if pin and self.capacity_bytes > self.slab_bytes:
             self._pinned = queue.SimpleQueue()
-            threading.Thread(target=self._pin_ahead, args=(self.capacity_bytes // self.slab_bytes - 1,),
-                             name="hypic-host-pin", daemon=True).start()
+            count = self.capacity_bytes // self.slab_bytes - 1
+            self._pinner = threading.Thread(target=_pin_ahead, args=(weakref.ref(self), self._pinned, count),
+                                            name="hypic-host-pin", daemon=True)
 
     @property
     def slabs(self) -> tuple[torch.Tensor, ...]:
@@ -113,6 +118,7 @@ class HostArena:
         if self._pinned is None:
             return self._add(_new_slab(self.slab_bytes, pin=False))
         if self._spare is None:
+            self._start_pinning()
             try:
                 self._spare = self._pinned.get_nowait()
             except queue.Empty:
@@ -127,7 +133,12 @@ class HostArena:
     def wait(self) -> None:
         """Until the next slab is pinned (tests, benchmarks)."""
         if self._pinned is not None and self._spare is None and self.allocated_bytes < self.capacity_bytes:
+            self._start_pinning()
             self._spare = self._pinned.get()
+
+    def _start_pinning(self) -> None:
+        if self._pinner.ident is None:
+            self._pinner.start()
 
     def _add(self, slab: torch.Tensor | RuntimeError) -> bool:
         if isinstance(slab, RuntimeError):
@@ -139,12 +150,19 @@ class HostArena:
         self._slabs.append(slab)
         return True
 
-    def _pin_ahead(self, count: int) -> None:
-        for _ in range(count):
-            slab = _new_slab(self.slab_bytes, pin=True)
-            self._pinned.put(slab)
-            if isinstance(slab, RuntimeError):
-                return
+
+def _pin_ahead(arena: weakref.ref[HostArena], pinned: queue.SimpleQueue, count: int) -> None:
+    """Pins `count` slabs for `arena` (the pinning thread); stops once the arena is gone (an engine
+    closed), so that it pins nothing for nobody, nor beside the next engine's graph capture."""
+    for _ in range(count):
+        owner = arena()
+        if owner is None:
+            return
+        nbytes, owner = owner.slab_bytes, None
+        slab = _new_slab(nbytes, pin=True)
+        pinned.put(slab)
+        if isinstance(slab, RuntimeError):
+            return
 
 
 def _new_slab(nbytes: int, pin: bool) -> torch.Tensor | RuntimeError:
