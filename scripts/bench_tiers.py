@@ -36,6 +36,7 @@ from pathlib import Path
 
 import aiohttp
 import torch
+from aiohttp import web
 from bench_engine import model_dir, random_weights, shape_config
 from bench_pic import QUERY_TOKENS, SYSTEM_TOKENS, rag_prompt, random_tokens, timed_request
 from results import device_label, result_path, run_record
@@ -294,7 +295,6 @@ async def served_sweep(config: EngineConfig, options: list[str]) -> dict:
     runner = runner_for(build_app(client, ServerSettings()), access_log=False)
     await runner.setup()
     try:
-        from aiohttp import web
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         parser = argparse.ArgumentParser()
