@@ -1,5 +1,6 @@
-"""Constrained decoding below the server: the sampler's bitmask against a bit-by-bit reference, the
-engine's masks against llguidance's own, and what an unconstrained batch is spared."""
+"""Constrained decoding below the server: the sampler's masked rows, the engine's masks against
+llguidance's own (prefetched, filled when a step starts, and both in one batch), and what an
+unconstrained batch is spared. The mask kernel itself: test_kernels_token_mask.py."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ import torch
 from hypic.config import EngineConfig
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
-from hypic.engine.sampler import Sampler, SamplingRow, apply_token_mask
+from hypic.engine.sampler import Sampler, SamplingRow, TokenMask
 from hypic.errors import InvalidRequestError
 from hypic.sampling_params import SamplingParams
 from hypic.structured_outputs import StructuredOutputs
@@ -26,19 +27,12 @@ def _reference_mask(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def test_token_mask_matches_a_bit_by_bit_reference() -> None:
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 70, generator=generator)
-    words = torch.randint(-(2**31), 2**31 - 1, (3, 3), dtype=torch.int32, generator=generator)
-    assert torch.equal(apply_token_mask(logits, words), _reference_mask(logits, words))
-
-
 def test_sampled_tokens_are_allowed_and_logprobs_are_of_the_constrained_distribution() -> None:
     logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
     words = torch.zeros(4, 2, dtype=torch.int32)
     words[:, 1] = 0b1011  # tokens 32, 33 and 35 only
     rows = [SamplingRow(SamplingParams(temperature=t, logprobs=1, seed=i)) for i, t in enumerate((0.0, 1.0, 1.0, 5.0))]
-    result = Sampler(64, str).sample(logits, rows, words)
+    result = Sampler(64, str).sample(logits.clone(), rows, TokenMask([0, 1, 2, 3], [0, 0, 0, 0], words[:1]))
     assert set(result.token_ids) <= {32, 33, 35}
     expected = torch.log_softmax(_reference_mask(logits, words), dim=-1)
     for row, (token, logprob) in enumerate(zip(result.token_ids, result.logprobs)):
@@ -52,13 +46,13 @@ def test_an_uncompilable_constraint_is_refused_when_built() -> None:
         StructuredOutputs("regex", "(unclosed")
 
 
-@pytest.mark.gpu
-def test_token_mask_on_the_gpu_matches_the_cpu() -> None:
-    generator = torch.Generator().manual_seed(2)
-    logits = torch.randn(32, 5000, generator=generator)
-    words = torch.randint(-(2**31), 2**31 - 1, (32, 157), dtype=torch.int32, generator=generator)
-    on_gpu = apply_token_mask(logits.cuda().bfloat16(), words)
-    assert torch.equal(torch.isinf(on_gpu.cpu()), torch.isinf(apply_token_mask(logits, words)))
+def test_only_the_masked_rows_change() -> None:
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    words = torch.tensor([[0b100, 0]], dtype=torch.int32)  # token 2 only
+    result = Sampler(40, str).sample(logits.clone(), [SamplingRow(SamplingParams(temperature=0.0))] * 3,
+                                     TokenMask([1], [0], words))
+    assert result.token_ids[1] == 2
+    assert result.token_ids[0::2] == logits[0::2].argmax(dim=-1).tolist()
 
 
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -105,3 +99,49 @@ def test_an_unconstrained_batch_fills_no_mask(engine, monkeypatch) -> None:
     monkeypatch.setattr(engine.structured, "fill", lambda batch: masks.append(fill(batch)) or masks[-1])
     _run(engine, [SamplingParams(max_tokens=4, ignore_eos=True) for _ in range(3)])
     assert len(masks) >= 4 and all(mask is None for mask in masks)
+
+
+def _collect(outputs, tokens: dict, reasons: dict) -> None:
+    for output in outputs:
+        for delta in output.deltas:
+            tokens.setdefault((output.request_id, delta.index), []).extend(delta.token_ids)
+            if delta.finish_reason is not None:
+                reasons[(output.request_id, delta.index)] = delta.finish_reason
+
+
+def test_prefetched_and_step_filled_masks_both_hold(engine) -> None:
+    """Two replies are mid-grammar (their masks prefetched after each token) when a third request with
+    n=2 joins (filled when its step starts, in the same batch; the bitmask of two rows grows under the
+    prefetch): every reply is one a fresh llguidance matcher accepts, and each ending with `stop` is complete."""
+    engine = LLMEngine(EngineConfig(device=engine.device.type, max_model_len=256, cpu_cache_bytes=32 << 20,
+                                    segment_host_bytes=0))  # its own: a bitmask no earlier test has grown
+    constraint = StructuredOutputs("json", json.dumps({"type": "array", "items": {"type": "integer"}, "maxItems": 6}))
+    tokens, reasons = {}, {}
+    for name in ("a", "b"):
+        engine.add_request(_prompt(engine), SamplingParams(max_tokens=40, seed=1, structured=constraint), request_id=name)
+    for _ in range(4):
+        _collect(engine.step(), tokens, reasons)
+    engine.add_request(_prompt(engine), SamplingParams(max_tokens=40, n=2, seed=2, structured=constraint), request_id="c")
+    while engine.has_work():
+        _collect(engine.step(), tokens, reasons)
+    tokenizer = llguidance.LLTokenizer((engine.model_dir / "tokenizer.json").read_text(),
+                                       n_vocab=engine.tokenizer.vocab_size, eos_token=sorted(engine.eos_ids))
+    assert set(tokens) == {("a", 0), ("b", 0), ("c", 0), ("c", 1)}
+    for key, ids in tokens.items():
+        matcher = llguidance.LLMatcher(tokenizer, constraint.grammar())
+        assert matcher.consume_tokens(ids), (key, matcher.get_error())
+        if reasons[key] == "stop":
+            assert matcher.is_accepting(), key
+            json.loads(engine.tokenizer.decode(ids))
+
+
+def test_the_bitmask_is_one_buffer_reused_every_step(engine, monkeypatch) -> None:
+    constraint = StructuredOutputs("regex", "[a-z]{30}")
+    buffers, sample = set(), engine.sampler.sample
+    def spy(logits, rows, token_mask=None):
+        if token_mask is not None:
+            buffers.add(token_mask.words.untyped_storage().data_ptr())
+        return sample(logits, rows, token_mask)
+    monkeypatch.setattr(engine.sampler, "sample", spy)
+    _run(engine, [SamplingParams(max_tokens=12, seed=s, structured=constraint) for s in range(2)])
+    assert len(buffers) == 1

@@ -79,7 +79,8 @@ class LLMEngine:
         self._build_caches(self.plan, pool_bytes)
         self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.token_text, seed=config.seed)
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
-        self.structured = StructuredDecoding(self.tokenizer.to_json(), self.tokenizer.vocab_size, self.eos_ids)
+        self.structured = StructuredDecoding(self.tokenizer.to_json(), self.tokenizer.vocab_size, self.eos_ids,
+                                             pinned=self.device.type == "cuda")
         self.requests: dict[str, RequestState] = {}
         self.last_step_ran = True  # False when the last step found nothing it could schedule
         self.counters = dict.fromkeys(("finished", "aborted", "prompt", "generated", "cached"), 0)
@@ -182,7 +183,7 @@ class LLMEngine:
             return []
         self.step_clock.start(_prefill_tokens(batch))
         self.pic.scatter(batch)
-        masks = self.structured.fill(batch)  # beside the forward
+        masks = self.structured.fill(batch)  # beside the forward, if not prefetched
         scoring, scored = self._prompt_scoring(batch)
         logits, capture, scores = self.runner.execute(batch, scoring)
         if scores is not None:
@@ -195,9 +196,11 @@ class LLMEngine:
         if rows:
             index = [i for i, _ in rows]
             picked = self.sampler.sample(logits[host_to_device(index, torch.long, logits.device)],
-                                         [self._sampling_row(c) for _, c in rows], masks and masks.rows(index))
-            for (_, completion), token, logprob in zip(rows, picked.token_ids, picked.logprobs):
-                self._take_token(completion, token, logprob, deltas)
+                                         [self._sampling_row(c) for _, c in rows], masks and masks.token_mask(index))
+            grammar_done = self.structured.advance([(c.seq, t) for (_, c), t in zip(rows, picked.token_ids)])
+            for (_, completion), token, logprob, done in zip(rows, picked.token_ids, picked.logprobs, grammar_done):
+                self._take_token(completion, token, logprob, done, deltas)
+            self.structured.prefetch(c.seq for _, c in rows)  # the next masks, beside everything until sampling
         for chunk in batch.chunks:
             if chunk.samples and chunk.seq.info.params.max_tokens == 0 and not chunk.seq.finished:
                 self._collect(deltas, chunk.seq, self._finish(self._completion(chunk.seq), "length"))
@@ -257,12 +260,11 @@ class LLMEngine:
             self._new_completion(state, child)
         return [c for c in state.completions.values() if c.seq.num_computed == chunk.seq.num_computed]
 
-    def _take_token(self, completion: Completion, token: int, logprob, deltas) -> None:
+    def _take_token(self, completion: Completion, token: int, logprob, grammar_done: bool, deltas) -> None:
         seq = completion.seq
         self.requests[seq.info.request_id].mark_first_token()
         seq.append(token)
         self.counters["generated"] += 1
-        grammar_done = self.structured.advance(seq, token)
         stopped_by_text = completion.add_token(token, logprob)
         reason = self._finish_reason(seq, token, stopped_by_text or grammar_done)
         delta = completion.delta(None) if reason is None else self._finish(completion, reason)

@@ -25,6 +25,7 @@ import torch
 
 from hypic.errors import InvalidRequestError
 from hypic.kernels.host_copy import host_to_device
+from hypic.kernels.token_mask import apply_token_mask
 from hypic.outputs import TokenLogprob
 from hypic.sampling_params import SamplingParams
 
@@ -40,6 +41,17 @@ class SamplingRow:
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
     generator: torch.Generator | None = None  # on the logits' device; from make_generator(seed)
+
+
+@dataclass(frozen=True)
+class TokenMask:
+    """Grammar masks of some rows of a batch: logits row rows[i] may take only the tokens that
+    words[sources[i]] allows (bit t of word w allows token 32w + t). The words stay on the host,
+    pinned on CUDA so that their copy queues behind the forward instead of waiting for it."""
+
+    rows: list[int]
+    sources: list[int]
+    words: torch.Tensor  # [S, ceil(V / 32)] int32
 
 
 @dataclass(frozen=True)
@@ -81,12 +93,12 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
-               token_mask: torch.Tensor | None = None) -> SampleResult:
-        """logits: [M, V] (any float dtype, any device), one SamplingRow per row. token_mask: [M, ceil(V/32)]
-        int32 bitmask on the host (bit t of word w allows token 32w + t) or None (constrained decoding)."""
+               token_mask: TokenMask | None = None) -> SampleResult:
+        """logits: [M, V] (any float dtype, any device), one SamplingRow per row. token_mask (constrained
+        decoding) sets the tokens it forbids to -inf in `logits` itself."""
         logits = logits[:, : self.vocab_size]
         if token_mask is not None:
-            logits = apply_token_mask(logits, token_mask)
+            _apply(logits, token_mask)
         if all(_is_plain_greedy(row.params) for row in rows):
             return self._result(logits.argmax(dim=-1), rows, None)
         raw_logprobs = None
@@ -171,12 +183,11 @@ def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
     return host_to_device(list(values), torch.float32, like.device).unsqueeze(1)
 
 
-def apply_token_mask(logits: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
-    """logits with the tokens the bitmask forbids at -inf (a copy; logprobs see the constrained distribution)."""
-    words = token_mask.to(logits.device, non_blocking=True)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : logits.shape[1]]
-    return logits.masked_fill(allowed == 0, float("-inf"))
+def _apply(logits: torch.Tensor, mask: TokenMask) -> None:
+    """In place, before anything reads the logits: logprobs see the constrained distribution. Both copies
+    are queued without a sync; the pinned words are not rewritten before this step's tokens are read."""
+    pairs = host_to_device([mask.rows, mask.sources], torch.int32, logits.device)
+    apply_token_mask(logits, pairs, mask.words.to(logits.device, non_blocking=True))
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

@@ -4,8 +4,13 @@
   their own, started when the request is added; its prefill runs meanwhile.
 - Each constrained completion has its own matcher (a copy of the compiled one). Forks happen before
   the first token, so a fork starts from the compiled matcher's initial state like its parent.
-- Masks are filled by llguidance's parallel executor on another thread while the forward runs, into
-  one bitmask row per sampling row (-1: every token allowed); the sampler applies it.
+- Masks are filled by llguidance's parallel executor on a thread of their own, into rows of one
+  bitmask buffer reused every step (pinned on CUDA): no host tensor op on the engine thread, where a
+  busy host made small ones cost milliseconds. A completion's next mask is started as soon as it
+  consumed its token (`prefetch`), so it runs beside the rest of the step, the next step's host work
+  and the next forward; a row the prefetch did not cover is filled when its step starts.
+- The sampled tokens are consumed in one parallel call (`advance`); the sampler applies the masks
+  of the constrained rows only.
 - A batch without constrained rows costs one attribute test per row: no mask, no thread, no sync.
 """
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
+from hypic.engine.sampler import TokenMask
 from hypic.engine.scheduler import ScheduledBatch
 from hypic.engine.sequence import Sequence
 from hypic.structured_outputs import StructuredOutputs
@@ -48,26 +54,34 @@ class _Constrained:
 
 
 class PendingMasks:
-    """Bitmasks being filled beside the forward: one row per sampling chunk of the batch."""
+    """Bitmasks being filled beside the forward: `places` maps a sampling chunk's row to its bitmask row."""
 
-    def __init__(self, bitmask: torch.Tensor, done: Future) -> None:
-        self._bitmask, self._done = bitmask, done
+    def __init__(self, bitmask: torch.Tensor, places: dict[int, int], done: Future) -> None:
+        self._bitmask, self._places, self._done = bitmask, places, done
 
-    def rows(self, index: list[int]) -> torch.Tensor:
-        """[len(index), words] int32 on the host, once filled."""
+    def token_mask(self, index: list[int]) -> TokenMask:
+        """The masks of the sampler's rows, once filled; row i samples from chunk row index[i]."""
         self._done.result()
-        return self._bitmask[index]
+        rows = [i for i, chunk_row in enumerate(index) if chunk_row in self._places]
+        sources = [self._places[index[i]] for i in rows]
+        return TokenMask(rows, sources, self._bitmask[: max(sources, default=-1) + 1])
+
+
+_Key = tuple[str, int]  # a completion: (request id, index)
 
 
 class StructuredDecoding:
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Iterable[int]) -> None:
-        self.words = (vocab_size + 31) // 32
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Iterable[int], *, pinned: bool) -> None:
+        self.words, self._pinned = (vocab_size + 31) // 32, pinned
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="hypic-grammar")
-        self._filler = ThreadPoolExecutor(1, thread_name_prefix="hypic-mask")
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="hypic-mask")  # one at a time: jobs share the buffer
         # built on the compiler's thread: the first compile waits for it, the engine never does
         self._tokenizer = self._compiler.submit(
             llguidance.LLTokenizer, tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_ids))
         self._executor = llguidance.LLExecutor()
+        self._bitmask = torch.empty((0, self.words), dtype=torch.int32)
+        self._ahead: dict[_Key, int] = {}  # the last prefetch: completion -> its bitmask row
+        self._last: Future | None = None  # the last fill queued
         self._compiled: OrderedDict[str, Future] = OrderedDict()
         self._requests: dict[str, tuple[Future, dict[int, _Constrained]]] = {}  # compiled, per completion
 
@@ -79,33 +93,73 @@ class StructuredDecoding:
         self._requests.pop(request_id, None)
 
     def fill(self, batch: ScheduledBatch) -> PendingMasks | None:
-        """Starts filling the masks of the batch's constrained rows; None when it has none."""
+        """The masks of the batch's constrained rows (prefetched or started now); None when it has none."""
         sampling = [chunk.seq for chunk in batch.chunks if chunk.samples]
-        rows = [(row, self._state(seq)) for row, seq in enumerate(sampling) if seq.info.request_id in self._requests]
-        rows = [(row, state) for row, state in rows if state.started and not state.failed]
-        if not rows:
+        wanted = [(row, seq) for row, seq in enumerate(sampling) if self._maskable(seq)]
+        if not wanted:
             return None
-        bitmask = torch.full((len(sampling), self.words), -1, dtype=torch.int32)
-        return PendingMasks(bitmask, self._filler.submit(self._fill, rows, bitmask))
+        ahead, self._ahead = self._ahead, {}
+        missing = [seq for _, seq in wanted if _key(seq) not in ahead]
+        places = self._start(missing, first_row=len(ahead)) if missing else {}
+        places = {row: ahead.get(_key(seq), places.get(_key(seq))) for row, seq in wanted}
+        return PendingMasks(self._bitmask, places, self._last)
 
-    def advance(self, seq: Sequence, token: int) -> bool:
-        """Feeds the sampled token to the completion's matcher; True when the grammar is finished."""
-        if seq.info.request_id not in self._requests:
-            return False
-        state = self._state(seq)
-        if not state.started:
-            self._watch_for_start(state, token)
-            return False
-        matcher = state.ready()
-        matcher.consume_token(token)
-        if matcher.is_error():
-            logger.warning("%s: structured output stopped: %s", seq.info.request_id, matcher.get_error())
-        return matcher.is_stopped()
+    def prefetch(self, seqs: Iterable[Sequence]) -> None:
+        """Starts the next masks of completions that just consumed a token (call after `advance`)."""
+        live = [seq for seq in seqs if not seq.finished and self._maskable(seq)]
+        self._ahead = self._start(live, first_row=0) if live else {}
+
+    def advance(self, tokens: list[tuple[Sequence, int]]) -> list[bool]:
+        """Feeds each sampled token to its completion's matcher, all in one parallel call; True where
+        that completion's grammar is finished."""
+        fed = []
+        for position, (seq, token) in enumerate(tokens):
+            state = self._state(seq) if seq.info.request_id in self._requests else None
+            if state is not None and not state.started:
+                self._watch_for_start(state, token)
+            elif state is not None:
+                fed.append((position, state.ready(), token))
+        finished = [False] * len(tokens)
+        if not fed:
+            return finished
+        self._executor.consume_token_par([(matcher, token) for _, matcher, token in fed])
+        for position, matcher, _ in fed:
+            if matcher.is_error():
+                logger.warning("%s: structured output stopped: %s", tokens[position][0].info.request_id,
+                               matcher.get_error())
+            finished[position] = matcher.is_stopped()
+        return finished
 
     def replay(self, seq: Sequence, ids: list[int]) -> None:
         """A completion resumed from the ids it made elsewhere: its matcher consumes them first."""
         for token in ids:
-            self.advance(seq, token)
+            self.advance([(seq, token)])
+
+    def _maskable(self, seq: Sequence) -> bool:
+        if seq.info.request_id not in self._requests:
+            return False
+        state = self._state(seq)
+        return state.started and not state.failed
+
+    def _start(self, seqs: list[Sequence], first_row: int) -> dict[_Key, int]:
+        """Queues the masks of `seqs` into bitmask rows from `first_row` on; their places."""
+        places = {_key(seq): first_row + i for i, seq in enumerate(seqs)}
+        self._reserve(first_row + len(seqs))
+        rows = [(self._state(seq), places[_key(seq)]) for seq in seqs]
+        self._last = self._filler.submit(self._fill, rows, self._bitmask)
+        return places
+
+    def _reserve(self, rows: int) -> None:
+        """A bitmask of at least `rows` rows. Growing waits for the queued fills and keeps their rows;
+        the old buffer lives on until its pending copies are done (the caching host allocator)."""
+        if self._bitmask.shape[0] >= rows:
+            return
+        if self._last is not None:
+            self._last.result()
+        grown = torch.empty((max(rows, 2 * self._bitmask.shape[0]), self.words), dtype=torch.int32,
+                            pin_memory=self._pinned)
+        grown[: self._bitmask.shape[0]] = self._bitmask
+        self._bitmask = grown
 
     def _state(self, seq: Sequence) -> _Constrained:
         compiled, states = self._requests[seq.info.request_id]
@@ -119,11 +173,12 @@ class StructuredDecoding:
         if state.after in state.tail:
             state.after = None
 
-    def _fill(self, rows: list[tuple[int, _Constrained]], bitmask: torch.Tensor) -> None:
-        matchers = [(state.ready(), row) for row, state in rows]
-        for (matcher, _), (_, state) in zip(matchers, rows):
-            state.failed = matcher.is_error()  # a tokenizer-specific compile error: unconstrained, then stopped
-        live = [(matcher, row) for matcher, row in matchers if not matcher.is_error()]
+    def _fill(self, rows: list[tuple[_Constrained, int]], bitmask: torch.Tensor) -> None:
+        for state, row in rows:
+            state.failed = state.ready().is_error()  # a tokenizer-specific compile error: unconstrained, then stopped
+            if state.failed:
+                bitmask[row] = -1
+        live = [(state.matcher, row) for state, row in rows if not state.failed]
         self._executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), self.words * 4, bitmask.shape[0])
 
     def _compile(self, grammar: str) -> Future:
@@ -140,3 +195,7 @@ class StructuredDecoding:
         if matcher.is_error():
             logger.warning("structured output: grammar does not compile for this tokenizer: %s", matcher.get_error())
         return matcher
+
+
+def _key(seq: Sequence) -> _Key:
+    return seq.info.request_id, seq.index

@@ -1,0 +1,152 @@
+"""Where the host time of constrained decoding goes, per engine step, at batch 1 and 32 with a
+248,320-token vocabulary (the Qwen3.5 tokenizer's size; bench_structured's synthetic tokenizer).
+
+The model is the bundled shape cut to a tiny forward (hidden 64, 2 layers) with that vocabulary, so
+host costs dominate on the CPU; `--device cuda` runs bench_structured's released shape instead. Each
+constrained-only call on the engine thread is timed by wrapping it (fill: starting the masks;
+wait: blocked on the fill; apply: the mask onto the logits; advance: the matchers consuming the
+sampled tokens), and the mask computation on the filler thread (compute). Steps are timed whole
+against the same batch unconstrained. Wrappers add ~1 us a call.
+
+    python scripts/profile_structured_host.py --label after   # -> bench/results/structured_host_cpu_qwen3_5_vocab.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import parsed_config  # noqa: E402
+from bench_structured import SCHEMA, gpu_engine, synthetic_tokenizer  # noqa: E402
+from results import device_label, result_path, run_record  # noqa: E402
+
+import hypic.engine.sampler as sampler_module  # noqa: E402
+import hypic.engine.structured as structured_module  # noqa: E402
+from hypic import EngineConfig, SamplingParams  # noqa: E402
+from hypic.engine.llm_engine import LLMEngine  # noqa: E402
+from hypic.engine.pic.segments import SegmentedPrompt  # noqa: E402
+from hypic.engine.setup import BUNDLED_MODEL  # noqa: E402
+from hypic.models.random_weights import random_state_dict  # noqa: E402
+from hypic.structured_outputs import StructuredOutputs  # noqa: E402
+
+VOCAB = 248_320
+# (module attribute path, phase): engine-thread calls, and the filler thread's mask computation
+HOOKS = [("structured_module.StructuredDecoding.fill", "fill"), ("structured_module.PendingMasks.rows", "wait"),
+         ("structured_module.PendingMasks.token_mask", "wait"), ("sampler_module.apply_token_mask", "apply"),
+         ("structured_module.StructuredDecoding.advance", "advance"),
+         ("structured_module.StructuredDecoding.prefetch", "fill"),
+         ("structured_module.StructuredDecoding._fill", "compute")]
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def install(self) -> None:
+        scope = {"structured_module": structured_module, "sampler_module": sampler_module}
+        for path, phase in HOOKS:
+            owner_path, name = path.rsplit(".", 1)
+            owner = eval(owner_path, scope)  # noqa: S307 - our own constant paths
+            if name in vars(owner):
+                setattr(owner, name, self._timed(getattr(owner, name), phase))
+
+    def _timed(self, fn, phase: str):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - start
+        return timed
+
+
+def cpu_engine() -> LLMEngine:
+    config = json.loads((BUNDLED_MODEL / "config.json").read_text())
+    config.update(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  layer_types=["linear_attention", "full_attention"], dtype="float32")
+    path = Path(tempfile.mkdtemp(prefix="hypic-structured-"))
+    (path / "config.json").write_text(json.dumps(config))
+    synthetic_tokenizer(path, VOCAB, seed=0)
+    weights = random_state_dict(parsed_config(config), device=torch.device("cpu"), dtype=torch.float32)
+    return LLMEngine(EngineConfig(model=str(path), device="cpu", state_dict=weights, max_model_len=1024,
+                                  max_num_seqs=32, cpu_cache_bytes=256 << 20, cache_mode="none"))
+
+
+def step_ms(engine: LLMEngine, batch: int, steps: int, structured, timers: Timers) -> tuple[float, dict]:
+    """Mean wall ms of a decode step, and of each timed phase within it."""
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True, structured=structured)
+    rng = random.Random(batch)
+    for _ in range(batch):
+        engine.add_request(SegmentedPrompt((tuple(rng.randrange(3, 3000) for _ in range(16)),)), params,
+                           cache_mode="none")
+    while any(not s.in_decode for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    engine.step()
+    _sync(engine)
+    timers.seconds.clear()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync(engine)
+    elapsed = time.perf_counter() - start
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
+    return elapsed / steps * 1e3, {k: v / steps * 1e3 for k, v in sorted(timers.seconds.items())}
+
+
+def _sync(engine: LLMEngine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(engine: LLMEngine, args: argparse.Namespace, timers: Timers) -> dict:
+    constraint = StructuredOutputs("json", json.dumps(SCHEMA))
+    step_ms(engine, max(args.batches), 4, constraint, timers)  # compile the grammar, warm the caches
+    out = {}
+    for batch in args.batches:
+        free = min(step_ms(engine, batch, args.steps, None, timers)[0] for _ in range(args.repeats))
+        constrained, phases = min(step_ms(engine, batch, args.steps, constraint, timers) for _ in range(args.repeats))
+        out[batch] = {"unconstrained_step_ms": free, "constrained_step_ms": constrained,
+                      "overhead_ms": constrained - free, "constrained_phases_ms": phases}
+        print(f"batch {batch:>3}: step {free:7.2f} ms free, {constrained:7.2f} ms constrained "
+              f"({constrained - free:+.2f} ms); " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()), flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--label", required=True, help="before | after: the run's key in the result")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3, help="best of this many runs per figure")
+    parser.add_argument("--cpu-threads", type=int, default=1)
+    parser.add_argument("--shape", default="qwen3_5_moe", help="with --device cuda: bench_structured's shape")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.cpu_threads) if args.device == "cpu" else None
+    timers = Timers()
+    timers.install()
+    engine = cpu_engine() if args.device == "cpu" else gpu_engine(argparse.Namespace(
+        shape=args.shape, seed=args.seed, batches=args.batches))
+    device = device_label(torch.cuda.get_device_name() if args.device == "cuda" else "cpu")
+    out = args.out or result_path("structured_host", device, "qwen3_5_vocab" if args.device == "cpu" else args.shape)
+    record = json.loads(out.read_text()) if out.exists() else {"benchmark": "structured_host", "runs": {}}
+    record["runs"][args.label] = {**run_record(), "vocab_size": engine.tokenizer.vocab_size,
+                                  "cpu_threads": torch.get_num_threads(), "steps": measure(engine, args, timers)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
