@@ -67,15 +67,23 @@ def cpu_engine(args: argparse.Namespace) -> LLMEngine:
 
 def decode_rate(engine: LLMEngine, batch: int, steps: int, structured: StructuredOutputs | None) -> float:
     """Generated tokens/s over `steps` decode steps of `batch` sequences (prefill excluded)."""
+    return batch * steps / timed_decode(engine, batch, steps, structured, prompt_len=64)
+
+
+def timed_decode(engine: LLMEngine, batch: int, steps: int, structured: StructuredOutputs | None, *,
+                 prompt_len: int, before=lambda: None) -> float:
+    """Seconds of `steps` greedy decode steps of `batch` random prompts, once all decode; `before`
+    runs just before the clock starts. The requests are aborted after."""
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True, structured=structured)
     rng = random.Random(batch)
     for _ in range(batch):
-        ids = tuple(rng.randrange(3, 3000) for _ in range(64))
+        ids = tuple(rng.randrange(3, 3000) for _ in range(prompt_len))
         engine.add_request(SegmentedPrompt((ids,)), params, cache_mode="none")
     while any(not s.in_decode for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     engine.step()
     _sync(engine)
+    before()
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
@@ -83,7 +91,7 @@ def decode_rate(engine: LLMEngine, batch: int, steps: int, structured: Structure
     elapsed = time.perf_counter() - start
     for request_id in list(engine.requests):
         engine.abort(request_id)
-    return batch * steps / elapsed
+    return elapsed
 
 
 def _sync(engine: LLMEngine) -> None:

@@ -9,12 +9,13 @@ sampled tokens), and the mask computation on the filler thread (compute). Steps 
 against the same batch unconstrained. Wrappers add ~1 us a call.
 
     python scripts/profile_structured_host.py --label after   # -> bench/results/structured_host_cpu_qwen3_5_vocab.json
+    git archive BASE | tar -x -C /tmp/base && echo BASE > /tmp/base/COMMIT
+    PYTHONPATH=/tmp/base python scripts/profile_structured_host.py --label before   # the tree before, same harness
 """
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 import time
@@ -25,25 +26,24 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import parsed_config  # noqa: E402
-from bench_structured import SCHEMA, gpu_engine, synthetic_tokenizer  # noqa: E402
-from results import device_label, result_path, run_record  # noqa: E402
+from bench_structured import SCHEMA, gpu_engine, synthetic_tokenizer, timed_decode  # noqa: E402
+from results import device_label, result_path, run_record, tree_commit  # noqa: E402
 
+import hypic  # noqa: E402
 import hypic.engine.sampler as sampler_module  # noqa: E402
 import hypic.engine.structured as structured_module  # noqa: E402
-from hypic import EngineConfig, SamplingParams  # noqa: E402
+from hypic import EngineConfig  # noqa: E402
 from hypic.engine.llm_engine import LLMEngine  # noqa: E402
-from hypic.engine.pic.segments import SegmentedPrompt  # noqa: E402
 from hypic.engine.setup import BUNDLED_MODEL  # noqa: E402
 from hypic.models.random_weights import random_state_dict  # noqa: E402
 from hypic.structured_outputs import StructuredOutputs  # noqa: E402
 
 VOCAB = 248_320
-# (module attribute path, phase): engine-thread calls, and the filler thread's mask computation
-HOOKS = [("structured_module.StructuredDecoding.fill", "fill"), ("structured_module.PendingMasks.rows", "wait"),
-         ("structured_module.PendingMasks.token_mask", "wait"), ("sampler_module.apply_token_mask", "apply"),
-         ("structured_module.StructuredDecoding.advance", "advance"),
-         ("structured_module.StructuredDecoding.prefetch", "fill"),
-         ("structured_module.StructuredDecoding._fill", "compute")]
+_DECODING, _PENDING = structured_module.StructuredDecoding, structured_module.PendingMasks
+# (owner, attribute, phase), the names of this tree and of the one before the prefetch; absent ones are skipped
+HOOKS = [(_DECODING, "fill", "fill"), (_DECODING, "prefetch", "fill"), (_PENDING, "rows", "wait"),
+         (_PENDING, "token_mask", "wait"), (sampler_module, "apply_token_mask", "apply"),
+         (_DECODING, "advance", "advance"), (_DECODING, "_fill", "compute")]
 
 
 class Timers:
@@ -51,10 +51,7 @@ class Timers:
         self.seconds: dict[str, float] = defaultdict(float)
 
     def install(self) -> None:
-        scope = {"structured_module": structured_module, "sampler_module": sampler_module}
-        for path, phase in HOOKS:
-            owner_path, name = path.rsplit(".", 1)
-            owner = eval(owner_path, scope)  # noqa: S307 - our own constant paths
+        for owner, name, phase in HOOKS:
             if name in vars(owner):
                 setattr(owner, name, self._timed(getattr(owner, name), phase))
 
@@ -82,29 +79,8 @@ def cpu_engine() -> LLMEngine:
 
 def step_ms(engine: LLMEngine, batch: int, steps: int, structured, timers: Timers) -> tuple[float, dict]:
     """Mean wall ms of a decode step, and of each timed phase within it."""
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True, structured=structured)
-    rng = random.Random(batch)
-    for _ in range(batch):
-        engine.add_request(SegmentedPrompt((tuple(rng.randrange(3, 3000) for _ in range(16)),)), params,
-                           cache_mode="none")
-    while any(not s.in_decode for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
-    engine.step()
-    _sync(engine)
-    timers.seconds.clear()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    _sync(engine)
-    elapsed = time.perf_counter() - start
-    for request_id in list(engine.requests):
-        engine.abort(request_id)
-    return elapsed / steps * 1e3, {k: v / steps * 1e3 for k, v in sorted(timers.seconds.items())}
-
-
-def _sync(engine: LLMEngine) -> None:
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
+    seconds = timed_decode(engine, batch, steps, structured, prompt_len=16, before=timers.seconds.clear)
+    return seconds / steps * 1e3, {k: v / steps * 1e3 for k, v in sorted(timers.seconds.items())}
 
 
 def measure(engine: LLMEngine, args: argparse.Namespace, timers: Timers) -> dict:
@@ -141,7 +117,8 @@ def main() -> None:
     device = device_label(torch.cuda.get_device_name() if args.device == "cuda" else "cpu")
     out = args.out or result_path("structured_host", device, "qwen3_5_vocab" if args.device == "cpu" else args.shape)
     record = json.loads(out.read_text()) if out.exists() else {"benchmark": "structured_host", "runs": {}}
-    record["runs"][args.label] = {**run_record(), "vocab_size": engine.tokenizer.vocab_size,
+    tree = Path(hypic.__file__).resolve().parents[1]  # the tree measured: PYTHONPATH picks it
+    record["runs"][args.label] = {**run_record(), "hypic_tree_commit": tree_commit(tree), "vocab_size": engine.tokenizer.vocab_size,
                                   "cpu_threads": torch.get_num_threads(), "steps": measure(engine, args, timers)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")

@@ -66,14 +66,15 @@ def write_labelled_run(args: argparse.Namespace, benchmark: str, server_options:
     record = json.loads(args.out.read_text()) if args.out.exists() else {"benchmark": benchmark, "runs": {}}
     record["runs"][args.label] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _tree_commit(args.tree), "command": shlex.join(["python", *sys.argv]),
+        "commit": tree_commit(args.tree), "command": shlex.join(["python", *sys.argv]),
         "server_options": server_options, "results": results,
     }
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 
-def _tree_commit(tree: Path) -> str:
+def tree_commit(tree: Path) -> str:
+    """The commit of a hypic source tree (a git checkout, or an exported tree with a COMMIT file)."""
     stamp = tree / "COMMIT"  # an exported tree (git archive) has no .git: its commit is written beside it
     if stamp.is_file():
         return stamp.read_text().strip()
