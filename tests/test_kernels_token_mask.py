@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hypic.kernels.token_mask import apply_token_mask_ref, apply_token_mask_triton
+from hypic.kernels.token_mask import apply_token_mask, apply_token_mask_ref, apply_token_mask_triton
 from kernel_cases import interpreted
 
 
@@ -31,8 +31,15 @@ def case(dtype: torch.dtype) -> tuple[torch.Tensor, list[int], list[int], torch.
 def test_reference_matches_bit_by_bit(dtype: torch.dtype) -> None:
     logits, rows, sources, words = case(dtype)
     expected = bit_by_bit(logits, rows, sources, words)
-    apply_token_mask_ref(logits, torch.tensor([rows, sources], dtype=torch.int32), words)
+    apply_token_mask_ref(logits, torch.tensor(list(zip(rows, sources)), dtype=torch.int32), words)
     assert torch.equal(logits, expected)
+
+
+def test_no_pairs_change_nothing() -> None:
+    logits, _, _, words = case(torch.float32)
+    before = logits.clone()
+    apply_token_mask(logits, torch.as_tensor([], dtype=torch.int32), words[:0])  # what an empty host list becomes
+    assert torch.equal(logits, before)
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=interpreted), pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -43,6 +50,6 @@ def test_triton_matches_bit_by_bit(device: str, dtype: torch.dtype, monkeypatch:
     logits, rows, sources, words = case(dtype)
     expected = bit_by_bit(logits, rows, sources, words)
     on_device = logits.to(device)
-    apply_token_mask_triton(on_device, torch.tensor([rows, sources], dtype=torch.int32, device=device),
+    apply_token_mask_triton(on_device, torch.tensor(list(zip(rows, sources)), dtype=torch.int32, device=device),
                             words.to(device))
     assert torch.equal(on_device.cpu(), expected)

@@ -32,7 +32,7 @@ def test_sampled_tokens_are_allowed_and_logprobs_are_of_the_constrained_distribu
     words = torch.zeros(4, 2, dtype=torch.int32)
     words[:, 1] = 0b1011  # tokens 32, 33 and 35 only
     rows = [SamplingRow(SamplingParams(temperature=t, logprobs=1, seed=i)) for i, t in enumerate((0.0, 1.0, 1.0, 5.0))]
-    result = Sampler(64, str).sample(logits.clone(), rows, TokenMask([0, 1, 2, 3], [0, 0, 0, 0], words[:1]))
+    result = Sampler(64, str).sample(logits.clone(), rows, TokenMask([(0, 0), (1, 0), (2, 0), (3, 0)], words[:1]))
     assert set(result.token_ids) <= {32, 33, 35}
     expected = torch.log_softmax(_reference_mask(logits, words), dim=-1)
     for row, (token, logprob) in enumerate(zip(result.token_ids, result.logprobs)):
@@ -50,7 +50,7 @@ def test_only_the_masked_rows_change() -> None:
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
     words = torch.tensor([[0b100, 0]], dtype=torch.int32)  # token 2 only
     result = Sampler(40, str).sample(logits.clone(), [SamplingRow(SamplingParams(temperature=0.0))] * 3,
-                                     TokenMask([1], [0], words))
+                                     TokenMask([(1, 0)], words))
     assert result.token_ids[1] == 2
     assert result.token_ids[0::2] == logits[0::2].argmax(dim=-1).tolist()
 

@@ -80,7 +80,7 @@ class LLMEngine:
         self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.token_text, seed=config.seed)
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self.structured = StructuredDecoding(self.tokenizer.to_json(), self.tokenizer.vocab_size, self.eos_ids,
-                                             pinned=self.device.type == "cuda")
+                                             self.device)
         self.requests: dict[str, RequestState] = {}
         self.last_step_ran = True  # False when the last step found nothing it could schedule
         self.counters = dict.fromkeys(("finished", "aborted", "prompt", "generated", "cached"), 0)

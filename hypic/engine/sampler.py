@@ -45,12 +45,11 @@ class SamplingRow:
 
 @dataclass(frozen=True)
 class TokenMask:
-    """Grammar masks of some rows of a batch: logits row rows[i] may take only the tokens that
-    words[sources[i]] allows (bit t of word w allows token 32w + t). The words stay on the host,
-    pinned on CUDA so that their copy queues behind the forward instead of waiting for it."""
+    """Grammar masks of some rows of a batch: for each (row, source) in pairs, that logits row may take
+    only the tokens words[source] allows (bit t of word w allows token 32w + t). The words stay on the
+    host, pinned on CUDA so that their copy queues behind the forward instead of waiting for it."""
 
-    rows: list[int]
-    sources: list[int]
+    pairs: list[tuple[int, int]]
     words: torch.Tensor  # [S, ceil(V / 32)] int32
 
 
@@ -186,7 +185,7 @@ def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
 def _apply(logits: torch.Tensor, mask: TokenMask) -> None:
     """In place, before anything reads the logits: logprobs see the constrained distribution. Both copies
     are queued without a sync; the pinned words are not rewritten before this step's tokens are read."""
-    pairs = host_to_device([mask.rows, mask.sources], torch.int32, logits.device)
+    pairs = host_to_device(mask.pairs, torch.int32, logits.device)
     apply_token_mask(logits, pairs, mask.words.to(logits.device, non_blocking=True))
 
 

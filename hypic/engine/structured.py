@@ -27,6 +27,7 @@ import torch
 from hypic.engine.sampler import TokenMask
 from hypic.engine.scheduler import ScheduledBatch
 from hypic.engine.sequence import Sequence
+from hypic.kernels import token_mask
 from hypic.structured_outputs import StructuredOutputs
 
 logger = logging.getLogger("hypic")
@@ -62,17 +63,17 @@ class PendingMasks:
     def token_mask(self, index: list[int]) -> TokenMask:
         """The masks of the sampler's rows, once filled; row i samples from chunk row index[i]."""
         self._done.result()
-        rows = [i for i, chunk_row in enumerate(index) if chunk_row in self._places]
-        sources = [self._places[index[i]] for i in rows]
-        return TokenMask(rows, sources, self._bitmask[: max(sources, default=-1) + 1])
+        pairs = [(i, self._places[chunk_row]) for i, chunk_row in enumerate(index) if chunk_row in self._places]
+        return TokenMask(pairs, self._bitmask[: max((source for _, source in pairs), default=-1) + 1])
 
 
 _Key = tuple[str, int]  # a completion: (request id, index)
 
 
 class StructuredDecoding:
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Iterable[int], *, pinned: bool) -> None:
-        self.words, self._pinned = (vocab_size + 31) // 32, pinned
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Iterable[int], device: torch.device) -> None:
+        self.words, self._pinned = (vocab_size + 31) // 32, device.type == "cuda"  # pinned: copies without a sync
+        token_mask.warm_up(device, vocab_size)
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="hypic-grammar")
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="hypic-mask")  # one at a time: jobs share the buffer
         # built on the compiler's thread: the first compile waits for it, the engine never does

@@ -1,7 +1,7 @@
 """A grammar's token bitmask onto rows of the logits, in place: forbidden tokens become -inf.
 
-words[s] is a packed mask (bit t of word w allows token 32w + t, llguidance's layout); pairs[0, i]
-is a logits row and pairs[1, i] the words row it takes. CUDA: one Triton pass that writes only the
+words[s] is a packed mask (bit t of word w allows token 32w + t, llguidance's layout); pairs[i] is
+(a logits row, the words row it takes). CUDA: one Triton pass that writes only the
 forbidden logits (a [32, 248k] unpack in torch was five kernels and ~200 MB of traffic). CPU: torch,
 through a byte lookup table (2.5x faster there than shifting every bit out).
 """
@@ -21,34 +21,43 @@ _CEILING = torch.where(_BITS == 1, float("inf"), float("-inf"))  # min(logit, ce
 
 
 def apply_token_mask(logits: torch.Tensor, pairs: torch.Tensor, words: torch.Tensor) -> None:
-    """logits [M, V] (a row stride of its own allowed); pairs [2, k] int32 and words [S, ceil(V/32)]
+    """logits [M, V] (a row stride of its own allowed); pairs [k, 2] int32 and words [S, ceil(V/32)]
     int32, both on the logits' device."""
+    if pairs.shape[0] == 0:
+        return
     if logits.device.type != "cuda":
         apply_token_mask_ref(logits, pairs, words)
         return
     apply_token_mask_triton(logits, pairs, words)
 
 
+def warm_up(device: torch.device, vocab: int) -> None:
+    """On CUDA, compiles the kernel now rather than on a server's first constrained token: the integer
+    arguments Triton specialises on are the vocabulary's, whatever the batch."""
+    if device.type == "cuda":
+        words = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32, device=device)
+        logits = torch.zeros((1, words.shape[1] * 32), device=device)[:, :vocab]
+        apply_token_mask_triton(logits, torch.zeros((1, 2), dtype=torch.int32, device=device), words)
+
+
 def apply_token_mask_ref(logits: torch.Tensor, pairs: torch.Tensor, words: torch.Tensor) -> None:
     vocab = logits.shape[1]
-    ceilings = _CEILING.to(logits.dtype)[words.view(torch.uint8).int()].view(words.shape[0], -1)[:, :vocab]
-    for row, source in zip(*pairs.tolist()):
+    ceilings = _CEILING.to(logits.dtype)[words.view(torch.uint8).int()].view(len(words), -1)[:, :vocab]
+    for row, source in pairs.tolist():
         torch.minimum(logits[row], ceilings[source], out=logits[row])
 
 
 def apply_token_mask_triton(logits: torch.Tensor, pairs: torch.Tensor, words: torch.Tensor) -> None:
-    count, vocab = pairs.shape[1], logits.shape[1]
-    if count == 0:
-        return
-    grid = (count, -(-vocab // _BLOCK))
-    _token_mask_kernel[grid](logits, logits.stride(0), pairs, words, count, vocab, words.shape[1], BLOCK=_BLOCK)
+    vocab = logits.shape[1]
+    grid = (pairs.shape[0], -(-vocab // _BLOCK))
+    _token_mask_kernel[grid](logits, logits.stride(0), pairs, words, vocab, words.shape[1], BLOCK=_BLOCK)
 
 
 @triton_kernel
-def _token_mask_kernel(logits, stride, pairs, words, count, vocab, num_words, BLOCK: tl.constexpr):
+def _token_mask_kernel(logits, stride, pairs, words, vocab, num_words, BLOCK: tl.constexpr):
     i = tl.program_id(0)
-    row = tl.load(pairs + i).to(tl.int64)
-    source = tl.load(pairs + count + i).to(tl.int64)
+    row = tl.load(pairs + 2 * i).to(tl.int64)
+    source = tl.load(pairs + 2 * i + 1).to(tl.int64)
     t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = t < vocab
     word = tl.load(words + source * num_words + t // 32, mask=inside, other=-1)
