@@ -28,18 +28,21 @@ def test_tokens_within_is_the_most_tokens_whose_cost_fits(context):
             assert cost.tokens_within(start, budget) == max(fits)
 
 
-def _synthetic_steps(per_token: float, per_attention: float, count: int):
-    """Steps of a made-up device: 2 ms fixed, 0.1 ms a decode row, the given prefill coefficients."""
+def _synthetic_steps(per_token: float, per_attention: float, count: int, slowed_every: int = 0):
+    """Steps of a made-up device: 2 ms fixed, 0.1 ms a decode row, the given prefill coefficients;
+    every `slowed_every`-th step takes 5x as long (another process had the cores)."""
     rng = random.Random(0)
-    for _ in range(count):
+    for i in range(count):
         tokens, start, decodes = rng.randrange(1, 1025), rng.randrange(0, 16_000), rng.randrange(0, 9)
         attention = tokens * (start + tokens / 2)
-        yield StepWork(tokens, attention, decodes), 2e-3 + 1e-4 * decodes + per_token * tokens + per_attention * attention
+        seconds = 2e-3 + 1e-4 * decodes + per_token * tokens + per_attention * attention
+        yield StepWork(tokens, attention, decodes), seconds * (5 if slowed_every and i % slowed_every == 0 else 1)
 
 
-def test_the_attention_context_is_fitted_from_the_steps():
+@pytest.mark.parametrize("slowed_every", [0, 10])
+def test_the_attention_context_is_fitted_from_the_steps(slowed_every):
     cost = PrefillCost()
-    steps = list(_synthetic_steps(3e-4, 3e-4 / 9000, 60))
+    steps = list(_synthetic_steps(3e-4, 3e-4 / 9000, 64, slowed_every))
     for work, seconds in steps[:MIN_STEPS - 1]:
         cost.observe(work, seconds)
     assert not cost.measured and cost.attention_context == UNMEASURED_CONTEXT

@@ -4,22 +4,25 @@ A chunk of n tokens from position p runs the per-token work of the model n times
 full-attention layers, attends to about p + n/2 keys a token, so its time is about
 α·n + β·n·(p + n/2). Its cost counts it in tokens at context 0: n·(1 + (p + n/2) / L), with
 L = α/β, the context at which a token's attention costs as much as the rest of its forward.
-L is measured from the engine's own steps: a least-squares fit of each step's time against its
-prefill tokens, their attention work and its decode rows (plus a fixed part), newest steps
-weighted most. Until the fit has seen enough steps spread over contexts, L is UNMEASURED_CONTEXT.
+L is measured from the engine's own steps: a least-squares fit of the last steps' times against
+their prefill tokens, attention work and decode rows (plus a fixed part), refitted (twice) without the
+quarter of them that took longest against it (steps that another process slowed down). Until the fit has seen
+MIN_STEPS steps, L is UNMEASURED_CONTEXT.
 """
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 UNMEASURED_CONTEXT = 16384.0
-CONTEXT_RANGE = (256.0, float(1 << 24))  # a fit outside it says more about noise than about the model
+CONTEXT_RANGE = (1024.0, float(1 << 24))  # a fit outside it says more about noise than about the model
 MIN_STEPS = 8  # steps the fit needs before it replaces the unmeasured L
-_SMOOTHING = 0.05  # weight of the newest step in the fit's moments (about the last 20 steps)
-_RIDGE = 1e-6  # relative: keeps the normal equations solvable when the steps barely differ
+REFIT_EVERY = 8  # steps between fits: a fit costs a fraction of a millisecond
+WINDOW = 64  # the steps a fit looks at
+TRIM = 0.25  # the fraction of them it drops before the final fit
 
 
 @dataclass(frozen=True)
@@ -40,9 +43,8 @@ class PrefillCost:
     def __init__(self, attention_context: float = UNMEASURED_CONTEXT) -> None:
         self.attention_context = attention_context
         self.measured = False
-        self._steps = 0
-        # exponentially weighted sums of z zᵀ, z = (1, tokens, attention, decodes, seconds)
-        self._moments = torch.zeros(5, 5, dtype=torch.float64)
+        self._seen = 0
+        self._steps: deque[tuple[float, ...]] = deque(maxlen=WINDOW)  # (1, tokens, attention, decodes, seconds)
 
     def cost(self, start: int, num_tokens: int) -> float:
         return num_tokens + chunk_attention(start, num_tokens) / self.attention_context
@@ -60,20 +62,29 @@ class PrefillCost:
     def observe(self, work: StepWork, seconds: float) -> None:
         if work.tokens <= 0 or seconds <= 0:
             return
-        z = torch.tensor([1.0, work.tokens, work.attention, work.decodes, seconds], dtype=torch.float64)
-        self._moments.mul_(1 - _SMOOTHING).add_(torch.outer(z, z), alpha=_SMOOTHING)
-        self._steps += 1
-        if self._steps >= MIN_STEPS:
+        self._steps.append((1.0, work.tokens, work.attention, work.decodes, seconds))
+        self._seen += 1
+        if self._seen >= MIN_STEPS and self._seen % REFIT_EVERY == 0:
             self._refit()
 
     def _refit(self) -> None:
-        """α and β from the normal equations (scaled, with a small ridge); L = α/β within CONTEXT_RANGE."""
-        gram, target = self._moments[:4, :4], self._moments[:4, 4]
-        scale = gram.diagonal().clamp_min(1e-30).sqrt()
-        scaled = gram / torch.outer(scale, scale) + _RIDGE * torch.eye(4, dtype=torch.float64)
-        per_token, per_attention = (torch.linalg.solve(scaled, target / scale) / scale)[1:3].tolist()
+        """α and β from the window, trimmed; L = α/β within CONTEXT_RANGE."""
+        data = torch.tensor(list(self._steps), dtype=torch.float64)
+        x, y = data[:, :4], data[:, 4]
+        keep = torch.ones_like(y, dtype=torch.bool)
+        for _ in range(2):  # a slowed step drags the first fit: its ranking of the steps is rough
+            over = y - x @ _least_squares(x[keep], y[keep])  # nothing makes a step faster than the device
+            keep = over <= over.quantile(1 - TRIM)
+        per_token, per_attention = _least_squares(x[keep], y[keep])[1:3].tolist()
         if per_token <= 0:
             return  # the steps do not tell the per-token part from the rest yet
         context = per_token / per_attention if per_attention > 0 else CONTEXT_RANGE[1]
         self.attention_context = min(max(context, CONTEXT_RANGE[0]), CONTEXT_RANGE[1])
         self.measured = True
+
+
+def _least_squares(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Coefficients c minimising |x c - y|, columns scaled alike; the least-norm c where the steps
+    cannot tell two columns apart (every step with the same decode rows)."""
+    scale = x.abs().amax(0).clamp_min(1e-30)
+    return torch.linalg.lstsq(x / scale, y.unsqueeze(1), driver="gelsd").solution.squeeze(1) / scale
