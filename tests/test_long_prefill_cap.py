@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from engine_util import greedy
 from hypic.engine.llm_engine import LLMEngine
@@ -88,6 +89,11 @@ def _step_progress(engine: LLMEngine, seq: Sequence) -> tuple[int, int, float]:
     return start, seq.num_computed - start, context
 
 
+def _run_to_end(engine: LLMEngine) -> None:
+    while engine.has_work():
+        engine.step()
+
+
 def test_beside_a_decode_every_step_keeps_the_cold_job_under_the_cap(tiny_model_dir):
     engine = _engine(tiny_model_dir, CAP)
     decoder = _decoder(engine)
@@ -103,6 +109,27 @@ def test_beside_a_decode_every_step_keeps_the_cold_job_under_the_cap(tiny_model_
     assert len(steps) >= job.pic.job.interior[1] // CAP
     while not cold.output_ids:
         engine.step()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_the_cap_holds_and_the_outputs_are_uncapped_ones(slow_decay_model_dir):
+    """The same through CUDA events (the step clock) and the GPU kernels: capped steps, equal tokens."""
+    gpu = {"device": "cuda", "dtype": "float32", "gpu_memory_utilization": 0.3}
+    outputs = []
+    for threshold in (CAP, 0):
+        engine = _engine(slow_decay_model_dir, threshold, **gpu)
+        decoder = _decoder(engine, 40)
+        job, cold = _cold_request(engine, max_tokens=8)
+        steps = []
+        while not job.finished:
+            steps.append(_step_progress(engine, job))
+        _run_to_end(engine)
+        outputs.append((decoder.output_ids, cold.output_ids))
+        if threshold:
+            floor = engine.caches.shape.conv_kernel - 1
+            assert all(PrefillCost(L).cost(p, n) <= CAP or n <= floor for p, n, L in steps)
+    assert outputs[0] == outputs[1] and len(outputs[0][1]) == 8
 
 
 def test_alone_the_cold_job_takes_the_whole_step_budget(tiny_model_dir):
@@ -124,15 +151,6 @@ def test_a_long_uncached_prompt_beside_a_decode_is_capped_too(tiny_model_dir):
     assert len(decoder.output_ids) > len(steps)
 
 
-def _run_to_end(engine: LLMEngine) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    while engine.has_work():
-        for out in engine.step():
-            for delta in out.deltas:
-                tokens.setdefault(out.request_id, []).extend(delta.token_ids)
-    return tokens
-
-
 @pytest.mark.parametrize("threshold", [CAP, 0])
 def test_greedy_outputs_are_those_of_an_uncapped_run(slow_decay_model_dir, threshold):
     """Against the whole step budget (no cap, threshold 0) and a one-step capture (budget 1024)."""
@@ -140,8 +158,8 @@ def test_greedy_outputs_are_those_of_an_uncapped_run(slow_decay_model_dir, thres
     for engine in (_engine(slow_decay_model_dir, threshold), _engine(slow_decay_model_dir, 0, budget=1024)):
         decoder = _decoder(engine, 40)
         _, cold = _cold_request(engine, max_tokens=8)
-        tokens = _run_to_end(engine)
-        outputs.append((tokens[decoder.info.request_id], tokens[cold.info.request_id]))
+        _run_to_end(engine)
+        outputs.append((decoder.output_ids, cold.output_ids))
     assert outputs[0] == outputs[1] and len(outputs[0][1]) == 8
 
 

@@ -1,7 +1,10 @@
 """Continuous batching: each step is one flat batch of decode tokens and prefill chunks.
 
-Decodes go first (one token each), then running prefills, then newly admitted requests, all under
-one token budget. Admission is fair between requests: waiting sequences are taken round-robin over
+Decodes go first (one token each), then running short or warm prefills, then newly admitted
+requests, then long prefills and cold segment jobs, all under one token budget. While anything else
+is in flight, the long ones together cost at most `long_prefill_token_threshold` a step (counted by
+`PrefillCost`: a chunk deep in its context counts its attention), so a step that holds one stays
+near a decode step's time; alone they take the whole budget. Admission is fair between requests: waiting sequences are taken round-robin over
 their admission groups (a client's batch is one group). A queued sequence's turn is one past the
 turn being served or its group's last queued turn, whichever is later; turns are admitted in
 order (queue order within one), so a batch of many prompts never holds back a request that came
