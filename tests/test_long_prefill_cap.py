@@ -12,7 +12,7 @@ import torch
 from engine_util import greedy
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
-from hypic.engine.prefill_cost import CONTEXT_RANGE, MIN_STEPS, UNMEASURED_CONTEXT, PrefillCost, StepWork
+from hypic.engine.prefill_cost import CONTEXT_RANGE, REFIT_EVERY, UNMEASURED_CONTEXT, PrefillCost, StepWork
 from hypic.engine.sequence import Sequence
 from pic_util import DOCS, SEP, SYSTEM, pic_config
 
@@ -30,24 +30,26 @@ def test_tokens_within_is_the_most_tokens_whose_cost_fits(context):
 
 
 def _synthetic_steps(per_token: float, per_attention: float, count: int, slowed_every: int = 0):
-    """Steps of a made-up device: 2 ms fixed, 0.1 ms a decode row, the given prefill coefficients;
-    every `slowed_every`-th step takes 5x as long (another process had the cores)."""
+    """Steps of a made-up device: 2 ms fixed, 0.1 ms a decode row, 1 µs a key its chunk gathers,
+    the given prefill coefficients; every `slowed_every`-th step takes 5x as long (another process
+    had the cores)."""
     rng = random.Random(0)
     for i in range(count):
         tokens, start, decodes = rng.randrange(1, 1025), rng.randrange(0, 16_000), rng.randrange(0, 9)
         attention = tokens * (start + tokens / 2)
-        seconds = 2e-3 + 1e-4 * decodes + per_token * tokens + per_attention * attention
-        yield StepWork(tokens, attention, decodes), seconds * (5 if slowed_every and i % slowed_every == 0 else 1)
+        seconds = 2e-3 + 1e-4 * decodes + 1e-6 * start + per_token * tokens + per_attention * attention
+        slowed = 5 if slowed_every and i % slowed_every == 0 else 1
+        yield StepWork(tokens, attention, decodes, start), seconds * slowed
 
 
 @pytest.mark.parametrize("slowed_every", [0, 10])
 def test_the_attention_context_is_fitted_from_the_steps(slowed_every):
     cost = PrefillCost()
     steps = list(_synthetic_steps(3e-4, 3e-4 / 9000, 64, slowed_every))
-    for work, seconds in steps[:MIN_STEPS - 1]:
+    for work, seconds in steps[:REFIT_EVERY - 1]:
         cost.observe(work, seconds)
     assert not cost.measured and cost.attention_context == UNMEASURED_CONTEXT
-    for work, seconds in steps[MIN_STEPS - 1:]:
+    for work, seconds in steps[REFIT_EVERY - 1:]:
         cost.observe(work, seconds)
     assert cost.measured and cost.attention_context == pytest.approx(9000, rel=0.01)
 

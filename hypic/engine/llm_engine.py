@@ -444,7 +444,7 @@ def _step_work(batch: ScheduledBatch) -> StepWork | None:
         return None
     prefills = [c.chunk for c in batch.chunks[batch.num_decodes:]]
     return StepWork(sum(c.num_tokens for c in prefills), sum(chunk_attention(c.start, c.num_tokens) for c in prefills),
-                    batch.num_decodes)
+                    batch.num_decodes, sum(c.start for c in prefills))
 
 
 def _check_resume(resume: Mapping[int, list[int]], params: SamplingParams) -> None:

@@ -5,9 +5,10 @@ full-attention layers, attends to about p + n/2 keys a token, so its time is abo
 α·n + β·n·(p + n/2). Its cost counts it in tokens at context 0: n·(1 + (p + n/2) / L), with
 L = α/β, the context at which a token's attention costs as much as the rest of its forward.
 L is measured from the engine's own steps: a least-squares fit of the last steps' times against
-their prefill tokens, attention work and decode rows (plus a fixed part), refitted (twice) without the
-quarter of them that took longest against it (steps that another process slowed down). Until the fit has seen
-MIN_STEPS steps, L is UNMEASURED_CONTEXT.
+their prefill tokens, attention work, decode rows and the context each prefill chunk starts at
+(what a chunk pays whatever its size: on CPU the gather of its context's pages), plus a fixed part,
+refitted (twice) without the quarter of them that took longest against it (steps that another
+process slowed down). Until the first fit (after REFIT_EVERY steps), L is UNMEASURED_CONTEXT.
 """
 from __future__ import annotations
 
@@ -19,19 +20,20 @@ import torch
 
 UNMEASURED_CONTEXT = 16384.0
 CONTEXT_RANGE = (1024.0, float(1 << 24))  # a fit outside it says more about noise than about the model
-MIN_STEPS = 8  # steps the fit needs before it replaces the unmeasured L
-REFIT_EVERY = 8  # steps between fits: a fit costs a fraction of a millisecond
-WINDOW = 64  # the steps a fit looks at
+REFIT_EVERY = 16  # steps between fits (a fit costs about a millisecond), and before the first
+WINDOW = 256  # the steps a fit looks at: a long prefill's chunks over a span of contexts
 TRIM = 0.25  # the fraction of them it drops before the final fit
 
 
 @dataclass(frozen=True)
 class StepWork:
-    """What one step computed: prefill tokens, their attention work Σ n·(p + n/2), decode rows."""
+    """What one step computed: prefill tokens, their attention work Σ n·(p + n/2), decode rows, and
+    Σ p over its prefill chunks."""
 
     tokens: int
     attention: float
     decodes: int
+    contexts: int = 0
 
 
 def chunk_attention(start: int, num_tokens: int) -> float:
@@ -44,7 +46,7 @@ class PrefillCost:
         self.attention_context = attention_context
         self.measured = False
         self._seen = 0
-        self._steps: deque[tuple[float, ...]] = deque(maxlen=WINDOW)  # (1, tokens, attention, decodes, seconds)
+        self._steps: deque[tuple[float, ...]] = deque(maxlen=WINDOW)  # (1, tokens, attention, decodes, contexts, s)
 
     def cost(self, start: int, num_tokens: int) -> float:
         return num_tokens + chunk_attention(start, num_tokens) / self.attention_context
@@ -62,15 +64,15 @@ class PrefillCost:
     def observe(self, work: StepWork, seconds: float) -> None:
         if work.tokens <= 0 or seconds <= 0:
             return
-        self._steps.append((1.0, work.tokens, work.attention, work.decodes, seconds))
+        self._steps.append((1.0, work.tokens, work.attention, work.decodes, work.contexts, seconds))
         self._seen += 1
-        if self._seen >= MIN_STEPS and self._seen % REFIT_EVERY == 0:
+        if self._seen % REFIT_EVERY == 0:
             self._refit()
 
     def _refit(self) -> None:
         """α and β from the window, trimmed; L = α/β within CONTEXT_RANGE."""
         data = torch.tensor(list(self._steps), dtype=torch.float64)
-        x, y = data[:, :4], data[:, 4]
+        x, y = data[:, :-1], data[:, -1]
         keep = torch.ones_like(y, dtype=torch.bool)
         for _ in range(2):  # a slowed step drags the first fit: its ranking of the steps is rough
             over = y - x @ _least_squares(x[keep], y[keep])  # nothing makes a step faster than the device
