@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 UNMEASURED_CONTEXT = 16384.0
-CONTEXT_RANGE = (1024.0, float(1 << 24))  # a fit outside it says more about noise than about the model
+CONTEXT_RANGE = (4096.0, float(1 << 24))  # outside it a fit says more about noise than about a hybrid model
 REFIT_EVERY = 16  # steps between fits (a fit costs about a millisecond), and before the first
 WINDOW = 256  # the steps a fit looks at: a long prefill's chunks over a span of contexts
 TRIM = 0.25  # the fraction of them it drops before the final fit
