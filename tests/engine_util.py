@@ -57,13 +57,14 @@ def hf_model(model_dir: Path) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def hf_greedy(model_dir: Path, prompt_ids: list[int], steps: int, vocab: int) -> tuple[list[int], list[float]]:
+def hf_greedy(model_dir: Path, prompt_ids: list[int], steps: int, vocab: int,
+              device: str = "cpu") -> tuple[list[int], list[float]]:
     """transformers' greedy continuation (full forward each step) over the first `vocab` ids, and
     each pick's logprob (the engine never samples the embedding's padding rows)."""
-    model, ids, logprobs = hf_model(model_dir), list(prompt_ids), []
+    model, ids, logprobs = hf_model(model_dir).to(device), list(prompt_ids), []
     with torch.no_grad():
         for _ in range(steps):
-            logits = model(input_ids=torch.tensor([ids])).logits[0, -1, :vocab].float()
+            logits = model(input_ids=torch.tensor([ids], device=device)).logits[0, -1, :vocab].float().cpu()
             token = int(logits.argmax())
             logprobs.append(float(torch.log_softmax(logits, -1)[token]))
             ids.append(token)

@@ -25,15 +25,18 @@ def random_prompt(vocab: int, length: int, seed: int) -> list[int]:
 
 
 @functools.cache
-def hf_prompt_logprobs(model_dir, prompt: tuple[int, ...], vocab: int) -> torch.Tensor:
-    """[L - 1, vocab]: row p is the distribution of prompt token p + 1."""
+def hf_prompt_logprobs(model_dir, prompt: tuple[int, ...], vocab: int, device: str = "cpu") -> torch.Tensor:
+    """[L - 1, vocab]: row p is the distribution of prompt token p + 1. Where fla is installed,
+    transformers calls its kernels whatever the tensors' device, so a GPU test runs it on the GPU."""
     with torch.no_grad():
-        logits = hf_model(model_dir)(input_ids=torch.tensor([prompt])).logits[0, :-1, :vocab].double()
+        model = hf_model(model_dir).to(device)
+        logits = model(input_ids=torch.tensor([prompt], device=device)).logits[0, :-1, :vocab].double().cpu()
     return torch.log_softmax(logits, -1)
 
 
-def check_against_hf(model_dir, prompt: list[int], vocab: int, got: tuple, k: int, tolerance: float = 1e-4) -> None:
-    reference = hf_prompt_logprobs(model_dir, tuple(prompt), vocab)
+def check_against_hf(model_dir, prompt: list[int], vocab: int, got: tuple, k: int, tolerance: float = 1e-4,
+                     device: str = "cpu") -> None:
+    reference = hf_prompt_logprobs(model_dir, tuple(prompt), vocab, device)
     assert (got[0].token_id, got[0].logprob, got[0].top) == (prompt[0], None, ()) and len(got) == len(prompt)
     for position, item in enumerate(got[1:]):
         row = reference[position]
@@ -105,5 +108,5 @@ def test_prompt_logprobs_on_the_gpu_match_transformers(tiny_model_dir, vocab):
     config = cpu_config(tiny_model_dir, device="cuda", dtype="float32", block_size=16, gpu_memory_utilization=0.3,
                         max_num_batched_tokens=512)
     scored, plain = run_engine(config, [(prompt, greedy(4, prompt_logprobs=2)), (other, greedy(4))])
-    check_against_hf(tiny_model_dir, prompt, vocab, scored.prompt_logprobs, 2, tolerance=2e-3)
-    assert plain.tokens == hf_greedy(tiny_model_dir, other, 4, vocab)[0]
+    check_against_hf(tiny_model_dir, prompt, vocab, scored.prompt_logprobs, 2, tolerance=2e-3, device="cuda")
+    assert plain.tokens == hf_greedy(tiny_model_dir, other, 4, vocab, device="cuda")[0]

@@ -41,6 +41,7 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.de
                                     dtype=torch.long),
         num_decodes=batch.num_decodes,
         seq_lens_cpu=seq_lens,
+        kv_lens_cpu=tuple(c.chunk.end for c in chunks),
         max_kv_len=max(c.chunk.end for c in chunks),
     )
     return to_device(host, device)
@@ -52,7 +53,7 @@ def to_device(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
     host = {name: getattr(batch, name) for name in TENSOR_FIELDS}
     moved = {name: host_to_device(tensor, tensor.dtype, device) for name, tensor in host.items()}
     return ForwardBatch(**moved, num_decodes=batch.num_decodes, seq_lens_cpu=batch.seq_lens_cpu,
-                        max_kv_len=batch.max_kv_len)
+                        kv_lens_cpu=batch.kv_lens_cpu, max_kv_len=batch.max_kv_len)
 
 
 TENSOR_FIELDS = ("input_ids", "positions", "cu_seqlens", "slots", "has_state", "block_tables",
