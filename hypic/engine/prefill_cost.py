@@ -71,7 +71,7 @@ class PrefillCost:
 
     def _refit(self) -> None:
         """α and β from the window, trimmed; L = α/β within CONTEXT_RANGE."""
-        data = torch.tensor(list(self._steps), dtype=torch.float64)
+        data = torch.tensor(list(self._steps), dtype=torch.float64, device="cpu")  # gelsd runs on the host
         x, y = data[:, :-1], data[:, -1]
         keep = torch.ones_like(y, dtype=torch.bool)
         for _ in range(2):  # a slowed step drags the first fit: its ranking of the steps is rough
