@@ -11,7 +11,8 @@
   and the next forward; a row the prefetch did not cover is filled when its step starts.
 - The sampled tokens are consumed in one parallel call (`advance`); the sampler applies the masks
   of the constrained rows only.
-- A batch without constrained rows costs one attribute test per row: no mask, no thread, no sync.
+- A batch without constrained rows costs a dict lookup per row (fill, advance, prefetch): no mask,
+  no thread, no sync.
 """
 from __future__ import annotations
 
