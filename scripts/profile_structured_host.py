@@ -5,8 +5,9 @@ The model is the bundled shape cut to a tiny forward (hidden 64, 2 layers) with 
 host costs dominate on the CPU; `--device cuda` runs bench_structured's released shape instead. Each
 constrained-only call on the engine thread is timed by wrapping it (fill: starting the masks;
 wait: blocked on the fill; apply: the mask onto the logits; advance: the matchers consuming the
-sampled tokens), and the mask computation on the filler thread (compute). Steps are timed whole
-against the same batch unconstrained. Wrappers add ~1 us a call.
+sampled tokens), and so are the mask computation on the filler thread (compute) and how long a fill
+waited to start there (start_delay). Steps are timed whole against the same batch unconstrained.
+Wrappers add ~1 us a call. On CUDA the phases are host time: a wait near 0 means the fill was hidden.
 
     python scripts/profile_structured_host.py --label after   # -> bench/results/structured_host_cpu_qwen3_5_vocab.json
     git archive BASE | tar -x -C /tmp/base && echo BASE > /tmp/base/COMMIT
@@ -54,6 +55,20 @@ class Timers:
         for owner, name, phase in HOOKS:
             if name in vars(owner):
                 setattr(owner, name, self._timed(getattr(owner, name), phase))
+
+    def watch_filler(self, engine: LLMEngine) -> None:
+        """start_delay: from a fill's submission to its start on the filler thread (the GIL's hand-off)."""
+        filler = engine.structured._filler
+        submit = filler.submit
+
+        def timed_submit(fn, *args):
+            queued = time.perf_counter()
+
+            def run(*job_args):
+                self.seconds["start_delay"] += time.perf_counter() - queued
+                return fn(*job_args)
+            return submit(run, *args)
+        filler.submit = timed_submit
 
     def _timed(self, fn, phase: str):
         def timed(*args, **kwargs):
@@ -115,6 +130,7 @@ def main() -> None:
     timers.install()
     engine = cpu_engine() if args.device == "cpu" else gpu_engine(argparse.Namespace(
         shape=args.shape, seed=args.seed, batches=args.batches))
+    timers.watch_filler(engine)
     device = device_label(torch.cuda.get_device_name() if args.device == "cuda" else "cpu")
     out = args.out or result_path("structured_host", device, "qwen3_5_vocab" if args.device == "cpu" else args.shape)
     record = json.loads(out.read_text()) if out.exists() else {"benchmark": "structured_host", "runs": {}}
