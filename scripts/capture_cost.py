@@ -8,6 +8,8 @@ conv tail), per attention layer (interior K and V) and per step (storing the tup
 The plain forward's own ops are not run: everything counted is what the capture adds to it.
 
     python scripts/capture_cost.py --label after
+    git archive 5ac4923 | tar -x -C /tmp/before && echo 5ac4923 > /tmp/before/COMMIT
+    PYTHONPATH=/tmp/before python scripts/capture_cost.py --label before
 """
 from __future__ import annotations
 
@@ -21,10 +23,12 @@ from bench_engine import shape_config
 from results import result_path, write_labelled_run
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import hypic
+from hypic.cache import segment_store
 from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentStore
-from hypic.engine.pic import assembly
 from hypic.engine.pic.plan import SegmentJob
 from hypic.engine.pic.state import PicState
+from hypic.kernels import varlen
 from hypic.kernels.varlen import Operands
 from hypic.models.batch import Capture, PicStep
 from hypic.models.mamba2 import Mamba2Mixer
@@ -51,6 +55,7 @@ class OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
+        self.bytes: dict[str, list[int]] = {}  # per op: bytes read, written
         self.read = self.written = self.conversions = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -59,17 +64,20 @@ class OpCounter(TorchDispatchMode):
         name = str(func)
         if func.is_view or name in FREE_OPS or name.startswith("aten.empty") or name.startswith("aten._unsafe_view"):
             return out
-        self.ops[name] += 1
-        inputs = [t for t in _tensors(args) + _tensors(list(kwargs.values())) if t is not None]
+        inputs = _tensors(list(args)) + _tensors([v for key, v in kwargs.items() if key != "out"])
         outputs = _tensors([out])
-        self.read += _read_bytes(name, inputs, outputs)
-        self.written += sum(_nbytes(t) for t in outputs)
+        read, written = _read_bytes(name, inputs, outputs), sum(_nbytes(t) for t in outputs)
+        self.ops[name] += 1
+        self.bytes[name] = [a + b for a, b in zip(self.bytes.get(name, (0, 0)), (read, written))]
+        self.read, self.written = self.read + read, self.written + written
         self.conversions += _converts(name, inputs, outputs)
         return out
 
     def summary(self) -> dict:
+        by_op = {name: {"calls": count, "MB_read": round(self.bytes[name][0] / 1e6, 2),
+                        "MB_written": round(self.bytes[name][1] / 1e6, 2)} for name, count in self.ops.most_common()}
         return {"ops": sum(self.ops.values()), "bytes_read": self.read, "bytes_written": self.written,
-                "dtype_conversions": self.conversions, "by_op": dict(self.ops.most_common())}
+                "dtype_conversions": self.conversions, "by_op": by_op}
 
 
 def _tensors(values: list) -> list[torch.Tensor]:
@@ -117,7 +125,7 @@ def cold_step(config: Mamba2HybridConfig, layout: SegmentLayout, jobs: int, leng
         mixer = Mamba2Mixer(config)
     n = jobs * length
     store = SegmentStore(layout, jobs * layout.entry_bytes(length), GPU)
-    capture, pics = build(layout, jobs, length, seam)
+    capture, pics = (build if STAGED else build_before)(layout, jobs, length, seam)
     pic = PicStep(None, capture, store)
     conv_out = gpu_empty(n, mixer.conv_dim)
     _, b, c = mixer.split(conv_out)
@@ -140,37 +148,61 @@ def cold_step(config: Mamba2HybridConfig, layout: SegmentLayout, jobs: int, leng
     for _ in range(1, layout.num_full):
         capture.add_full(kv[:, 0], kv[:, 1])
     with OpCounter() as counter:
-        store_all(capture, pics, store)
+        (store_all if STAGED else store_all_before)(capture, pics, store)
     counts["per_step_store"] = counter.summary()
     return counts
 
 
-def build(layout: SegmentLayout, jobs: int, length: int, seam: int) -> tuple[Capture, list[PicState]]:
-    """The Capture `hypic.engine.pic.step.build_capture` makes for `jobs` cold segments, one chunk each."""
-    width = layout.conv_kernel
-    interior = (max(seam, width - 1), length - seam)
-    lens = (interior[1] - interior[0],) * jobs
-    rows = [j * length + r for j in range(jobs) for r in range(*interior)]
-    tails = [[j * length + interior[1] - width + 1 + t for t in range(width - 1)] for j in range(jobs)]
-    capture = Capture(jobs=tuple(range(jobs)), identity_T=(False,) * jobs, priors=(None,) * jobs,
-                      ends=(True,) * jobs, rows=torch.tensor(rows, device=GPU), seq_lens=lens,
-                      cu_seqlens=torch.tensor(list(itertools.accumulate(lens, initial=0)), dtype=torch.int32,
-                                              device=GPU),
-                      tail_rows=torch.tensor(tails, device=GPU))
+def cold_jobs(layout: SegmentLayout, jobs: int, length: int, seam: int) -> tuple[list[PicState], list[list[int]]]:
+    """The jobs' states (one chunk each, rows job after job) and the flat rows of their conv tails."""
+    width, interior = layout.conv_kernel, (max(seam, layout.conv_kernel - 1), length - seam)
     pics = []
     for j in range(jobs):
-        pic = PicState()
-        pic.job = SegmentJob(SegmentKey(bytes([j]) * 16, None), (0,) * length, interior, False)
-        pics.append(pic)
-    return capture, pics
+        pics.append(PicState())
+        pics[-1].job = SegmentJob(SegmentKey(bytes([j]) * 16, None), (0,) * length, interior, False)
+    return pics, [[j * length + interior[1] - width + 1 + t for t in range(width - 1)] for j in range(jobs)]
+
+
+def build(layout: SegmentLayout, jobs: int, length: int, seam: int) -> tuple[Capture, list[PicState]]:
+    """The Capture `hypic.engine.pic.step.build_capture` makes for `jobs` cold segments, one chunk each."""
+    pics, tails = cold_jobs(layout, jobs, length, seam)
+    (start, end), flags = pics[0].job.interior, (False,) * jobs
+    spans = varlen.RowSpans.build(tuple(j * length + start for j in range(jobs)), (end - start,) * jobs, GPU)
+    return Capture(jobs=tuple(range(jobs)), identity_T=flags, priors=(None,) * jobs, ends=(True,) * jobs,
+                   spans=spans, tail_rows=torch.tensor(tails, device=GPU),
+                   staged=segment_store.TupleStaging(layout, jobs, jobs * (end - start), GPU), ending=None), pics
 
 
 def store_all(capture: Capture, pics: list[PicState], store: SegmentStore) -> None:
-    """What `PicAssembler.after_step` does with a step's capture: keep each job's tuple, store the complete ones."""
+    """What `PicAssembler.after_step` does with a step's capture: store each job's staged tuple."""
+    starts = itertools.accumulate(capture.spans.lens, initial=0)
+    for j, start in zip(range(len(pics)), starts):
+        kv = capture.staged.kv[start:start + capture.spans.lens[j]]
+        store.put_staged(pics[j].job.key, pics[j].job.interior, capture.staged.fixed[j], [kv])
+
+
+# The tree before issue 24's change (main at 5ac4923: `--tree` an export of it, put first on PYTHONPATH)
+# kept float32 tuples per layer and copied them part by part into the pool after the step.
+
+def build_before(layout: SegmentLayout, jobs: int, length: int, seam: int) -> tuple[Capture, list[PicState]]:
+    pics, tails = cold_jobs(layout, jobs, length, seam)
+    (start, end), lens = pics[0].job.interior, (pics[0].job.interior[1] - pics[0].job.interior[0],) * jobs
+    rows = [j * length + r for j in range(jobs) for r in range(start, end)]
+    return Capture(jobs=tuple(range(jobs)), identity_T=(False,) * jobs, priors=(None,) * jobs, ends=(True,) * jobs,
+                   rows=torch.tensor(rows, device=GPU), seq_lens=lens, tail_rows=torch.tensor(tails, device=GPU),
+                   cu_seqlens=torch.tensor(list(itertools.accumulate(lens, initial=0)), dtype=torch.int32,
+                                           device=GPU)), pics
+
+
+def store_all_before(capture: Capture, pics: list[PicState], store: SegmentStore) -> None:
+    from hypic.engine.pic import assembly
     starts = itertools.accumulate(capture.seq_lens, initial=0)
     for j, start in zip(range(len(pics)), starts):
         assembly._keep(pics[j], capture, j, start)
         store.put(pics[j].job.key, assembly._complete(pics[j], capture.conv_tail, j))
+
+
+STAGED = "staged" in Capture.__dataclass_fields__  # the tree on the path has this issue's capture
 
 
 def main() -> None:
@@ -181,7 +213,7 @@ def main() -> None:
     parser.add_argument("--seam", type=int, default=8)
     parser.add_argument("--out", type=Path, default=result_path("capture_cost", "cpu", "nemotron3_nano"))
     args = parser.parse_args()
-    args.tree = Path(__file__).resolve().parents[1]
+    args.tree = Path(hypic.__file__).resolve().parents[1]  # the tree measured: the hypic on the path
     config, layout = nemotron()
     counts = cold_step(config, layout, args.jobs, args.length, args.seam)
     per_step = {key: counts["per_mamba2_layer"][key] * layout.num_linear
