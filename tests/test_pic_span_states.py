@@ -118,3 +118,25 @@ def test_negligible_weights_are_zero_not_subnormal() -> None:
     assert ((decay == 0) | (decay >= 2.0 ** -64)).all() and (decay == 0).any()
     last_rows = cu_of(LENS)[1:][torch.tensor(LENS) > 0].long() - 1
     assert torch.equal(decay[last_rows], torch.ones_like(decay[last_rows]))
+
+
+@pytest.mark.gpu
+def test_in_place_spans_on_gpu_from_strided_bf16_rows() -> None:
+    """As a Mamba2 layer hands them over: B (k) a view into the wider conv output, bf16 k and v, the
+    spans between other rows; the tensor-core path against the float64 recurrence of the same values."""
+    family, gen = get_family("scalar"), torch.Generator().manual_seed(27)
+    tokens = gated_tokens("scalar", gen)
+    tokens["k"], tokens["v"] = tokens["k"].bfloat16(), tokens["v"].bfloat16()
+    _, truth = extract(family, as64(tokens), LENS)
+    gap, n = 3, sum(LENS) + 3 * len(LENS)
+    starts = [gap * (b + 1) + sum(LENS[:b]) for b in range(len(LENS))]
+    rows = torch.cat([torch.arange(s, s + length) for s, length in zip(starts, LENS)])
+    wide = torch.full((n, KEY_HEADS * KEY_DIM + 40), 1e3, dtype=torch.bfloat16)
+    wide[rows, :KEY_HEADS * KEY_DIM] = tokens["k"].flatten(1)
+    flat = {"v": torch.full((n, VALUE_HEADS, VALUE_DIM), 1e3, dtype=torch.bfloat16),
+            "g": torch.full((n, VALUE_HEADS), -1.0)}
+    flat["v"][rows], flat["g"][rows] = tokens["v"], tokens["g"]
+    k = wide.cuda()[:, :KEY_HEADS * KEY_DIM].view(n, KEY_HEADS, KEY_DIM)
+    T, S0 = span_tuples(k, flat["v"].cuda(), flat["g"].cuda(), RowSpans.build(tuple(starts), tuple(LENS), "cuda"))
+    assert rel_err(S0.double().cpu(), truth) <= 2 ** -8
+    assert rel_err(T.double().cpu(), extract(family, as64(tokens), LENS)[0]) <= 1e-6
