@@ -8,7 +8,7 @@ import torch
 from hypic.cache.segment_store import SegmentStore
 from hypic.engine.pic.step import build_pic_step
 from hypic.engine.scheduler import ScheduledBatch
-from hypic.kernels.host_copy import host_to_device
+from hypic.kernels.host_copy import host_to_device_packed
 from hypic.models.batch import ForwardBatch
 
 
@@ -23,20 +23,18 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.de
     chunks = batch.chunks
     seq_lens = tuple(c.chunk.num_tokens for c in chunks)
     cu = [0, *itertools.accumulate(seq_lens)]
-    positions = [p for c in chunks for p in c.chunk.positions]
-    # plain Python: on a busy host small CPU tensor ops (repeat_interleave, index) took ~1-6 ms each
-    # in the H200 profile, more than this loop over a warm step's tokens
-    write_slots = [c.seq.block_ids[p // block_size] * block_size + p % block_size
-                   for c in chunks for p in c.chunk.positions]
+    positions = torch.tensor(list(itertools.chain.from_iterable(c.chunk.positions for c in chunks)), dtype=torch.long)
+    block_tables = _pad([c.seq.block_ids for c in chunks])
     host = ForwardBatch(
-        input_ids=torch.tensor([t for c in chunks for t in c.chunk.token_ids], dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long),
+        input_ids=torch.tensor(list(itertools.chain.from_iterable(c.chunk.token_ids for c in chunks)),
+                               dtype=torch.long),
+        positions=positions,
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         slots=torch.tensor([c.seq.slot for c in chunks], dtype=torch.long),
         has_state=torch.tensor([c.chunk.start > 0 for c in chunks], dtype=torch.bool),
-        block_tables=_pad([c.seq.block_ids for c in chunks]),
+        block_tables=block_tables,
         kv_lens=torch.tensor([c.chunk.end for c in chunks], dtype=torch.int32),
-        kv_write_slots=torch.tensor(write_slots, dtype=torch.long),
+        kv_write_slots=_write_slots(block_tables, positions, seq_lens, block_size),
         logits_indices=torch.tensor([cu[i + 1] - 1 for i, c in enumerate(chunks) if c.samples],
                                     dtype=torch.long),
         num_decodes=batch.num_decodes,
@@ -47,21 +45,26 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.de
 
 
 def to_device(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
-    if device.type == "cpu":
-        return batch
-    host = {name: getattr(batch, name) for name in TENSOR_FIELDS}
-    moved = {name: host_to_device(tensor, tensor.dtype, device) for name, tensor in host.items()}
-    return ForwardBatch(**moved, num_decodes=batch.num_decodes, seq_lens_cpu=batch.seq_lens_cpu,
-                        max_kv_len=batch.max_kv_len)
+    """The batch's tensors onto the device in one copy."""
+    moved = host_to_device_packed([getattr(batch, name) for name in TENSOR_FIELDS], device)
+    return ForwardBatch(**dict(zip(TENSOR_FIELDS, moved)), num_decodes=batch.num_decodes,
+                        seq_lens_cpu=batch.seq_lens_cpu, max_kv_len=batch.max_kv_len)
 
 
 TENSOR_FIELDS = ("input_ids", "positions", "cu_seqlens", "slots", "has_state", "block_tables",
                   "kv_lens", "kv_write_slots", "logits_indices")
 
 
+def _write_slots(block_tables: torch.Tensor, positions: torch.Tensor, seq_lens: tuple[int, ...],
+                 block_size: int) -> torch.Tensor:
+    """block_id * block_size + offset of each token's K/V, looked up in its sequence's table row
+    (host tensor ops: a Python loop over a long prefill's tokens cost milliseconds)."""
+    rows = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens), output_size=len(positions))
+    blocks = block_tables[rows, positions // block_size].long()
+    return blocks * block_size + positions % block_size
+
+
 def _pad(rows: list[list[int]]) -> torch.Tensor:
+    """[B, max blocks] int32, padded with 0, in one tensor construction."""
     width = max(1, max(len(r) for r in rows))
-    table = torch.zeros(len(rows), width, dtype=torch.int32)
-    for i, row in enumerate(rows):
-        table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-    return table
+    return torch.tensor([[*r, *(0,) * (width - len(r))] for r in rows], dtype=torch.int32)

@@ -194,8 +194,8 @@ class LLMEngine:
         deltas: dict[str, list[CompletionDelta]] = {}
         if rows:
             index = [i for i, _ in rows]
-            picked = self.sampler.sample(logits[host_to_device(index, torch.long, logits.device)],
-                                         [self._sampling_row(c) for _, c in rows], masks and masks.rows(index))
+            picked = self.sampler.sample(_logits_rows(logits, index), [self._sampling_row(c) for _, c in rows],
+                                         masks and masks.rows(index))
             for (_, completion), token, logprob in zip(rows, picked.token_ids, picked.logprobs):
                 self._take_token(completion, token, logprob, deltas)
         for chunk in batch.chunks:
@@ -441,6 +441,14 @@ def _prefill_tokens(batch: ScheduledBatch) -> int:
     if any(c.chunk.cached for c in batch.chunks):
         return 0
     return sum(c.chunk.num_tokens for c in batch.chunks)
+
+
+def _logits_rows(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """The rows the step samples from, in order: the logits themselves when that is every row once
+    (the usual step), else a gather."""
+    if index == list(range(logits.shape[0])):
+        return logits
+    return logits[host_to_device(index, torch.long, logits.device)]
 
 
 def _check_resume(resume: Mapping[int, list[int]], params: SamplingParams) -> None:

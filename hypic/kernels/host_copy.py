@@ -12,3 +12,22 @@ def host_to_device(values: torch.Tensor | list, dtype: torch.dtype, device: torc
         return host.to(device)
     # pinned + non_blocking: a pageable host->device copy would sync the stream
     return host.pin_memory().to(device, non_blocking=True)
+
+
+_ALIGN = 8  # bytes: each packed tensor starts where any dtype's view of it is aligned
+
+
+def host_to_device_packed(tensors: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """Host tensors onto `device` in one pinned copy (one launch instead of one per tensor), each
+    coming back as a view of the one device buffer; elsewhere than CUDA they are returned as they are."""
+    if torch.device(device).type != "cuda":
+        return tensors
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + -(-size // _ALIGN) * _ALIGN)
+    staging = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=True)
+    for tensor, start, size in zip(tensors, offsets, sizes):
+        staging[start:start + size] = tensor.contiguous().view(-1).view(torch.uint8)
+    moved = staging.to(device, non_blocking=True)
+    return [moved[start:start + size].view(t.dtype).view(t.shape) for t, start, size in zip(tensors, offsets, sizes)]

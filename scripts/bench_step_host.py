@@ -1,0 +1,165 @@
+"""Host time of one engine step, beside the model forward it drives (issue 29).
+
+A CPU engine on the bundled model runs greedy decode steps at batch 1 and 64 and 4k-token prefill
+steps. Each step's wall time is split into the model forward (`model.forward` + `compute_logits`,
+the work a GPU runs asynchronously) and everything else, which a GPU step pays on the host before
+and after its kernels (or CUDA graph): scheduling, building the step's tensors, sampling,
+output processing. The host part is also split by stage. Medians over the steps; gc is off while
+timing. PYTHONPATH picks the tree measured (a `git archive` of main for "before"):
+
+    git archive main | tar -x -C /tmp/main-tree && git rev-parse main > /tmp/main-tree/COMMIT
+    PYTHONPATH=/tmp/main-tree python scripts/bench_step_host.py --label before --tree /tmp/main-tree
+    PYTHONPATH=. python scripts/bench_step_host.py --label after
+"""
+from __future__ import annotations
+
+import functools
+import gc
+import random
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import hypic
+from hypic import EngineConfig, SamplingParams
+from hypic.engine.llm_engine import LLMEngine
+from hypic.engine.pic.segments import SegmentedPrompt
+from results import before_after_arguments, result_path, write_labelled_run
+
+DECODE_BATCHES = (1, 64)
+DECODE_STEPS = 200
+PREFILL_TOKENS = 4096
+PREFILL_REPEATS = 12
+PROMPT_TOKENS = 128  # of each decoding sequence
+OPTIONS = dict(device="cpu", max_num_seqs=max(DECODE_BATCHES), max_num_batched_tokens=PREFILL_TOKENS,
+               max_model_len=PREFILL_TOKENS + 64, cache_mode="none", cpu_cache_bytes=1 << 30)
+
+
+class StepClock:
+    """Seconds of each named stage of a step, and of the model forward inside them."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, float] = {}
+        self.forward = 0.0
+
+    def reset(self) -> None:
+        self.stages, self.forward = {}, 0.0
+
+    def wrap(self, owner: object, name: str, label: str | None = None) -> None:
+        """Times owner.name under `label` (a host stage, less the forward inside it) or as the forward."""
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            forward_before, start = self.forward, time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                if label is None:
+                    self.forward += elapsed
+                else:
+                    self.stages[label] = self.stages.get(label, 0.0) + elapsed - (self.forward - forward_before)
+        setattr(owner, name, timed)
+
+
+def instrument(engine: LLMEngine, clock: StepClock) -> None:
+    clock.wrap(engine.model, "forward")
+    clock.wrap(engine.model, "compute_logits")
+    for label, owner, name in (("schedule", engine.scheduler, "schedule"), ("build", engine.runner, "_forward_batch"),
+                               ("sample", engine.sampler, "sample"), ("execute", engine.runner, "execute")):
+        clock.wrap(owner, name, label)
+
+
+def timed_step(engine: LLMEngine, clock: StepClock) -> dict[str, float]:
+    """Milliseconds of one step: wall, forward, host, and each host stage ("execute" less "build";
+    "other": the rest of the step, mostly output processing)."""
+    clock.reset()
+    start = time.perf_counter()
+    engine.step()
+    wall = time.perf_counter() - start
+    stages = dict(clock.stages)
+    stages["execute"] = stages.get("execute", 0.0) - stages.get("build", 0.0)
+    host = wall - clock.forward
+    stages["other"] = host - sum(stages.values())
+    return {name: seconds * 1e3 for name, seconds in
+            {"wall": wall, "forward": clock.forward, "host": host, **stages}.items()}
+
+
+def median_ms(samples: list[dict[str, float]]) -> dict[str, float]:
+    return {name: statistics.median(s[name] for s in samples) for name in samples[0]}
+
+
+def prompt(engine: LLMEngine, n: int, rng: random.Random) -> SegmentedPrompt:
+    ids = [rng.randrange(3, 3000) for _ in range(n)]
+    return SegmentedPrompt.build(engine.tokenizer, ids, separator=engine.config.segment_separator)
+
+
+def decode_steps(engine: LLMEngine, clock: StepClock, batch: int, rng: random.Random) -> dict[str, float]:
+    params = SamplingParams(max_tokens=DECODE_STEPS + 8, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(prompt(engine, PROMPT_TOKENS, rng), params)
+    while engine.scheduler.waiting or any(not s.in_decode for s in engine.scheduler.running):
+        engine.step()
+    engine.step()
+    samples = [timed_step(engine, clock) for _ in range(DECODE_STEPS)]
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
+    return median_ms(samples)
+
+
+def prefill_steps(engine: LLMEngine, clock: StepClock, rng: random.Random) -> dict[str, float]:
+    """One step per request: the whole prompt in one chunk, then its one sampled token."""
+    samples = []
+    for _ in range(PREFILL_REPEATS):
+        engine.add_request(prompt(engine, PREFILL_TOKENS - 1, rng), SamplingParams(max_tokens=1, temperature=0.0))
+        samples.append(timed_step(engine, clock))
+        while engine.has_work():
+            engine.step()
+    return median_ms(samples)
+
+
+def without_gc(run: Callable[[], dict]) -> dict:
+    gc.collect()
+    gc.disable()
+    try:
+        return run()
+    finally:
+        gc.enable()
+
+
+def check_tree(tree: Path) -> None:
+    """The run measures the tree it is labelled with: PYTHONPATH must put that tree's hypic first."""
+    source = Path(hypic.__file__).resolve().parents[1]
+    if source != tree.resolve():
+        raise SystemExit(f"hypic is imported from {source}, not from --tree {tree}: set PYTHONPATH={tree}")
+
+
+def main() -> None:
+    args = before_after_arguments(__doc__, result_path("step_host", "cpu", "default_model"))
+    check_tree(args.tree)
+    torch.set_num_threads(1)  # the forward is excluded; one thread keeps the two figures apart
+    engine = LLMEngine(EngineConfig(**OPTIONS))
+    clock = StepClock()
+    instrument(engine, clock)
+    rng = random.Random(0)
+    decode_steps(engine, clock, 4, rng)  # warm-up
+    results = {f"decode_batch_{b}": without_gc(lambda b=b: decode_steps(engine, clock, b, rng)) for b in DECODE_BATCHES}
+    results[f"prefill_{PREFILL_TOKENS}"] = without_gc(lambda: prefill_steps(engine, clock, rng))
+    report(args.label, results)
+    write_labelled_run(args, "step_host", [f"{k}={v}" for k, v in OPTIONS.items()], results)
+
+
+def report(label: str, results: dict[str, dict[str, float]]) -> None:
+    names = list(next(iter(results.values())))
+    print(f"{label}: median ms per step, CPU, bundled model")
+    print(f"{'step':>18} " + " ".join(f"{name:>9}" for name in names))
+    for step, figures in results.items():
+        print(f"{step:>18} " + " ".join(f"{figures[name]:9.3f}" for name in names))
+
+
+if __name__ == "__main__":
+    main()
