@@ -1,7 +1,9 @@
 """Turns the scheduler's chunks into the flat tensors of a ForwardBatch (built on the host)."""
 from __future__ import annotations
 
+import array
 import itertools
+from collections.abc import Iterable
 
 import torch
 
@@ -23,25 +25,29 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.de
     chunks = batch.chunks
     seq_lens = tuple(c.chunk.num_tokens for c in chunks)
     cu = [0, *itertools.accumulate(seq_lens)]
-    positions = torch.tensor(list(itertools.chain.from_iterable(c.chunk.positions for c in chunks)), dtype=torch.long)
+    positions = _long(itertools.chain.from_iterable(c.chunk.positions for c in chunks))
     block_tables = _pad([c.seq.block_ids for c in chunks])
     host = ForwardBatch(
-        input_ids=torch.tensor(list(itertools.chain.from_iterable(c.chunk.token_ids for c in chunks)),
-                               dtype=torch.long),
+        input_ids=_long(itertools.chain.from_iterable(c.chunk.token_ids for c in chunks)),
         positions=positions,
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-        slots=torch.tensor([c.seq.slot for c in chunks], dtype=torch.long),
+        slots=_long(c.seq.slot for c in chunks),
         has_state=torch.tensor([c.chunk.start > 0 for c in chunks], dtype=torch.bool),
         block_tables=block_tables,
         kv_lens=torch.tensor([c.chunk.end for c in chunks], dtype=torch.int32),
         kv_write_slots=_write_slots(block_tables, positions, seq_lens, block_size),
-        logits_indices=torch.tensor([cu[i + 1] - 1 for i, c in enumerate(chunks) if c.samples],
-                                    dtype=torch.long),
+        logits_indices=_long(cu[i + 1] - 1 for i, c in enumerate(chunks) if c.samples),
         num_decodes=batch.num_decodes,
         seq_lens_cpu=seq_lens,
         max_kv_len=max(c.chunk.end for c in chunks),
     )
     return to_device(host, device)
+
+
+def _long(values: Iterable[int]) -> torch.Tensor:
+    """An int64 host tensor (through an array: torch.tensor walks a long prefill's ids ~4x slower)."""
+    buffer = array.array("q", list(values))  # array() takes a list faster than a generator
+    return torch.frombuffer(buffer, dtype=torch.long) if buffer else torch.empty(0, dtype=torch.long)
 
 
 def to_device(batch: ForwardBatch, device: torch.device) -> ForwardBatch:

@@ -199,7 +199,7 @@ class LLMEngine:
             for (_, completion), token, logprob in zip(rows, picked.token_ids, picked.logprobs):
                 self._take_token(completion, token, logprob, deltas)
         for chunk in batch.chunks:
-            if chunk.samples and chunk.seq.info.params.max_tokens == 0 and not chunk.seq.finished:
+            if chunk.seq.info.params.max_tokens == 0 and chunk.samples and not chunk.seq.finished:
                 self._collect(deltas, chunk.seq, self._finish(self._completion(chunk.seq), "length"))
         self.step_clock.stop()
         return self._outputs(deltas)
@@ -285,9 +285,8 @@ class LLMEngine:
     def _outputs(self, deltas: dict[str, list[CompletionDelta]]) -> list[RequestOutput]:
         outputs = []
         for request_id, items in deltas.items():
-            state = self.requests[request_id]
-            outputs.append(state.output(items))
-            if state.finished:
+            outputs.append(self.requests[request_id].output(items))
+            if outputs[-1].finished:
                 self._retire(request_id)
         return outputs
 

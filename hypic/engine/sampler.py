@@ -142,20 +142,24 @@ class Sampler:
 
     def _result(self, chosen: torch.Tensor, rows: Sequence[SamplingRow],
                 raw_logprobs: torch.Tensor | None) -> SampleResult:
-        token_ids = chosen.tolist()
-        logprobs: list[TokenLogprob | None] = [None] * len(rows)
-        if raw_logprobs is not None:
-            logprobs = self._logprobs(raw_logprobs, chosen, token_ids, rows)
+        if raw_logprobs is None:
+            return SampleResult(chosen.tolist(), [None] * len(rows), chosen)
+        token_ids, logprobs = self._logprobs(raw_logprobs, chosen, rows)
         return SampleResult(token_ids, logprobs, chosen)
 
-    def _logprobs(self, raw: torch.Tensor, chosen: torch.Tensor, token_ids: list[int],
-                  rows: Sequence[SamplingRow]) -> list[TokenLogprob | None]:
+    def _logprobs(self, raw: torch.Tensor, chosen: torch.Tensor,
+                  rows: Sequence[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The ids and their logprobs in one read from the device: [id, its logprob, top k logprobs,
+        top k ids] per row in float64 (exact for float32 logprobs and for ids below 2^53)."""
         want = [row.params.logprobs for row in rows]
-        chosen_lp = raw.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-        top_lp, top_ids = raw.topk(max(n for n in want if n is not None), dim=-1)
-        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-        return [None if n is None else self._token_logprob(token_ids[i], chosen_lp[i], top_ids[i][:n], top_lp[i][:n])
-                for i, n in enumerate(want)]
+        k = max(n for n in want if n is not None)
+        top_lp, top_ids = raw.topk(k, dim=-1)
+        columns = (chosen.unsqueeze(1), raw.gather(1, chosen.unsqueeze(1)), top_lp, top_ids)
+        table = torch.cat([c.double() for c in columns], dim=1).tolist()
+        token_ids = [int(r[0]) for r in table]
+        return token_ids, [None if n is None else self._token_logprob(
+            token_ids[i], table[i][1], [int(t) for t in table[i][2 + k:2 + k + n]], table[i][2:2 + n])
+            for i, n in enumerate(want)]
 
     def _token_logprob(self, token_id: int, logprob: float, top_ids: list[int], top_lp: list[float]) -> TokenLogprob:
         top = tuple((t, self._token_text(t), lp) for t, lp in zip(top_ids, top_lp))
