@@ -8,8 +8,9 @@ from collections.abc import Iterable
 import torch
 
 from hypic.cache.segment_store import SegmentStore
+from hypic.engine.pic.pieces import Chunk
 from hypic.engine.pic.step import build_pic_step
-from hypic.engine.scheduler import ScheduledBatch
+from hypic.engine.scheduler import ScheduledBatch, ScheduledChunk
 from hypic.kernels.host_copy import host_to_device_packed
 from hypic.models.batch import ForwardBatch
 
@@ -35,7 +36,7 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.de
         has_state=torch.tensor([c.chunk.start > 0 for c in chunks], dtype=torch.bool),
         block_tables=block_tables,
         kv_lens=torch.tensor([c.chunk.end for c in chunks], dtype=torch.int32),
-        kv_write_slots=_write_slots(block_tables, positions, seq_lens, block_size),
+        kv_write_slots=_write_slots(chunks, block_size),
         logits_indices=_long(cu[i + 1] - 1 for i, c in enumerate(chunks) if c.samples),
         num_decodes=batch.num_decodes,
         seq_lens_cpu=seq_lens,
@@ -61,13 +62,26 @@ TENSOR_FIELDS = ("input_ids", "positions", "cu_seqlens", "slots", "has_state", "
                   "kv_lens", "kv_write_slots", "logits_indices")
 
 
-def _write_slots(block_tables: torch.Tensor, positions: torch.Tensor, seq_lens: tuple[int, ...],
-                 block_size: int) -> torch.Tensor:
-    """block_id * block_size + offset of each token's K/V, looked up in its sequence's table row
-    (host tensor ops: a Python loop over a long prefill's tokens cost milliseconds)."""
-    rows = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens), output_size=len(positions))
-    blocks = block_tables[rows, positions // block_size].long()
-    return blocks * block_size + positions % block_size
+def _write_slots(chunks: list[ScheduledChunk], block_size: int) -> torch.Tensor:
+    """block_id * block_size + offset of each token's K/V, one range per page a run of consecutive
+    positions covers (plain Python: a loop over a long prefill's tokens cost milliseconds, and
+    small CPU tensor ops cost more than this on a busy host)."""
+    slots: list[int] = []
+    for scheduled in chunks:
+        for start, end in _position_runs(scheduled.chunk):
+            while start < end:
+                page = start // block_size
+                stop = min(end, (page + 1) * block_size)
+                shift = (scheduled.seq.block_ids[page] - page) * block_size
+                slots += range(start + shift, stop + shift)
+                start = stop
+    return _long(slots)
+
+
+def _position_runs(chunk: Chunk) -> list[tuple[int, int]]:
+    """[start, end) ranges of the chunk's positions: consecutive but where they jump a cached piece."""
+    cuts = [0, *(at for at, _ in chunk.cached), chunk.num_tokens]
+    return [(chunk.positions[lo], chunk.positions[lo] + hi - lo) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
 
 
 def _pad(rows: list[list[int]]) -> torch.Tensor:

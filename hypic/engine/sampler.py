@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from hypic.errors import InvalidRequestError
-from hypic.kernels.host_copy import host_to_device
+from hypic.kernels.host_copy import host_to_device, read_rows
 from hypic.outputs import TokenLogprob
 from hypic.sampling_params import SamplingParams
 
@@ -150,12 +150,11 @@ class Sampler:
     def _logprobs(self, raw: torch.Tensor, chosen: torch.Tensor,
                   rows: Sequence[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
         """The ids and their logprobs in one read from the device: [id, its logprob, top k logprobs,
-        top k ids] per row in float64 (exact for float32 logprobs and for ids below 2^53)."""
+        top k ids] per row."""
         want = [row.params.logprobs for row in rows]
         k = max(n for n in want if n is not None)
         top_lp, top_ids = raw.topk(k, dim=-1)
-        columns = (chosen.unsqueeze(1), raw.gather(1, chosen.unsqueeze(1)), top_lp, top_ids)
-        table = torch.cat([c.double() for c in columns], dim=1).tolist()
+        table = read_rows([chosen.unsqueeze(1), raw.gather(1, chosen.unsqueeze(1)), top_lp, top_ids])
         token_ids = [int(r[0]) for r in table]
         return token_ids, [None if n is None else self._token_logprob(
             token_ids[i], table[i][1], [int(t) for t in table[i][2 + k:2 + k + n]], table[i][2:2 + n])

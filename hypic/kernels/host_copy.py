@@ -31,3 +31,9 @@ def host_to_device_packed(tensors: list[torch.Tensor], device: torch.device | st
         staging[start:start + size] = tensor.contiguous().view(-1).view(torch.uint8)
     moved = staging.to(device, non_blocking=True)
     return [moved[start:start + size].view(t.dtype).view(t.shape) for t, start, size in zip(tensors, offsets, sizes)]
+
+
+def read_rows(columns: list[torch.Tensor]) -> list[list[float]]:
+    """[M, k_i] device tensors side by side as M host rows, in one device-to-host read (one sync, not
+    one per tensor); float64 keeps float32 values and integer ids below 2^53 exact."""
+    return torch.cat([c.double() for c in columns], dim=1).tolist()
