@@ -4,9 +4,6 @@ stop the host from queueing the step's work ahead of the GPU; torch's sync debug
 from __future__ import annotations
 
 import random
-import traceback
-import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,32 +11,13 @@ import torch
 from hypic import EngineConfig, SamplingParams
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
+from hypic.kernels.host_copy import sync_sites
 
 pytestmark = pytest.mark.gpu
 
 PLAIN = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 FILTERED = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, repetition_penalty=1.2,
                           presence_penalty=0.5, logit_bias={5: 2.0}, logprobs=3, ignore_eos=True)
-
-
-def sync_sites(run) -> list[str]:
-    """The host syncs `run` makes, each named by the innermost hypic lines that caused it."""
-    sites: list[str] = []
-
-    def record(*_args, **_kwargs) -> None:
-        frames = [f for f in traceback.extract_stack() if "/hypic/" in f.filename]
-        sites.append(" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-3:][::-1]))
-
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            run()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return sites
 
 
 def submit(engine: LLMEngine, params: SamplingParams, rng: random.Random) -> None:
@@ -58,6 +36,7 @@ def test_prefill_and_decode_steps_read_the_device_once(tiny_moe_model_dir, param
     while engine.has_work():
         engine.step()
     submit(engine, params, rng)
+    torch.cuda.synchronize()
     prefill = sync_sites(engine.step)  # the three prompts in one step
     decodes = [sync_sites(engine.step) for _ in range(3)]  # CUDA-graph decode steps
     assert engine.runner.graphs is not None and engine.runner.graphs.graphs

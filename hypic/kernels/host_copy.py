@@ -1,6 +1,11 @@
 """Host-built index tensors onto the device without making the host wait for the GPU."""
 from __future__ import annotations
 
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
 
 
@@ -37,3 +42,23 @@ def read_rows(columns: list[torch.Tensor]) -> list[list[float]]:
     """[M, k_i] device tensors side by side as M host rows, in one device-to-host read (one sync, not
     one per tensor); float64 keeps float32 values and integer ids below 2^53 exact."""
     return torch.cat([c.double() for c in columns], dim=1).tolist()
+
+
+def sync_sites(run: Callable[[], object]) -> list[str]:
+    """The host syncs `run` makes on CUDA (torch's sync debug mode), each named by the innermost
+    hypic lines that caused it: what a step that should never wait for the GPU is checked with."""
+    sites: list[str] = []
+
+    def record(*_args, **_kwargs) -> None:
+        frames = [f for f in traceback.extract_stack() if "/hypic/" in f.filename]
+        sites.append(" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-3:][::-1]))
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sites
