@@ -1,10 +1,12 @@
-"""Times each GPU kernel of hypic.kernels at Qwen3.5-35B-A3B shapes and compares it with the roofline.
+"""Times each GPU kernel of hypic.kernels at a released model's shapes and compares it with the roofline.
 
 For every case: median time (triton.testing.do_bench), the fewest bytes the kernel must move and
 the FLOPs it must do, and the fractions of this machine's ceilings they reach. Prints a table and
-writes JSON.
+writes JSON. Shapes: Qwen3.5-35B-A3B (default: GDN, conv, paged attention, MoE) and Nemotron 3 Nano
+(`--shape nemotron3_nano`: a Mamba2 layer's tuple capture, the chunk kernel's pass against the
+closed form).
 
-    python scripts/bench_kernels.py
+    python scripts/bench_kernels.py [--shape nemotron3_nano]
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from hypic.kernels.conv1d import causal_conv1d
 from hypic.kernels.gdn import gated_delta_rule
 from hypic.kernels.moe import moe_grouped_mm, moe_triton
 from hypic.kernels.paged_attention import paged_attention
+from hypic.kernels.scalar_gated import scalar_gated_rule
+from hypic.kernels.span_states import span_states
 from results import device_label, result_path, run_record
 
 HBM_BYTES_PER_S = 4.3e12  # device-to-device copy measured on this workplace's H200 (KINDS.md)
@@ -33,6 +37,9 @@ CONV_DIM = 2 * LIN_HEADS * LIN_DIM + LIN_VALUE_HEADS * LIN_DIM
 ATTN_HEADS, ATTN_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 2, 256, 16
 EXPERTS, TOPK, HIDDEN, EXPERT_INTER = 256, 8, 2048, 512
 DTYPE = torch.bfloat16
+
+# Nemotron 3 Nano 30B-A3B's Mamba2 layers: B per group is the key head, dt x the values
+MAMBA_GROUPS, MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_STATE = 8, 64, 64, 128
 
 
 @dataclass(frozen=True)
@@ -140,11 +147,34 @@ def moe_case(tokens: int, path: Callable, label: str) -> Case:
                 weight_bytes + 2 * tokens * HIDDEN * 2, tokens * TOPK * 6 * HIDDEN * EXPERT_INTER)
 
 
+def tuple_capture_case(seq_lens: tuple[int, ...], closed_form: bool) -> Case:
+    """S0 of cold interiors from zero: the varlen chunk kernel (FLA's chunk_simple_gla, which also
+    computes the outputs nobody reads) as `extract_tuple` ran it before, or the closed form."""
+    n, b = sum(seq_lens), len(seq_lens)
+    k = torch.randn(n, MAMBA_GROUPS, MAMBA_STATE, device="cuda", dtype=DTYPE)
+    v = torch.randn(n, MAMBA_HEADS, MAMBA_HEAD_DIM, device="cuda", dtype=DTYPE)
+    g = -0.1 * torch.rand(n, MAMBA_HEADS, device="cuda")  # dt A
+    batch = varlen(seq_lens, 0, b)
+    pool = torch.zeros(b, MAMBA_HEADS, MAMBA_STATE, MAMBA_HEAD_DIM, device="cuda")
+    run = ((lambda: span_states(k, v, g, batch["cu_seqlens"], seq_lens)) if closed_form else
+           (lambda: scalar_gated_rule(k, k, v, g, pool, scale=1.0, **batch)))
+    io = n * (MAMBA_GROUPS * MAMBA_STATE + MAMBA_HEADS * MAMBA_HEAD_DIM) * 2 + n * MAMBA_HEADS * 4
+    return Case("scalar tuple S0 " + ("(closed form)" if closed_form else "(chunk kernel)"), shape_name(seq_lens),
+                run, io + b * MAMBA_HEADS * MAMBA_STATE * MAMBA_HEAD_DIM * 4,
+                2 * n * MAMBA_HEADS * MAMBA_STATE * MAMBA_HEAD_DIM)
+
+
 def shape_name(lens: tuple[int, ...]) -> str:
     return f"{lens[0]}x{len(lens)}" if len(set(lens)) == 1 else "+".join(map(str, lens))
 
 
-def cases() -> Iterator[Callable[[], Case]]:
+def nemotron_cases() -> Iterator[Callable[[], Case]]:
+    for lens in ((2048,) * 8, (1024,) * 16, (4096,) * 4, (65536,)):  # bench_pic's tuple overhead is 8 x 2048
+        for closed_form in (False, True):
+            yield lambda lens=lens, closed_form=closed_form: tuple_capture_case(lens, closed_form)
+
+
+def qwen_cases() -> Iterator[Callable[[], Case]]:
     for batch in (1, 32, 128):
         yield lambda batch=batch: gdn_case((1,) * batch, batch)
         yield lambda batch=batch: conv_case((1,) * batch, batch)
@@ -164,14 +194,15 @@ def cases() -> Iterator[Callable[[], Case]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="default: bench/results/kernels_<device>_qwen3_5_moe.json")
+    parser.add_argument("--shape", choices=SHAPES, default="qwen3_5_moe")
+    parser.add_argument("--out", type=Path, help="default: bench/results/kernels_<device>_<shape>.json")
     args = parser.parse_args()
-    args.out = args.out or result_path("kernels", device_label(torch.cuda.get_device_name()), "qwen3_5_moe")
+    args.out = args.out or result_path("kernels", device_label(torch.cuda.get_device_name()), args.shape)
     torch.manual_seed(0)
     results = []
     print(f"{'kernel':34} {'shape':28} {'ms':>9} {'GB/s':>8} {'TFLOP/s':>8} {'%bw':>6} {'%flop':>6}  bound")
     failures: list[str] = []
-    for make in cases():
+    for make in SHAPES[args.shape]():
         try:
             result = measure(make())
         except Exception as e:  # one broken kernel must not hide the others' numbers
@@ -185,6 +216,9 @@ def main() -> None:
         torch.cuda.empty_cache()
         write_report(args.out, results, failures)  # after every case: a killed run keeps what it measured
     print(f"wrote {args.out}")
+
+
+SHAPES = {"qwen3_5_moe": qwen_cases, "nemotron3_nano": nemotron_cases}
 
 
 def write_report(out: Path, results: list[Result], failures: list[str]) -> None:

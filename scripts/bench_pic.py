@@ -45,12 +45,18 @@ def sync() -> None:
 
 
 def ttft(engine: LLMEngine, prompt: SegmentedPrompt, mode: str) -> float:
+    return timed_request(engine, prompt, mode)[0]
+
+
+def timed_request(engine: LLMEngine, prompt: SegmentedPrompt, mode: str) -> tuple[float, dict[str, int]]:
+    """Seconds to the first token of one request run alone, and its cached prompt tokens by kind."""
     sync()
     start = time.perf_counter()
     engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), cache_mode=mode)
+    outputs = []
     while engine.has_work():
-        engine.step()
-    return time.perf_counter() - start
+        outputs += engine.step()
+    return time.perf_counter() - start, outputs[-1].metrics.cached_tokens_by_kind
 
 
 def measure(engine: LLMEngine, num_docs: int, doc_len: int, rng: random.Random, repeats: int) -> dict[str, float]:

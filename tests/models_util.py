@@ -6,8 +6,9 @@ qwen3_next alternates dense and MoE MLPs (decoder_sparse_step=2 and mlp_only_lay
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -175,7 +176,7 @@ class BatchBuilder:
             block_tables=torch.tensor(tables, dtype=torch.int32, **on),
             kv_lens=torch.tensor(kv_lens, dtype=torch.int32, **on), kv_write_slots=torch.tensor(write_slots, **on),
             logits_indices=torch.arange(sum(lens), **on), num_decodes=num_decodes, seq_lens_cpu=tuple(lens),
-            max_kv_len=max(kv_lens))
+            kv_lens_cpu=tuple(kv_lens), max_kv_len=max(kv_lens))
 
     def _place(self, seq: Seq, n: int, write_slots: list[int]) -> list[int]:
         positions = list(range(seq.length, seq.length + n))
@@ -305,3 +306,36 @@ def assert_cuda_graph_decode_replays(checkpoint: Path) -> None:
     seqs = [builder.new_seq(slot=s) for s in (2, 6, 3)]
     run(model, builder, [(seq, random_ids(20 + 9 * i, seed=i)) for i, seq in enumerate(seqs)])
     assert_decode_replays(model, builder, builder.batch([(seq, [7 + i]) for i, seq in enumerate(seqs)]))
+
+
+TORCH_CODE = str(Path(torch.__file__).parent)
+MODEL_CODE = str(Path(__file__).resolve().parents[1] / "hypic" / "models")
+HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__int__, torch.Tensor.__float__,
+              torch.Tensor.__bool__, torch.Tensor.__index__}
+
+
+class HostReadGuard(torch.Tensor):
+    """A tensor that raises when model code (hypic/models) turns it, or anything computed from it, into
+    Python values: on a GPU that is a device->host sync, and inside a CUDA-graph capture an error. The
+    CPU references under hypic/kernels read their inputs on the host freely (they never run on a GPU)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in HOST_READS and _caller_file().startswith(MODEL_CODE):
+            raise AssertionError(f"model code reads a device tensor on the host ({func.__name__})")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _caller_file() -> str:
+    """The file of the first frame outside torch and this module."""
+    frame = sys._getframe(2)
+    while frame.f_code.co_filename.startswith((TORCH_CODE, __file__)):
+        frame = frame.f_back
+    return frame.f_code.co_filename
+
+
+def guarded(batch: ForwardBatch) -> ForwardBatch:
+    """The batch with its tensors guarded against host reads by model code (see `HostReadGuard`)."""
+    tensors = {f.name: getattr(batch, f.name).as_subclass(HostReadGuard) for f in fields(batch)
+               if isinstance(getattr(batch, f.name), torch.Tensor)}
+    return replace(batch, **tensors)

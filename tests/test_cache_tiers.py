@@ -2,14 +2,18 @@
 flush by salt across tiers, salts on disk only as hashes, identity of a disk directory."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from hypic.cache.disk_tier import DiskTier
-from hypic.cache.segment_store import SegmentStore, SegmentTuple
+from hypic.cache import tiers
+from hypic.cache.segment_store import ALIGN, SegmentStore, SegmentTuple
 from hypic.cache.tiers import LowerTiers
 from hypic.config import EngineConfig
 from hypic.engine.setup import segment_host_bytes
+from hypic.models.checkpoint import weights_digest
 from tests.test_segment_store_pool import key, layout, random_tuple
 
 LEN = 5
@@ -120,16 +124,73 @@ def test_a_failed_write_costs_only_the_entry(tmp_path) -> None:
     assert store.lower.stats().pinned == 0 and key("b") in store
 
 
+def test_the_host_arena_grows_a_slab_at_a_time_and_entries_never_span_two() -> None:
+    lay = layout()
+    entry = lay.entry_bytes(LEN)
+    store = SegmentStore(lay, entry, "cpu", LowerTiers(6 * entry + entry // 2, torch.device("cpu"), None, 2 * entry))
+    arena = store.lower.arena
+    assert store.lower.capacity_bytes == 6 * entry and arena.allocated_bytes == 2 * entry  # whole slabs only
+    tuples = fill(store, "abcd")  # a, b, c go down: the third needs a second slab
+    assert arena.allocated_bytes == 4 * entry and store.lower.stats().bytes == 3 * entry
+    tuples |= fill(store, "efgh")  # a..g below fill three slabs; g's demotion evicts a
+    assert arena.allocated_bytes == 6 * entry and store.lower.stats().evictions == 1 and key("a") not in store
+    assert [store.tier(key(name)) for name in "bcdefgh"] == ["host"] * 6 + ["pool"]
+    for name in "gfed":  # entries of all three slabs; g's promotion demotes h (b goes), then each is kept below
+        assert_holds(store, name, tuples[name], "host")
+    assert store.lower.stats().evictions == 2 and store.tier(key("c")) == "host"
+    assert store.lower.demote(key("z"), (0, 3 * LEN), torch.zeros(3 * entry, dtype=torch.uint8)) is None
+    assert key("z") not in store.lower and store.lower.stats().evictions == 2  # larger than a slab: dropped alone
+
+
+def test_slabs_pinned_ahead_on_a_thread_are_taken_in_order_as_entries_need_them(monkeypatch) -> None:
+    made = []
+
+    def new_slab(nbytes: int, pin: bool) -> torch.Tensor:
+        made.append((threading.current_thread().name, pin))
+        return torch.full((nbytes,), len(made), dtype=torch.uint8)  # plain memory stands in for pinned
+    monkeypatch.setattr(tiers, "_new_slab", new_slab)
+    arena = tiers.HostArena(3 * ALIGN + 5, ALIGN, pin=True)
+    assert arena.capacity_bytes == 3 * ALIGN and len(arena.slabs) == 1  # whole slabs; the first at once
+    assert made == [("MainThread", True)]  # no pinning beside start-up (the engine captures its graphs then)
+    for count in (2, 3):
+        arena.wait()
+        assert arena.grow() and len(arena.slabs) == count
+    assert not arena.grow()  # the budget
+    assert [int(slab[0]) for slab in arena.slabs] == [1, 2, 3]
+    assert made == [("MainThread", True), ("hypic-host-pin", True), ("hypic-host-pin", True)]
+    assert arena.view(2 * (ALIGN + ALIGN) + 7, 3).tolist() == [3, 3, 3]  # offsets of slab k start k gaps apart
+
+
+def test_a_slab_the_host_cannot_allocate_ends_the_growth_not_the_engine(monkeypatch, caplog) -> None:
+    lay = layout()
+    entry, real_empty, slabs = lay.entry_bytes(LEN), torch.empty, []
+
+    def empty(*args, **kwargs):
+        if args == (2 * entry,) and kwargs.get("dtype") is torch.uint8:
+            slabs.append(args)
+            if len(slabs) == 2:
+                raise RuntimeError("out of memory")
+        return real_empty(*args, **kwargs)
+    monkeypatch.setattr(torch, "empty", empty)
+    store = SegmentStore(lay, entry, "cpu", LowerTiers(6 * entry, torch.device("cpu"), None, 2 * entry))
+    fill(store, "abcd")  # c's demotion finds no second slab: the first one's LRU entry makes room
+    assert "cannot allocate another" in caplog.text and store.lower.capacity_bytes == 2 * entry
+    assert [store.tier(key(name)) for name in "abcd"] == [None, "host", "host", "pool"]
+    assert store.lower.stats().evictions == 1 and store.lower.stats().bytes == 2 * entry
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_copies_run_on_a_side_stream_and_entries_land_intact() -> None:
     lay = layout(state_dtype=torch.bfloat16, model_dtype=torch.bfloat16)
-    store = SegmentStore(lay, 2 * lay.entry_bytes(LEN), "cuda",
-                         LowerTiers(4 * lay.entry_bytes(LEN), torch.device("cuda"), None))
+    store = SegmentStore(lay, 2 * lay.entry_bytes(LEN), "cuda",  # a slab per entry: the second pinned off-thread
+                         LowerTiers(4 * lay.entry_bytes(LEN), torch.device("cuda"), None, lay.entry_bytes(LEN)))
     tuples = {n: random_tuple(lay, LEN, seed=ord(n)) for n in "abcd"}
     for name, tup in tuples.items():
         assert store.put(key(name), SegmentTuple(tup.interior, *[[t.cuda() for t in getattr(tup, part)]
                                                                  for part in ("T", "S0", "conv_tail", "K", "V")]))
-    assert store.stats().demotions == 2 and store.lower._arena.is_pinned()
+        store.lower.arena.wait()
+    arena = store.lower.arena
+    assert store.stats().demotions == 2 and len(arena.slabs) == 2 and all(s.is_pinned() for s in arena.slabs)
     entry = store.get(key("a"))
     assert entry.source == "host" and entry.ready is not None  # queued on the side stream, not done inline
     entry.ready.synchronize()
@@ -171,3 +232,21 @@ def test_without_lower_tiers_an_eviction_reports_the_key_gone() -> None:
     for name in "ab":
         assert store.put(key(name), random_tuple(lay, LEN, seed=ord(name)))
     assert store.take_moves() == {key("a"): None, key("b"): "pool"}
+
+
+def in_memory_weights() -> dict[str, torch.Tensor]:
+    return {"b": torch.randn(4, 8).to(torch.bfloat16), "a": torch.arange(6), "scalar": torch.tensor(2.0)}
+
+
+def test_the_weights_digest_of_in_memory_tensors_covers_their_contents(tmp_path) -> None:
+    weights, memo = in_memory_weights(), tmp_path / "memo.json"
+    assert weights_digest(tmp_path, weights, memo) == weights_digest(tmp_path, dict(weights), memo)
+    changed = dict(weights, a=torch.arange(6) + 1)
+    assert weights_digest(tmp_path, changed, memo) != weights_digest(tmp_path, weights, memo)
+
+
+@pytest.mark.gpu
+def test_the_weights_digest_of_device_tensors_is_that_of_their_host_copies(tmp_path) -> None:
+    weights, memo = in_memory_weights(), tmp_path / "memo.json"
+    on_gpu = {name: tensor.cuda() for name, tensor in weights.items()}
+    assert weights_digest(tmp_path, on_gpu, memo) == weights_digest(tmp_path, weights, memo)

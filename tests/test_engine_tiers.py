@@ -223,3 +223,20 @@ def test_a_peer_pulling_an_entry_held_only_on_disk_gets_it_read(tiny_model_dir, 
     for name in ("T", "S0", "conv_tail", "K", "V"):
         for got, want in zip(getattr(from_disk, name), getattr(built, name), strict=True):
             torch.testing.assert_close(got, want.to(got.dtype), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_host_and_disk_hits_give_the_outputs_of_an_unbounded_pool(tiny_model_dir, tmp_path):
+    gpu = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+    ref, core = serve(tier_config(tiny_model_dir, **gpu), jobs())
+    entry = core.store.stats().bytes // len(DOCS)
+    tight = tier_config(tiny_model_dir, segment_pool_bytes=entry * 3 // 2, segment_host_bytes=entry * 4,
+                        segment_disk_dir=tmp_path, **gpu)
+    tiered, core = serve(tight, jobs())
+    assert_same_outputs(tiered, ref)
+    assert kinds(tiered)[len(DOCS):] == [{"pic_host"}] * len(DOCS)  # copied up on the side stream
+    assert all(slab.is_pinned() for slab in core.store.lower.arena.slabs)
+    restarted, core = serve(tight, jobs()[len(DOCS):])
+    assert_same_outputs(restarted, ref[len(DOCS):])
+    assert kinds(restarted) == [{"pic_disk"}] * len(DOCS)  # read into pinned memory, then copied up
+    assert core.store.stats().pinned == core.store.lower.stats().pinned == 0

@@ -9,6 +9,7 @@ MLA in the middle or first (1-based full_attn_layers [3] / [1, 4]).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import cache
 from pathlib import Path
@@ -22,7 +23,7 @@ from hypic.models.kimi_config import KimiLinearConfig
 from hypic.models.kimi_linear import KimiLinearModel
 from hypic.models.registry import load_model
 from models_util import (BatchBuilder, assert_chunks_beside_other_sequences_change_nothing,
-                         assert_greedy_decode_tracks_full_forward, hf_logits, random_ids, rel_err, run,
+                         assert_greedy_decode_tracks_full_forward, guarded, hf_logits, random_ids, rel_err, run,
                          save_checkpoint)
 
 CPU = torch.device("cpu")
@@ -91,6 +92,27 @@ def test_latent_attention_equals_expanded(case: str, tmp_root: str) -> None:
     expanded = layer.attend_expanded(q, pages, batch, 0, slice(0, 30))
     assert rel_err(absorbed, expanded) < 1e-5 and expanded.shape == (30, 4, 12)
     assert 75 < layer.expand_from <= 150  # the logits tests' prompts take both forms
+
+
+def test_forward_reads_no_device_tensor_on_the_host(tmp_root: str) -> None:
+    """Model code never turns a batch tensor, or anything computed from it, into Python values (on the GPU
+    a sync; in a CUDA-graph capture an error). A decode, a chunk long enough that MLA expands and a short
+    one, eager and as captured into a graph (every sequence in one latent pass), run guarded against such
+    reads and give the unguarded eager logits."""
+    model = loaded("release", tmp_root)
+
+    def last_step(wrap) -> torch.Tensor:
+        builder = BatchBuilder(model.config)
+        first, long, short = (builder.new_seq(slot=s) for s in (1, 2, 3))
+        run(model, builder, [(first, random_ids(30, seed=3))])
+        batch = builder.batch([(first, [7]), (long, random_ids(150, seed=4)), (short, random_ids(20, seed=5))])
+        return model.compute_logits(model(wrap(batch), builder.caches))
+    expected = last_step(lambda batch: batch)
+    assert rel_err(last_step(guarded), expected) == 0.0
+    # as captured, the host KV lengths would be the capture batch's: here there are none, so a reader fails
+    graphed = last_step(lambda batch: guarded(dataclasses.replace(batch, in_graph=True, kv_lens_cpu=())))
+    assert rel_err(graphed, expected) < 1e-5
+    assert 20 < model.layers[model.config.full_layers[0]].mixer.expand_from <= 150  # eager: both MLA forms
 
 
 def test_latent_pages_hold_rank_plus_rope_channels_a_token() -> None:

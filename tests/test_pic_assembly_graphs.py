@@ -45,7 +45,11 @@ def generate(engine: LLMEngine, text: str, max_tokens: int) -> tuple[list[int], 
 
 
 def test_padded_assembly_step_gives_the_eager_tokens_and_logprobs(slow_decay_model_dir):
-    config = pic_config(slow_decay_model_dir)
+    assert_padded_steps_give_the_eager_tokens_and_logprobs(slow_decay_model_dir)
+
+
+def assert_padded_steps_give_the_eager_tokens_and_logprobs(model_dir) -> None:
+    config = pic_config(model_dir)
     cold_then_warm = [prompt(*DOCS), prompt(DOCS[2], DOCS[0], DOCS[1]), prompt(DOCS[1], DOCS[2])]
     eager = LLMEngine(config)
     expected = [generate(eager, p, 5) for p in cold_then_warm]

@@ -13,6 +13,7 @@ from pic_util import (DOCS, assert_blocks_slots_and_pins_return, assert_composed
                       assert_wide_seam_equals_none, first_layer_state, pic_config, prompt, rel, run_with_store_stats,
                       state_error_without_conv_tails)
 from test_models_kimi import MLA_FIRST
+from test_pic_assembly_graphs import assert_padded_steps_give_the_eager_tokens_and_logprobs
 
 NAIVE_MIN_ERROR = 0.1  # naive's relative error of the first KDA layer's state
 
@@ -30,6 +31,11 @@ def test_composed_state_at_the_first_kda_layer_equals_full_recompute(kimi_dir) -
 def test_the_conv_tails_are_what_make_it_exact(kimi_dir, monkeypatch: pytest.MonkeyPatch) -> None:
     """Seam tokens read the interior's last W-1 pre-conv inputs of q, k and v: zeroed, the state is off."""
     assert state_error_without_conv_tails(kimi_dir, monkeypatch) > 1e-2
+
+
+def test_padded_assembly_step_as_captured_gives_the_eager_tokens_and_logprobs(kimi_dir) -> None:
+    """The warm step as AssemblyGraphs captures it (padded; in_graph: MLA in one latent pass), run eagerly."""
+    assert_padded_steps_give_the_eager_tokens_and_logprobs(kimi_dir)
 
 
 def test_seam_wide_enough_to_recompute_everything_equals_none(kimi_dir) -> None:

@@ -61,8 +61,11 @@ def salt_hash(salt: str | None) -> bytes:
 
 
 class DiskTier:
-    def __init__(self, root: str | os.PathLike, capacity_bytes: int, fingerprint: str, layout: SegmentLayout) -> None:
-        self.layout = layout
+    def __init__(self, root: str | os.PathLike, capacity_bytes: int, fingerprint: str, layout: SegmentLayout,
+                 *, pin_reads: bool = False) -> None:
+        """`pin_reads`: read entries into pinned memory (a GPU engine), so their promotion copies
+        run asynchronously instead of making the engine thread wait for them."""
+        self.layout, self._pin_reads = layout, pin_reads
         self.identity = xxhash.xxh3_128(f"{FORMAT_VERSION}|{fingerprint}|{layout_signature(layout)}".encode()).digest()
         self.directory = Path(root) / self.identity.hex()
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -162,7 +165,7 @@ class DiskTier:
     def _write_file(self, digest: bytes, record: _File, data: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         if ready is not None:
             ready.synchronize()
-        payload = data.numpy().tobytes()
+        payload = data.numpy()  # written and hashed in place: a copy would hold the engine's GIL
         path = self._path(digest)
         temporary = path.with_suffix(".tmp")
         with open(temporary, "wb") as f:
@@ -171,13 +174,15 @@ class DiskTier:
         os.replace(temporary, path)
 
     def _read_file(self, digest: bytes, record: _File) -> torch.Tensor:
-        raw = self._path(digest).read_bytes()
-        payload = raw[_HEADER.size:]
-        if len(raw) < _HEADER.size or len(payload) != record.nbytes:
+        """The entry's bytes, read straight into their buffer (no copies holding the GIL)."""
+        data = torch.empty(record.nbytes, dtype=torch.uint8, pin_memory=self._pin_reads)
+        with open(self._path(digest), "rb") as f:
+            header, read, rest = f.read(_HEADER.size), f.readinto(data.numpy()), f.read(1)
+        if len(header) < _HEADER.size or read != record.nbytes or rest:
             raise ValueError(f"segment file {digest.hex()} is truncated")
-        if raw[:_HEADER.size] != self._header(digest, record, xxhash.xxh3_64_intdigest(payload)):
+        if header != self._header(digest, record, xxhash.xxh3_64_intdigest(data.numpy())):
             raise ValueError(f"segment file {digest.hex()} fails its checksum or header")
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return data
 
     def _scan(self) -> None:
         """Index this identity's files (oldest first) from their headers; drop what cannot be trusted."""

@@ -7,18 +7,26 @@ and every copy between it and the pool runs on one side stream, so copies are or
 themselves and overlap the engine's work: a request using a promoted entry is scheduled once its
 copy's event has completed (no other request waits), and an evicted entry's pool space is reused
 once its demotion copy has. On a CPU engine copies are plain memcpys. Single-threaded (the engine
-loop owns it); the disk tier's writes run on a thread of their own.
+loop owns it); the disk tier's writes, and the pinning of the host arena's slabs, run on threads of
+their own.
 """
 from __future__ import annotations
 
+import logging
+import queue
+import threading
+import weakref
 from collections import OrderedDict
 from concurrent import futures
 from dataclasses import dataclass
+
 import torch
 
 from hypic.cache.disk_tier import DiskTier
 from hypic.cache.segment_store import ALIGN, FreeList, SegmentKey, drop_salt, pop_lru_unpinned
 from hypic.cache.tier_stats import TierStats
+
+logger = logging.getLogger("hypic")
 
 @dataclass(eq=False)
 class Claim:
@@ -63,13 +71,114 @@ class SideCopies:
         return event
 
 
+class HostArena:
+    """The host tier's memory in slabs, so that an engine does not pin tens of GB before it serves
+    (and torch's pinned allocator, which rounds one request up to a power of two, pins no more than
+    the budget). The first slab is made at once; on a GPU engine the others are pinned one after
+    another on a thread of their own once the first is full (so not while the engine captures its
+    CUDA graphs, which a pinned allocation from another thread can invalidate), each taken when
+    entries need it (a demotion that finds the next one not yet pinned evicts below instead of
+    waiting); elsewhere a slab is made when needed. Slabs sit a gap apart in the offset space, so
+    holes never merge across two and an entry never spans them. A slab the host cannot allocate
+    ends the growth."""
+
+    def __init__(self, capacity_bytes: int, slab_bytes: int, pin: bool) -> None:
+        self.slab_bytes = min(slab_bytes, capacity_bytes // ALIGN * ALIGN)
+        self.capacity_bytes = capacity_bytes // self.slab_bytes * self.slab_bytes if self.slab_bytes else 0
+        self.free = FreeList(0)
+        self._stride = self.slab_bytes + ALIGN
+        self._slabs: list[torch.Tensor] = []
+        self._pinned: queue.SimpleQueue | None = None  # slabs pinned ahead, in order (a GPU engine)
+        self._spare: torch.Tensor | RuntimeError | None = None  # taken from `_pinned`, not yet used
+        if self.capacity_bytes:
+            self._add(_new_slab(self.slab_bytes, pin))
+        self._pinner: threading.Thread | None = None
+        if pin and self.capacity_bytes > self.slab_bytes:
+            self._pinned = queue.SimpleQueue()
+            count = self.capacity_bytes // self.slab_bytes - 1
+            self._pinner = threading.Thread(target=_pin_ahead, args=(weakref.ref(self), self._pinned, count),
+                                            name="hypic-host-pin", daemon=True)
+
+    @property
+    def slabs(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self._slabs)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return len(self._slabs) * self.slab_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.allocated_bytes - self.free.free_bytes
+
+    def grow(self) -> bool:
+        """Add the next slab; False at the budget, or while the next one is still being pinned."""
+        if self.allocated_bytes >= self.capacity_bytes:
+            return False
+        if self._pinned is None:
+            return self._add(_new_slab(self.slab_bytes, pin=False))
+        if self._spare is None:
+            self._start_pinning()
+            try:
+                self._spare = self._pinned.get_nowait()
+            except queue.Empty:
+                return False
+        slab, self._spare = self._spare, None
+        return self._add(slab)
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        slab, start = divmod(offset, self._stride)
+        return self._slabs[slab][start: start + nbytes]
+
+    def wait(self) -> None:
+        """Until the next slab is pinned (tests, benchmarks)."""
+        if self._pinned is not None and self._spare is None and self.allocated_bytes < self.capacity_bytes:
+            self._start_pinning()
+            self._spare = self._pinned.get()
+
+    def _start_pinning(self) -> None:
+        if self._pinner.ident is None:
+            self._pinner.start()
+
+    def _add(self, slab: torch.Tensor | RuntimeError) -> bool:
+        if isinstance(slab, RuntimeError):
+            logger.warning("host tier: cannot allocate another %d MiB slab (%s); it stays at %d MiB",
+                           self.slab_bytes >> 20, slab, self.allocated_bytes >> 20)
+            self.capacity_bytes = self.allocated_bytes
+            return False
+        self.free.release(len(self._slabs) * self._stride, self.slab_bytes)
+        self._slabs.append(slab)
+        return True
+
+
+def _pin_ahead(arena: weakref.ref[HostArena], pinned: queue.SimpleQueue, count: int) -> None:
+    """Pins `count` slabs for `arena` (the pinning thread); stops once the arena is gone (an engine
+    closed), so that it pins nothing for nobody, nor beside the next engine's graph capture."""
+    for _ in range(count):
+        owner = arena()
+        if owner is None:
+            return
+        nbytes, owner = owner.slab_bytes, None
+        slab = _new_slab(nbytes, pin=True)
+        pinned.put(slab)
+        if isinstance(slab, RuntimeError):
+            return
+
+
+def _new_slab(nbytes: int, pin: bool) -> torch.Tensor | RuntimeError:
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    except RuntimeError as error:  # out of (pinnable) memory
+        return error
+
+
 class LowerTiers:
     """The host arena (and the disk tier under it) as the pool sees them: demote, claim, copy up, flush."""
 
-    def __init__(self, capacity_bytes: int, device: torch.device, disk: DiskTier | None) -> None:
-        self.capacity_bytes = capacity_bytes // ALIGN * ALIGN
-        self._arena = torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        self._free = FreeList(self.capacity_bytes)
+    def __init__(self, capacity_bytes: int, device: torch.device, disk: DiskTier | None,
+                 slab_bytes: int = 1 << 30) -> None:
+        """`slab_bytes`: the host arena's unit of growth, and the largest entry it can hold."""
+        self.arena = HostArena(capacity_bytes, slab_bytes, pin=device.type == "cuda")
         self._index: OrderedDict[SegmentKey, _Held] = OrderedDict()  # LRU first
         self._flushed: list[_Held] = []  # dropped while pinned: freed on their last unpin
         self._copies = SideCopies(device)
@@ -80,6 +189,10 @@ class LowerTiers:
         self.disk = disk
         self._counts = dict.fromkeys(("hits", "misses", "promotions", "demotions", "evictions"), 0)
         self._moved: set[SegmentKey] = set()  # host entries evicted since `take_moved`
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.arena.capacity_bytes
 
     def __contains__(self, key: SegmentKey) -> bool:
         return key in self._index or (self.disk is not None and key in self.disk)
@@ -100,9 +213,11 @@ class LowerTiers:
         if key in self._index:  # promoted earlier and unchanged since (entries never change)
             self._index.move_to_end(key)
             return None
-        offset = self._free.allocate_evicting(src.numel(), self._evict_one)
+        offset = None
+        if src.numel() <= self.arena.slab_bytes:
+            offset = self.arena.free.allocate_evicting(src.numel(), lambda: self.arena.grow() or self._evict_one())
         if offset is None:
-            return None  # pinned entries hold the arena: this one is dropped, a later hit recomputes
+            return None  # pinned entries hold the arena (or it never fits): dropped, a later hit recomputes
         held = self._index[key] = _Held(key, interior, offset, src.numel())
         event = self._copies.copy(self._bytes(held), src)
         self._counts["demotions"] += 1
@@ -157,7 +272,7 @@ class LowerTiers:
 
     def flush(self, salt: str | None = None) -> int:
         """Drop every entry (of one salt) from both tiers; returns how many were dropped."""
-        dropped = drop_salt(self._index, self._flushed, self._free, salt)
+        dropped = drop_salt(self._index, self._flushed, self.arena.free, salt)
         return dropped + (self.disk.flush(salt) if self.disk is not None else 0)
 
     def reap(self) -> None:
@@ -170,7 +285,8 @@ class LowerTiers:
             self.disk.reap()
 
     def drain(self) -> None:
-        """Wait for every copy, disk write and disk read under way (shutdown, tests)."""
+        """Wait for every copy, disk write, disk read and slab pinning under way (shutdown, tests)."""
+        self.arena.wait()
         for event, _, _ in self._in_flight:
             if event is not None:
                 event.synchronize()
@@ -179,8 +295,7 @@ class LowerTiers:
 
     def stats(self) -> TierStats:
         pinned = sum(1 for h in self._index.values() if h.pins) + len(self._flushed)
-        return TierStats(len(self._index), self.capacity_bytes - self._free.free_bytes, self.capacity_bytes,
-                         pinned, **self._counts)
+        return TierStats(len(self._index), self.arena.used_bytes, self.capacity_bytes, pinned, **self._counts)
 
     def _write_down(self, held: _Held, event: torch.cuda.Event | None) -> None:
         future = self.disk.write(held.key, held.interior, self._bytes(held), event)
@@ -192,16 +307,16 @@ class LowerTiers:
         held.pins -= 1
         if held.pins == 0 and held in self._flushed:
             self._flushed.remove(held)
-            self._free.release(held.offset, held.nbytes)
+            self.arena.free.release(held.offset, held.nbytes)
 
     def _bytes(self, held: _Held) -> torch.Tensor:
-        return self._arena[held.offset: held.offset + held.nbytes]
+        return self.arena.view(held.offset, held.nbytes)
 
     def _evict_one(self) -> bool:
         held = pop_lru_unpinned(self._index)
         if held is None:
             return False
-        self._free.release(held.offset, held.nbytes)
+        self.arena.free.release(held.offset, held.nbytes)
         self._moved.add(held.key)
         self._counts["evictions"] += 1
         return True

@@ -26,6 +26,7 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.de
     chunks = batch.chunks
     seq_lens = tuple(c.chunk.num_tokens for c in chunks)
     cu = [0, *itertools.accumulate(seq_lens)]
+    ends = tuple(c.chunk.end for c in chunks)
     positions = _long(itertools.chain.from_iterable(c.chunk.positions for c in chunks))
     block_tables = _pad([c.seq.block_ids for c in chunks])
     host = ForwardBatch(
@@ -35,12 +36,13 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.de
         slots=_long(c.seq.slot for c in chunks),
         has_state=torch.tensor([c.chunk.start > 0 for c in chunks], dtype=torch.bool),
         block_tables=block_tables,
-        kv_lens=torch.tensor([c.chunk.end for c in chunks], dtype=torch.int32),
+        kv_lens=torch.tensor(ends, dtype=torch.int32),
         kv_write_slots=_write_slots(chunks, block_size),
         logits_indices=_long(cu[i + 1] - 1 for i, c in enumerate(chunks) if c.samples),
         num_decodes=batch.num_decodes,
         seq_lens_cpu=seq_lens,
-        max_kv_len=max(c.chunk.end for c in chunks),
+        kv_lens_cpu=ends,
+        max_kv_len=max(ends),
     )
     return to_device(host, device)
 
@@ -55,7 +57,7 @@ def to_device(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
     """The batch's tensors onto the device in one copy."""
     moved = host_to_device_packed([getattr(batch, name) for name in TENSOR_FIELDS], device)
     return ForwardBatch(**dict(zip(TENSOR_FIELDS, moved)), num_decodes=batch.num_decodes,
-                        seq_lens_cpu=batch.seq_lens_cpu, max_kv_len=batch.max_kv_len)
+                        seq_lens_cpu=batch.seq_lens_cpu, kv_lens_cpu=batch.kv_lens_cpu, max_kv_len=batch.max_kv_len)
 
 
 TENSOR_FIELDS = ("input_ids", "positions", "cu_seqlens", "slots", "has_state", "block_tables",

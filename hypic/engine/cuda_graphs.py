@@ -82,4 +82,4 @@ class DecodeGraphs:
             has_state=s["has_state"][:size], block_tables=s["block_tables"][:size],
             kv_lens=s["kv_lens"][:size], kv_write_slots=s["kv_write_slots"][:size],
             logits_indices=s["logits_indices"][:size], num_decodes=size,
-            seq_lens_cpu=(1,) * size, max_kv_len=self.max_kv_len)
+            seq_lens_cpu=(1,) * size, kv_lens_cpu=(1,) * size, max_kv_len=self.max_kv_len, in_graph=True)

@@ -383,7 +383,8 @@ class LLMEngine:
                                   not self.config.enforce_eager and self.device.type == "cuda")
         state_dtype = resolve_segment_state_dtype(self.config.segment_state_dtype, self.dtype)
         layout = SegmentLayout.from_cache_shape(shape, state_dtype, self.dtype)
-        lower = build_lower_tiers(self.config, self.device, layout, pool_bytes, self._fingerprint(), self.model_dir)
+        lower = build_lower_tiers(self.config, self.device, layout, pool_bytes, self._fingerprint(), self.model_dir,
+                                  self.max_model_len)
         self.store = SegmentStore(layout, pool_bytes, self.device, lower)
         c = self.model_config
         inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta).to(self.device)

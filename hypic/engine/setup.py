@@ -82,8 +82,14 @@ def segment_host_bytes(config: EngineConfig, device: torch.device, pool_bytes: i
     return min(10 * pool_bytes, os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2)
 
 
+def host_slab_bytes(layout: SegmentLayout, max_model_len: int) -> int:
+    """The host arena's unit of growth: 1 GiB, or the power of two that holds the longest possible
+    segment's entry (torch's pinned allocator rounds a request up to a power of two anyway)."""
+    return 1 << max(30, (layout.entry_bytes(max_model_len) - 1).bit_length())
+
+
 def build_lower_tiers(config: EngineConfig, device: torch.device, layout: SegmentLayout, pool_bytes: int,
-                      fingerprint: str, model_dir: Path) -> LowerTiers | None:
+                      fingerprint: str, model_dir: Path, max_model_len: int) -> LowerTiers | None:
     """The segment pool's host tier and, under it, the disk tier (None when the host tier is off)."""
     host_bytes = segment_host_bytes(config, device, pool_bytes)
     if config.segment_disk_dir is not None and host_bytes == 0:
@@ -97,5 +103,5 @@ def build_lower_tiers(config: EngineConfig, device: torch.device, layout: Segmen
         root.mkdir(parents=True, exist_ok=True)
         weights = weights_digest(model_dir, config.state_dict, root / "weights-digests.json")
         capacity = config.segment_disk_bytes or shutil.disk_usage(root).free // 2
-        disk = DiskTier(root, capacity, f"{fingerprint}:{weights}", layout)
-    return LowerTiers(host_bytes, device, disk)
+        disk = DiskTier(root, capacity, f"{fingerprint}:{weights}", layout, pin_reads=device.type == "cuda")
+    return LowerTiers(host_bytes, device, disk, host_slab_bytes(layout, max_model_len))

@@ -18,7 +18,7 @@ import torch
 
 from hypic.kernels.gdn import CHUNK, _unit_lower_inverse  # the gated delta rule's WY chunking, shared
 from hypic.kernels.triton_lazy import triton_kernel
-from hypic.kernels.varlen import decode_launch, expand_key_heads, initial_states, to_chunks
+from hypic.kernels.varlen import decode_launch, expand_key_heads, fla_cu_seqlens, initial_states, to_chunks
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -56,16 +56,19 @@ def _prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
                  ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, cu_seqlens: torch.Tensor, *,
                  scale: float, seq_lens: tuple[int, ...]) -> torch.Tensor:
     """FLA's varlen KDA chunk kernel (B = 1, key heads expanded to the value heads, the gate already in
-    log space); states are gathered from and scattered to the slab."""
+    log space and per key; spans from seq_lens, as `fla_cu_seqlens` says); states are gathered from
+    and scattered to the slab."""
     from fla.ops.kda import chunk_kda
 
     hv = v.shape[1]
-    cu = (cu_seqlens - cu_seqlens[0]).long()  # prefill tokens start at 0 in the sliced tensors
+    cu, cu_cpu = fla_cu_seqlens(seq_lens, q.device)
     o, final = chunk_kda(expand_key_heads(q, hv)[None], expand_key_heads(k, hv)[None], v[None], g[None].float(),
                          beta[None], scale=scale, initial_state=initial_states(ssm_pool, slots, has_state),
-                         output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=cu)
+                         output_final_state=True, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                         cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
     ssm_pool.index_copy_(0, slots, final.float())
     return o[0]
+
 
 
 # ----------------------------------------------------------------------------- torch reference

@@ -33,6 +33,7 @@ from hypic.kernels.gdn import gated_delta_rule
 from hypic.kernels.kda_rule import kda_rule
 from hypic.kernels.scalar_gated import scalar_gated_rule
 from hypic.kernels.scatter_kv import apply_rope
+from hypic.kernels.span_states import span_states
 from hypic.kernels.varlen import Operands, StateSpans
 
 
@@ -155,27 +156,49 @@ class LinearFamily(ABC):
                       seq_lens: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """(T [B, HV, *t_shape], S0 [B, HV, K, V]) of every span of a varlen batch.
 
-        S0 is the end state from zero. Dense T is the end state from I with v = 0 (value dim K),
-        since (prod T_t) I = T_C; scalar/diagonal T is the sum of log gates. `seq_lens`: the spans'
+        S0 is the end state from zero. Here (dense T) both come from one pass of `final_states`: T is
+        the end state from I with v = 0 (value dim K), since (prod T_t) I = T_C. `seq_lens`: the spans'
         lengths on the host (cu_seqlens' differences; reading those back would sync a GPU).
         """
         num, heads, key_dim = cu_seqlens.numel() - 1, v.shape[1], k.shape[-1]
         dtype = torch.promote_types(k.dtype, torch.float32)
         zeros = torch.zeros(num, heads, key_dim, v.shape[2], dtype=dtype, device=v.device)
-        if self.kind != "dense":
-            S0 = self.final_states(k, v, g, beta, zeros, cu_seqlens, seq_lens)
-            return segment_sum(g.to(dtype), cu_seqlens), S0
-        # one pass for both: value columns recur independently, so [v | 0] from [0 | I] ends at [S0 | T]
+        # value columns recur independently, so [v | 0] from [0 | I] ends at [S0 | T]
         values = torch.cat([v, v.new_zeros(v.shape[0], heads, key_dim)], -1)
         eye = self.identity_T(heads, key_dim, dtype, v.device).expand(num, -1, -1, -1)
         both = self.final_states(k, values, g, beta, torch.cat([zeros, eye], -1), cu_seqlens, seq_lens)
         return both[..., v.shape[2]:].contiguous(), both[..., : v.shape[2]].contiguous()
 
 
-class ScalarFamily(LinearFamily):
+class LogGateFamily(LinearFamily):
+    """Families whose T_t is exp(g_t) on the identity or a diagonal: T_C is the sum of log gates and
+    S0 a closed-form sum of decayed k v^T, one weighted GEMM per span and head (`span_states`)."""
+
+    log_T = True
+
+    def extract_tuple(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, cu_seqlens: Tensor,
+                      seq_lens: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        """float64 keeps the token recurrence (the exact oracle); any other dtype takes `span_states`."""
+        dtype = torch.promote_types(k.dtype, torch.float32)
+        T = segment_sum(g.to(dtype), cu_seqlens)
+        if dtype != torch.float64:
+            return T, span_states(k, v, g, cu_seqlens, seq_lens)
+        zeros = torch.zeros(len(seq_lens), v.shape[1], k.shape[-1], v.shape[2], dtype=dtype, device=v.device)
+        return T, super().final_states(k, v, g, beta, zeros, cu_seqlens, seq_lens)
+
+    def final_states(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor,
+                     cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> Tensor:
+        """float64: the token recurrence; otherwise T . initial + S0 from the closed form."""
+        if initial.dtype == torch.float64:
+            return super().final_states(k, v, g, beta, initial, cu_seqlens, seq_lens)
+        T, S0 = self.extract_tuple(k, v, g, beta, cu_seqlens, seq_lens)
+        return self.compose(T, S0, initial.float())
+
+
+class ScalarFamily(LogGateFamily):
     """T_t = exp(g_t) I: Mamba2, lightning attention, RetNet (FLA simple_gla)."""
 
-    name, kind, gate_per_key, log_T = "scalar", "scalar", False, True
+    name, kind, gate_per_key = "scalar", "scalar", False
 
     def t_shape(self, key_dim: int) -> tuple[int, ...]:
         return ()
@@ -211,24 +234,11 @@ class ScalarFamily(LinearFamily):
             outputs.append(o)
         return (torch.cat(outputs) if outputs else v.new_zeros(v.shape)), state
 
-    def final_states(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor,
-                     cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> Tensor:
-        if initial.dtype != torch.float64:  # tuple capture: the varlen kernel, not this chunk loop
-            return self._kernel_final_states(k, v, g, beta, initial, cu_seqlens, seq_lens)
-        ends = []
-        for b, (start, end) in enumerate(_spans(seq_lens)):
-            _, k_b, v_b, g_b, state = self._operands(initial[b], None, k[start:end], v[start:end], g[start:end])
-            for c in _chunks(end - start):
-                state = _scalar_chunk_end(state, k_b[c], v_b[c], g_b[c])
-            ends.append(state)
-        return torch.stack(ends)
-
     @staticmethod
-    def _operands(state: Tensor, q: Tensor | None, k: Tensor, v: Tensor, g: Tensor) -> tuple[Tensor | None, ...]:
+    def _operands(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor) -> tuple[Tensor | None, ...]:
         """Key heads expanded to the value heads, everything in the math dtype (at least float32)."""
         dtype, heads = torch.promote_types(state.dtype, torch.float32), v.shape[1]
-        q = None if q is None else expand_heads(q, heads)
-        return _cast(dtype, q, expand_heads(k, heads), v, g, state)
+        return _cast(dtype, expand_heads(q, heads), expand_heads(k, heads), v, g, state)
 
     def rotate_state(self, state: torch.Tensor, delta: torch.Tensor | int,
                      inv_freq: torch.Tensor) -> torch.Tensor:
@@ -240,10 +250,10 @@ class ScalarFamily(LinearFamily):
         return rotated.transpose(-1, -2)
 
 
-class DiagonalFamily(LinearFamily):
+class DiagonalFamily(LogGateFamily):
     """T_t = Diag(exp(g_t)): GLA."""
 
-    name, kind, gate_per_key, log_T = "diagonal", "diagonal", True, True
+    name, kind, gate_per_key = "diagonal", "diagonal", True
 
     def t_shape(self, key_dim: int) -> tuple[int, ...]:
         return (key_dim,)
@@ -393,12 +403,11 @@ def _scalar_chunk(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
     decay = torch.where(causal[:, :, None], b[:, None, :] - b[None, :, :], -math.inf).exp()  # [t, s, HV]
     scores = torch.einsum("thk,shk->tsh", q, k) * decay
     o = torch.einsum("tsh,shv->thv", scores, v) + b.exp()[:, :, None] * torch.einsum("thk,hkv->thv", q, state)
-    return o * scale, _scalar_chunk_end(state, k, v, g, b)
+    return o * scale, _scalar_chunk_end(state, k, v, b)
 
 
-def _scalar_chunk_end(state: Tensor, k: Tensor, v: Tensor, g: Tensor, b: Tensor | None = None) -> Tensor:
+def _scalar_chunk_end(state: Tensor, k: Tensor, v: Tensor, b: Tensor) -> Tensor:
     """The state after a chunk: exp(b_C) S + sum_s exp(b_C - b_s) k_s v_s^T."""
-    b = g.cumsum(0) if b is None else b
     return b[-1].exp()[:, None, None] * state + torch.einsum("sh,shk,shv->hkv", (b[-1] - b).exp(), k, v)
 
 

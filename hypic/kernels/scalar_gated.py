@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from hypic.kernels.triton_lazy import triton_kernel
-from hypic.kernels.varlen import decode_launch, expand_key_heads, initial_states, to_chunks
+from hypic.kernels.varlen import decode_launch, expand_key_heads, fla_cu_seqlens, initial_states, to_chunks
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -116,8 +116,7 @@ def _prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     from fla.ops.simple_gla import chunk_simple_gla
 
     hv = v.shape[1]
-    cu = (cu_seqlens - cu_seqlens[0]).long()  # prefill tokens start at 0 in the sliced tensors
-    cu_cpu = torch.tensor(list(itertools.accumulate(seq_lens, initial=0)), dtype=torch.long)  # no sync
+    cu, cu_cpu = fla_cu_seqlens(seq_lens, q.device)
     o, final = chunk_simple_gla(
         expand_key_heads(q, hv)[None], expand_key_heads(k, hv)[None], v[None], g=g[None].float(), scale=scale,
         initial_state=initial_states(ssm_pool, slots, has_state), output_final_state=True, cu_seqlens=cu,

@@ -2,11 +2,14 @@
 operands of a family's recurrence (see `hypic.kernels.linear_families` for their shapes)."""
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from hypic.kernels.host_copy import host_to_device
 from hypic.kernels.triton_lazy import next_power_of_2
 
 
@@ -38,6 +41,16 @@ class Operands:
         """The operands of some tokens (a gather per tensor)."""
         beta = None if self.beta is None else self.beta[index]
         return Operands(self.q[index], self.k[index], self.v[index], self.g[index], beta)
+
+
+@functools.lru_cache(maxsize=16)
+def fla_cu_seqlens(seq_lens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefill spans' offsets from 0, on the device and on the host. FLA builds its chunk indices
+    from the host copy (from the device one it would read the lengths back) and copies them over with a
+    syncing `.to()`; it keeps them by the arguments' identity, so the same objects for every layer of a
+    step (and every step of the same lengths) make that copy once."""
+    offsets = list(itertools.accumulate(seq_lens, initial=0))
+    return host_to_device(offsets, torch.long, device), torch.tensor(offsets, dtype=torch.long)
 
 
 def expand_key_heads(x: torch.Tensor, num_value_heads: int) -> torch.Tensor:

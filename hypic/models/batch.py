@@ -41,8 +41,12 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [M] int64, indices into N whose hidden states come back
     num_decodes: int  # the first num_decodes sequences have exactly one token each
     seq_lens_cpu: tuple[int, ...]  # [B] tokens of each sequence in this step (host copy)
+    kv_lens_cpu: tuple[int, ...]  # [B] kv_lens, host copy
     max_kv_len: int  # max(kv_lens), host copy
     pic: PicStep | None = None  # PIC assembly and cold-segment capture of this step, if any
+    # captured into a CUDA graph: the host copies above are the capture batch's, not each replay's, so
+    # layers must not split the step by them (they may size grids); every length comes from the device
+    in_graph: bool = False
 
     @property
     def num_seqs(self) -> int:

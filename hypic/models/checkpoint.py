@@ -101,16 +101,28 @@ def weights_digest(path: str | Path, state_dict: dict[str, torch.Tensor] | None,
     checkpoint takes seconds, so a file's digest is remembered in `memo` (JSON) under its path,
     size and modification time."""
     if state_dict is not None:
-        h = xxhash.xxh3_128()
-        for name in sorted(state_dict):
-            tensor = state_dict[name].detach().cpu().contiguous()
-            h.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
-            h.update(tensor.view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
+        return _tensors_digest(state_dict)
     known = json.loads(memo.read_text()) if memo.is_file() else {}
     parts = [_file_digest(file, known) for file in _safetensors_files(Path(path))]
     memo.write_text(json.dumps(known))
     return xxhash.xxh3_128("|".join(parts).encode()).hexdigest()
+
+
+def _tensors_digest(state_dict: dict[str, torch.Tensor]) -> str:
+    """Every tensor's name, dtype, shape and bytes. Device tensors pass through one pinned staging
+    buffer: tens of GB of `.cpu()` copies into fresh pageable memory took tens of seconds."""
+    h = xxhash.xxh3_128()
+    on_device = [t for t in state_dict.values() if t.device.type != "cpu"]
+    largest = max((t.numel() * t.element_size() for t in on_device), default=0)
+    staging = torch.empty(largest, dtype=torch.uint8, pin_memory=any(t.is_cuda for t in on_device))
+    for name in sorted(state_dict):
+        tensor = state_dict[name].detach().contiguous()
+        h.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
+        raw = tensor.reshape(-1).view(torch.uint8)
+        if tensor.device.type != "cpu":
+            raw = staging[:raw.numel()].copy_(raw)
+        h.update(raw.numpy())  # hashed in place
+    return h.hexdigest()
 
 
 def _file_digest(file: Path, known: dict[str, str]) -> str:

@@ -4,8 +4,10 @@ without a LoRA, softmax scale (nope + rope)^-1/2.
 
 The pages hold the per-token latent [c | k_pe] (kv_lora_rank + rope channels, one row for all
 heads). Decode tokens and short chunks attend in the latent space with the up-projections absorbed
-(q_nope through W_uk, the output through W_uv); a long chunk expands its sequence's latents to per-head
-K/V once, which costs less when its queries outnumber `expand_from` (see `LatentAttention`).
+(q_nope through W_uk, the output through W_uv); a long chunk of an eager step expands its sequence's
+latents to per-head K/V once, which costs less when its queries outnumber `expand_from` (see
+`LatentAttention`). A step captured into a CUDA graph attends in the latent space throughout: its host
+lengths are the capture batch's, so it reads every length from the device.
 """
 from __future__ import annotations
 
@@ -80,7 +82,7 @@ class LatentAttention(nn.Module):
     def attend_expanded(self, q: torch.Tensor, pages: torch.Tensor, batch: ForwardBatch, seq: int,
                         rows: slice) -> torch.Tensor:
         """One sequence with its latents expanded to per-head K [L, H, nope + rope] and V [L, H, v]."""
-        latent = gather_latents(pages, batch.block_tables[seq], int(batch.kv_lens[seq]))
+        latent = gather_latents(pages, batch.block_tables[seq], batch.kv_lens_cpu[seq])
         kv = self.kv_b_proj(latent[:, :self.rank]).view(-1, self.num_heads, self.nope + self.v_dim)
         k_pe = latent[:, None, self.rank:].expand(-1, self.num_heads, -1)
         keys = torch.cat([kv[..., :self.nope], k_pe], dim=-1)
@@ -93,15 +95,26 @@ class LatentAttention(nn.Module):
         if batch.pic is not None and batch.pic.capture is not None:  # position-free: cached as they are
             batch.pic.capture.add_full(rows, None)
         write_latents(rows, k_cache, batch.kv_write_slots)
+        return self.o_proj(self.attend(q, k_cache, batch).flatten(1))
+
+    def attend(self, q: torch.Tensor, pages: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """[N, H, v]. In a CUDA graph the host lengths are the capture's: one latent pass over every
+        sequence, which the kernel splits on the device."""
+        if batch.in_graph:
+            return self.attend_absorbed(q, pages, batch, slice(0, batch.num_seqs), slice(0, q.shape[0]))
+        return self.attend_eager(q, pages, batch)
+
+    def attend_eager(self, q: torch.Tensor, pages: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Decodes in one latent pass, each prefill chunk latent or expanded by its length (host lengths)."""
         o = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
         nd = batch.num_decodes
         if nd:
-            o[:nd] = self.attend_absorbed(q, k_cache, batch, slice(0, nd), slice(0, nd))
+            o[:nd] = self.attend_absorbed(q, pages, batch, slice(0, nd), slice(0, nd))
         starts = list(itertools.accumulate(batch.seq_lens_cpu, initial=0))
-        for b in range(nd, len(batch.seq_lens_cpu)):
+        for b in range(nd, batch.num_seqs):
             rows = slice(starts[b], starts[b + 1])
             if batch.seq_lens_cpu[b] >= self.expand_from:
-                o[rows] = self.attend_expanded(q, k_cache, batch, b, rows)
+                o[rows] = self.attend_expanded(q, pages, batch, b, rows)
             else:
-                o[rows] = self.attend_absorbed(q, k_cache, batch, slice(b, b + 1), rows)
-        return self.o_proj(o.reshape(o.shape[0], -1))
+                o[rows] = self.attend_absorbed(q, pages, batch, slice(b, b + 1), rows)
+        return o

@@ -127,8 +127,8 @@ class PicAssembler:
         entry = self.store.get(key)
         if entry is None:
             return None
-        if entry.ready is not None:  # promoted just now: the copy must land before the host reads it
-            entry.ready.synchronize()
+        if entry.ready is not None:  # promoted just now: the clones below queue after its copy
+            torch.cuda.current_stream().wait_event(entry.ready)
         views = entry.views()
         tup = SegmentTuple(views.interior, *[[t.clone() for t in getattr(views, name)]
                                              for name in ("T", "S0", "conv_tail", "K", "V")])

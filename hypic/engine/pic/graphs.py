@@ -57,7 +57,8 @@ class AssemblyGraphs:
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         for size in sorted(self.sizes, reverse=True):
             # sized for the longest KV range: attention picks its KV splits from it, not from the capture batch
-            forward = dataclasses.replace(self._build(self._capture_batch(size)), max_kv_len=self.max_kv_len)
+            forward = dataclasses.replace(self._build(self._capture_batch(size)), max_kv_len=self.max_kv_len,
+                                          in_graph=True)
             self.static[size] = forward
             self.logits[size] = self._forward(forward)  # warm-up outside the graph (compiles, autotunes)
             if self.use_graphs:
@@ -123,7 +124,8 @@ class AssemblyGraphs:
 
 def _with_host_lengths(static: ForwardBatch, built: ForwardBatch) -> ForwardBatch:
     assembly = dataclasses.replace(static.pic.assembly, conv_lens=built.pic.assembly.conv_lens)
-    return dataclasses.replace(static, seq_lens_cpu=built.seq_lens_cpu, max_kv_len=built.max_kv_len,
+    return dataclasses.replace(static, seq_lens_cpu=built.seq_lens_cpu, kv_lens_cpu=built.kv_lens_cpu,
+                               max_kv_len=built.max_kv_len,
                                pic=dataclasses.replace(static.pic, assembly=assembly))
 
 
