@@ -7,7 +7,7 @@ the host waits for the GPU at the step's one read (the sampled ids; --shape pick
 bench_engine.py shape with random weights). "host" is the rest: what the step costs before and
 after its kernels (or CUDA graph) run, split by stage (scheduling, building the step's tensors,
 sampling, "other": mostly output processing). Medians over the steps, and the least host time of
-any step (this machine's other load only adds to it); gc is off while timing.
+any step, and of its build (this machine's other load only adds to them); gc is off while timing.
 PYTHONPATH picks the tree measured (a `git archive` of main for "before"):
 
     git archive main | tar -x -C /tmp/main-tree && git rev-parse main > /tmp/main-tree/COMMIT
@@ -102,10 +102,10 @@ def timed_step(engine: LLMEngine, clock: StepClock) -> dict[str, float]:
 
 
 def summary_ms(samples: list[dict[str, float]]) -> dict[str, float]:
-    """Each column's median, and the least host time of any step (what a busy machine's other
-    processes cannot inflate; medians of separate columns need not add up)."""
+    """Each column's median, and the least host and build time of any step (what a busy machine's
+    other processes cannot inflate; medians of separate columns need not add up)."""
     return {**{name: statistics.median(s[name] for s in samples) for name in samples[0]},
-            "host_min": min(s["host"] for s in samples)}
+            **{f"{name}_min": min(s[name] for s in samples) for name in ("host", "build")}}
 
 
 def prompt(engine: LLMEngine, n: int, rng: random.Random) -> SegmentedPrompt:
