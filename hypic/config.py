@@ -39,6 +39,12 @@ class EngineConfig:
     """Most sequences in one step (also the largest CUDA-graph decode batch)."""
     max_num_batched_tokens: int = 8192
     """Token budget of one step (decode tokens + prefill chunk tokens)."""
+    long_prefill_token_threshold: int | None = None
+    """While decodes, warm assemblies or other requests are in flight, the most a long prefill (a
+    cold PIC segment, or a prompt with no cached piece left and more tokens to go than this) may
+    cost in one step, in tokens at context 0: a chunk deep in its context counts its attention too,
+    n·(1 + context / L), L measured from the engine's steps (docs/serving.md). Alone, a long
+    prefill takes the whole step budget. 0: no cap; None: 512 on a GPU, 64 on CPU."""
     max_waiting: int = 1024
     """Most requests queued before submit() raises an overload error."""
     cache_mode: CacheMode = "hypic"
@@ -93,6 +99,8 @@ _RULES = {
     "block_size": _positive("tokens"),
     "max_num_seqs": _positive("sequences"),
     "max_num_batched_tokens": _positive("tokens"),
+    "long_prefill_token_threshold": Rule(lambda v: v is None or v >= 0,
+                                         "an integer >= 0 (tokens; 0: no cap) or None (512 on a GPU, 64 on CPU)"),
     "max_waiting": _positive("requests"),
     "seam_width": Rule(lambda v: v >= 0, "an integer >= 0 (tokens)"),
     "segment_pool_bytes": Rule(lambda v: v is None or v >= 0, "an integer >= 0 (bytes) or None"),

@@ -7,6 +7,11 @@ import pytest
 import torch
 
 from hypic.engine.pic.read_cost import MIN_MEASURED_TOKENS, UNMEASURED_TOKENS_PER_S, ReadOrRecompute, StepClock
+from hypic.engine.prefill_cost import StepWork
+
+
+def _work(tokens: int) -> StepWork:
+    return StepWork(tokens, 0.0, 0)
 
 
 def test_reads_when_the_disk_beats_the_prefill_and_recomputes_otherwise():
@@ -21,22 +26,22 @@ def test_reads_when_the_disk_beats_the_prefill_and_recomputes_otherwise():
 def test_the_prefill_rate_is_a_constant_until_measured_then_follows_the_steps():
     costs = ReadOrRecompute(1e9)
     assert costs.tokens_per_s == UNMEASURED_TOKENS_PER_S and not costs.measured
-    costs.observe(MIN_MEASURED_TOKENS - 1, 1e-6)  # too small a step to say anything
+    costs.observe(_work(MIN_MEASURED_TOKENS - 1), 1e-6)  # too small a step to say anything
     assert not costs.measured
-    costs.observe(1000, 0.1)
+    costs.observe(_work(1000), 0.1)
     assert costs.measured and costs.tokens_per_s == pytest.approx(10_000)
-    costs.observe(1000, 0.05)  # a faster step moves the rate towards it, not onto it
+    costs.observe(_work(1000), 0.05)  # a faster step moves the rate towards it, not onto it
     assert 10_000 < costs.tokens_per_s < 20_000
 
 
 def test_the_step_clock_hands_measured_steps_to_the_cost_model():
     costs = ReadOrRecompute(1e9)
-    clock = StepClock(torch.device("cpu"), costs)
-    clock.start(0)  # a decode step: not measured
+    clock = StepClock(torch.device("cpu"), [costs])
+    clock.start(None)  # a step composing cached pieces: not measured
     clock.stop()
     assert not costs.measured
     began = time.perf_counter()
-    clock.start(500)
+    clock.start(_work(500))
     time.sleep(0.02)
     clock.stop()
     elapsed = time.perf_counter() - began
@@ -47,13 +52,13 @@ def test_the_step_clock_hands_measured_steps_to_the_cost_model():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_step_clock_reads_cuda_events_without_waiting():
     costs = ReadOrRecompute(1e9)
-    clock = StepClock(torch.device("cuda"), costs)
+    clock = StepClock(torch.device("cuda"), [costs])
     x = torch.randn(4096, 4096, device="cuda")
-    clock.start(1000)
+    clock.start(_work(1000))
     for _ in range(20):
         x = x @ x / 64
     clock.stop()
     torch.cuda.synchronize()
-    clock.start(0)
+    clock.start(None)
     clock.stop()  # the first step's events have completed by now
     assert costs.measured and costs.tokens_per_s > 0

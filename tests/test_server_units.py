@@ -222,8 +222,10 @@ def test_options_map_into_engine_config_and_settings() -> None:
     args = _parse("--cpu-cache-bytes", "64MiB", "--cache-mode", "none", "--max-waiting", "7", "--api-key", "k",
                   "--served-model-name", "tiny", "--shutdown-grace", "2", "--seam-width", "4",
                   "--segment-pool-bytes", "1G", "--segment-state-dtype", "bfloat16", "--segment-host-bytes", "2G",
-                  "--segment-disk-dir", "/tmp/tuples", "--segment-disk-bytes", "3G")
+                  "--segment-disk-dir", "/tmp/tuples", "--segment-disk-bytes", "3G",
+                  "--long-prefill-token-threshold", "0")
     config, settings = engine_config(args), server_settings(args)
+    assert config.long_prefill_token_threshold == 0
     assert (config.cpu_cache_bytes, config.cache_mode, config.max_waiting) == (64 << 20, "none", 7)
     assert (config.seam_width, config.segment_pool_bytes, config.segment_state_dtype) == (4, 1 << 30, "bfloat16")
     assert (config.segment_host_bytes, config.segment_disk_dir, config.segment_disk_bytes) == (
@@ -235,7 +237,8 @@ def test_options_map_into_engine_config_and_settings() -> None:
                                      "--max-sequences-per-request", "5", "--header-timeout", "1.5",
                                      "--body-timeout", "3", "--max-connections", "6")).limits
     assert limited == RequestLimits(4 << 20, 8, 5, 9, 1.5, 3.0, 6)
-    for bad in (("--device", "tpu"), ("--header-timeout", "0"), ("--max-connections", "-1")):
+    for bad in (("--device", "tpu"), ("--header-timeout", "0"), ("--max-connections", "-1"),
+                ("--long-prefill-token-threshold", "-1")):
         with pytest.raises(SystemExit):
             _parse(*bad)
     with pytest.raises(InvalidRequestError, match="segment_state_dtype"):

@@ -23,6 +23,7 @@ from hypic.config import CACHE_MODES, EngineConfig
 from hypic.engine.pic.assembly import PicAssembler
 from hypic.engine.pic.plan import SegmentJob
 from hypic.engine.pic.read_cost import ReadOrRecompute, StepClock
+from hypic.engine.prefill_cost import PrefillCost, StepWork, chunk_attention
 from hypic.engine.prompt_logprobs import PromptScores, PromptScoring
 from hypic.engine.request_state import Completion, RequestState
 from hypic.engine.runner import ModelRunner, RunnerSettings
@@ -32,7 +33,7 @@ from hypic.engine.structured import StructuredDecoding
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.sequence import RequestInfo, Sequence
 from hypic.engine.setup import (build_lower_tiers, cache_budget_bytes, resolve_device, resolve_dtype,
-                                resolve_model_dir, resolve_segment_state_dtype)
+                                resolve_long_prefill_threshold, resolve_model_dir, resolve_segment_state_dtype)
 from hypic.engine.text.tokenizer import Tokenizer
 from hypic.errors import InvalidRequestError, PromptTooLongError
 from hypic.kernels.host_copy import host_to_device
@@ -180,7 +181,7 @@ class LLMEngine:
         self.last_step_ran = bool(batch.chunks)
         if not batch.chunks:
             return []
-        self.step_clock.start(_prefill_tokens(batch))
+        self.step_clock.start(_step_work(batch))
         self.pic.scatter(batch)
         masks = self.structured.fill(batch)  # beside the forward
         scoring, scored = self._prompt_scoring(batch)
@@ -376,8 +377,9 @@ class LLMEngine:
         self.blocks, self.slots = BlockPool(plan.num_blocks), SlotPool(plan.num_slots)
         max_checkpoints = max(1, int(plan.num_slots * self.config.prefix_cache_fraction))
         self.prefix = PrefixCache(self.blocks, self.slots, self.caches, bs, max_checkpoints)
-        limits = SchedulerLimits(self.config.max_num_seqs, self.config.max_num_batched_tokens, bs)
-        self.scheduler = Scheduler(limits, self.blocks, self.slots, self.prefix, self.caches)
+        long_prefill = resolve_long_prefill_threshold(self.config.long_prefill_token_threshold, self.device)
+        limits = SchedulerLimits(self.config.max_num_seqs, self.config.max_num_batched_tokens, bs, long_prefill)
+        self.scheduler = Scheduler(limits, self.blocks, self.slots, self.prefix, self.caches, PrefillCost())
         settings = RunnerSettings(bs, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                   self.max_model_len, self.tokenizer.vocab_size,
                                   not self.config.enforce_eager and self.device.type == "cuda")
@@ -391,7 +393,7 @@ class LLMEngine:
         costs = ReadOrRecompute(lower.disk.read_bytes_per_s if lower and lower.disk else math.inf)
         self.pic = PicAssembler(self.store, self.caches, inv_freq, self._fingerprint(),
                                 shape.conv_kernel, self.config.seam_width, costs)
-        self.step_clock = StepClock(self.device, costs)
+        self.step_clock = StepClock(self.device, (costs, self.scheduler.cost))
         self.runner = ModelRunner(self.model, self.caches, settings, scratch_slot=plan.num_slots,
                                   scratch_block=plan.num_blocks, store=self.store)
         self.runner.capture_graphs()
@@ -435,12 +437,14 @@ class LLMEngine:
             preemptions=self.scheduler.preemptions)
 
 
-def _prefill_tokens(batch: ScheduledBatch) -> int:
-    """Tokens the step computes from scratch, or 0 when it composes cached pieces (then its time
+def _step_work(batch: ScheduledBatch) -> StepWork | None:
+    """What the step computes from scratch, or None when it composes cached pieces (then its time
     says little about the prefill rate)."""
     if any(c.chunk.cached for c in batch.chunks):
-        return 0
-    return sum(c.chunk.num_tokens for c in batch.chunks)
+        return None
+    prefills = [c.chunk for c in batch.chunks[batch.num_decodes:]]
+    return StepWork(sum(c.num_tokens for c in prefills), sum(chunk_attention(c.start, c.num_tokens) for c in prefills),
+                    batch.num_decodes, sum(c.start for c in prefills))
 
 
 def _logits_rows(logits: torch.Tensor, index: list[int]) -> torch.Tensor:

@@ -1,7 +1,10 @@
 """Continuous batching: each step is one flat batch of decode tokens and prefill chunks.
 
-Decodes go first (one token each), then running prefills, then newly admitted requests, all under
-one token budget. Admission is fair between requests: waiting sequences are taken round-robin over
+Decodes go first (one token each), then running short or warm prefills, then newly admitted
+requests, then long prefills and cold segment jobs, all under one token budget. While anything else
+is in flight, the long ones together cost at most `long_prefill_token_threshold` a step (counted by
+`PrefillCost`: a chunk deep in its context counts its attention), so a step that holds one stays
+near a decode step's time; alone they take the whole budget. Admission is fair between requests: waiting sequences are taken round-robin over
 their admission groups (a client's batch is one group). A queued sequence's turn is one past the
 turn being served or its group's last queued turn, whichever is later; turns are admitted in
 order (queue order within one), so a batch of many prompts never holds back a request that came
@@ -10,6 +13,7 @@ checkpoints, then preempts the newest running sequence (it is recomputed later).
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -19,6 +23,7 @@ from hypic.cache.model_caches import ModelCaches
 from hypic.cache.prefix_cache import PrefixCache, accepted_provenances, share_pages
 from hypic.cache.slot_pool import SlotPool
 from hypic.engine.pic.pieces import TAIL_WALK_MAX, Chunk, walk_length
+from hypic.engine.prefill_cost import PrefillCost
 from hypic.engine.sequence import Sequence, SequenceStatus
 
 
@@ -58,12 +63,24 @@ class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     block_size: int
+    long_prefill_cost: int = 0  # EngineConfig.long_prefill_token_threshold, resolved; 0: no cap
+
+
+@dataclass
+class StepBudget:
+    """What is left of one step's budgets while it is scheduled."""
+
+    tokens: int  # of max_num_batched_tokens
+    long_cost: float  # of the long-prefill cost cap (math.inf: none this step)
+    long_started: bool = False  # a long chunk is in the step
 
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, blocks: BlockPool, slots: SlotPool,
-                 prefix: PrefixCache, caches: ModelCaches) -> None:
+                 prefix: PrefixCache, caches: ModelCaches, cost: PrefillCost) -> None:
         self.limits, self.blocks, self.slots, self.prefix, self.caches = limits, blocks, slots, prefix, caches
+        self.cost = cost  # what a long chunk costs against the cap (measured from the steps)
+        self._min_long_tokens = max(1, caches.shape.conv_kernel - 1)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0  # since start (a counter for /metrics)
@@ -80,26 +97,57 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> ScheduledBatch:
-        batch, budget = ScheduledBatch(), self.limits.max_num_batched_tokens
+        batch, budget = ScheduledBatch(), StepBudget(self.limits.max_num_batched_tokens, self._long_prefill_cap())
         for seq in [s for s in self.running if s.in_decode]:
-            if budget > 0 and seq in self.running and self._reserve(seq, seq.num_computed + 1, batch):
+            if budget.tokens > 0 and seq in self.running and self._reserve(seq, seq.num_computed + 1, batch):
                 batch.chunks.append(ScheduledChunk(seq, seq.next_chunk(1)))
-                budget -= 1
-        # cold segment jobs last: a long one proceeds chunk by chunk behind the short prefills
-        for seq in sorted([s for s in self.running if not s.in_decode], key=lambda s: s.pic.job is not None):
-            if seq in self.running:
-                budget -= self._schedule_prefill(seq, budget, batch)
-        for seq in self._admission_order():
-            if budget <= 0 or len(self.running) >= self.limits.max_num_seqs or not self._admit(seq):
+                budget.tokens -= 1
+        prefills = [s for s in self.running if not s.in_decode]
+        self._schedule_prefills([s for s in prefills if not self._long(s)], budget, batch)
+        # long prefills and cold segment jobs after every short or warm one, admitted ones too: a
+        # warm request never waits behind a cold chunk
+        admitted_long = self._admit_waiting(batch, budget, jobs=False)
+        self._schedule_prefills([s for s in prefills if self._long(s)] + admitted_long, budget, batch)
+        self._admit_waiting(batch, budget, jobs=True)
+        batch.chunks.sort(key=lambda c: not c.runs_as_decode)  # stable: decodes first, in order
+        batch.num_decodes = sum(c.runs_as_decode for c in batch.chunks)
+        return batch
+
+    def _schedule_prefills(self, seqs: list[Sequence], budget: StepBudget, batch: ScheduledBatch) -> None:
+        for seq in seqs:
+            if seq in self.running:  # not preempted by an earlier one's memory
+                self._schedule_prefill(seq, budget, batch)
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: StepBudget, *, jobs: bool) -> list[Sequence]:
+        """Admits waiting sequences (cold segment jobs or the rest) in admission order while the
+        step has room, scheduling each one's chunk; returns the long ones, whose chunks wait for
+        the step's short ones (only `jobs=False` returns any)."""
+        deferred = []
+        for seq in [s for s in self._admission_order() if (s.pic.job is not None) == jobs]:
+            if budget.tokens <= 0 or len(self.running) >= self.limits.max_num_seqs or not self._admit(seq):
                 break
             self.waiting.remove(seq)
             self.running.append(seq)
             batch.admitted.append(seq)
             self._turn = max(self._turn, seq.admission_turn)
-            budget -= self._schedule_prefill(seq, budget, batch)
-        batch.chunks.sort(key=lambda c: not c.runs_as_decode)  # stable: decodes first, in order
-        batch.num_decodes = sum(c.runs_as_decode for c in batch.chunks)
-        return batch
+            if self._long(seq) and not jobs:
+                deferred.append(seq)
+            else:
+                self._schedule_prefill(seq, budget, batch)
+        return deferred
+
+    def _long(self, seq: Sequence) -> bool:
+        """A cold segment job, or a prefill with no cached piece left to compose and more tokens to
+        go than the long-prefill threshold: what the long-prefill cap holds back beside others."""
+        threshold = self.limits.long_prefill_cost or math.inf
+        return seq.pic.job is not None or (not seq.pic.cached and seq.remaining > threshold)
+
+    def _long_prefill_cap(self) -> float:
+        """This step's cost cap on long prefills: the threshold while anything they would hold up is
+        in flight (a decode, a short or warm prefill, a request waiting that no job blocks), else none."""
+        others = any(not self._long(s) for s in self.running) or any(
+            s.pic.job is None and not s.pic.blocked for s in self.waiting)
+        return self.limits.long_prefill_cost if self.limits.long_prefill_cost and others else math.inf
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Free a sequence's memory, keeping a checkpoint of everything it computed."""
@@ -152,22 +200,37 @@ class Scheduler:
 
     # -- prefill chunks ------------------------------------------------------------------------
 
-    def _schedule_prefill(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
-        if budget <= 0:
-            return 0
-        if seq.pic.job is not None:
-            chunk = seq.next_chunk(min(self._job_tokens(seq, self._job_share(budget)), self._fitting_tokens(seq)))
-        else:
-            chunk = seq.next_chunk(min(budget, self._fitting_tokens(seq)))
-            if not chunk.token_ids and self._reserve(seq, seq.num_computed + 1, batch):
-                chunk = seq.next_chunk(min(budget, self._fitting_tokens(seq)))
+    def _schedule_prefill(self, seq: Sequence, budget: StepBudget, batch: ScheduledBatch) -> None:
+        if budget.tokens <= 0:
+            return
+        chunk = seq.next_chunk(self._chunk_tokens(seq, budget))
+        if not chunk.token_ids and seq.pic.job is None and self._reserve(seq, seq.num_computed + 1, batch):
+            chunk = seq.next_chunk(self._chunk_tokens(seq, budget))  # memory freed for at least one token
         if not chunk.token_ids or not self._reserve(seq, chunk.end, batch):
-            return 0
+            return
         if seq.info.first_scheduled_time is None:
             seq.info.first_scheduled_time = time.monotonic()
-        scheduled = self._through_last_checkpoint(seq, chunk, budget, batch) or ScheduledChunk(seq, chunk)
+        scheduled = self._through_last_checkpoint(seq, chunk, budget.tokens, batch) or ScheduledChunk(seq, chunk)
         batch.chunks.append(scheduled)
-        return scheduled.chunk.num_tokens
+        budget.tokens -= scheduled.chunk.num_tokens
+        if self._long(seq):
+            budget.long_cost -= self.cost.cost(chunk.start, chunk.num_tokens)
+            budget.long_started = True
+
+    def _chunk_tokens(self, seq: Sequence, budget: StepBudget) -> int:
+        """What the step's budgets leave `seq`: tokens, memory and, for a long prefill, its cost cap."""
+        tokens = min(budget.tokens, self._fitting_tokens(seq))
+        if self._long(seq):
+            tokens = min(tokens, self._long_tokens(seq, budget))
+        return self._job_tokens(seq, tokens) if seq.pic.job is not None else tokens
+
+    def _long_tokens(self, seq: Sequence, budget: StepBudget) -> int:
+        """Tokens from `seq`'s position within the long-prefill cost left this step; the step's first
+        long chunk always moves (at least W-1 tokens: a job's conv-tail chunk fits)."""
+        if budget.long_cost == math.inf:
+            return budget.tokens
+        tokens = self.cost.tokens_within(seq.num_computed, budget.long_cost)
+        return tokens if budget.long_started else max(tokens, self._min_long_tokens)
 
     def _through_last_checkpoint(self, seq: Sequence, chunk: Chunk, budget: int,
                                  batch: ScheduledBatch) -> ScheduledChunk | None:
@@ -183,17 +246,11 @@ class Scheduler:
             return None  # pages reserved for the last token stay with seq: its next step needs them
         return ScheduledChunk(seq, longer, slot)
 
-    def _job_share(self, budget: int) -> int:
-        """A cold job takes half the budget left while a request waits that it does not block, so
-        neither starves the other."""
-        others = any(s.pic.job is None and not s.pic.blocked for s in self.waiting)
-        return budget // 2 if others else budget
-
-    def _job_tokens(self, seq: Sequence, budget: int) -> int:
+    def _job_tokens(self, seq: Sequence, tokens: int) -> int:
         """A cold job runs to its interior's end, never cutting inside the interior's last W-1 tokens:
         its conv tail is taken from the one chunk that holds them."""
         start, end = seq.num_computed, seq.pic.job.interior[1]
-        stop, tail_start = min(end, start + budget), end - self.caches.shape.conv_kernel + 1
+        stop, tail_start = min(end, start + tokens), end - self.caches.shape.conv_kernel + 1
         return max(0, (tail_start if tail_start < stop < end else stop) - start)
 
     def _fitting_tokens(self, seq: Sequence) -> int:

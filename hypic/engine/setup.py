@@ -45,6 +45,15 @@ def resolve_segment_state_dtype(name: str | None, model_dtype: torch.dtype) -> t
     return _DTYPES[name]
 
 
+def resolve_long_prefill_threshold(value: int | None, device: torch.device) -> int:
+    """EngineConfig.long_prefill_token_threshold. The defaults keep a step that holds a long chunk
+    near a decode step's time: on CPU a prefill chunk's fixed cost is already a decode step's
+    (docs/serving.md has the measurements)."""
+    if value is not None:
+        return value
+    return 512 if device.type == "cuda" else 64
+
+
 def resolve_model_dir(model: str | None) -> Path:
     path = BUNDLED_MODEL if model is None else Path(model).expanduser()
     if not (path / "config.json").is_file():

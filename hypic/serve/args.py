@@ -51,6 +51,10 @@ def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                        help="most sequences per step (default: %(default)s)")
     group.add_argument("--max-num-batched-tokens", type=_positive_int, default=_DEFAULTS.max_num_batched_tokens, metavar="TOKENS",
                        help="token budget of one step (default: %(default)s)")
+    group.add_argument("--long-prefill-token-threshold", type=_non_negative_int, metavar="TOKENS",
+                       help="while decodes or other requests are in flight, the most a long prefill (a cold "
+                            "segment, a long uncached prompt) costs a step, in tokens at context 0 (deeper "
+                            "chunks count their attention); 0: no cap (default: 512 on a GPU, 64 on CPU)")
     group.add_argument("--cache-mode", choices=CACHE_MODES, default=_DEFAULTS.cache_mode,
                        help="default cache mode of requests (a request may set its own): none = full recompute, "
                             "prefix = exact prefix cache only, naive = the paper's strawman, hypic = "
@@ -134,7 +138,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, device=args.device, dtype=None if args.dtype == "auto" else args.dtype,
         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
         cpu_cache_bytes=args.cpu_cache_bytes, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold, max_waiting=args.max_waiting,
         cache_mode=args.cache_mode, seam_width=args.seam_width, segment_pool_bytes=args.segment_pool_bytes,
         segment_host_bytes=args.segment_host_bytes, segment_disk_dir=args.segment_disk_dir,
         segment_disk_bytes=args.segment_disk_bytes,

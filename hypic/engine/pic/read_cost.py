@@ -9,8 +9,12 @@ have served faster.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
+
+from hypic.engine.prefill_cost import StepWork
 
 UNMEASURED_TOKENS_PER_S = 2000.0
 MIN_MEASURED_TOKENS = 64  # steps with fewer prefill tokens say more about overheads than about the rate
@@ -23,11 +27,11 @@ class ReadOrRecompute:
         self.measured = False
         self.recomputed = 0  # disk entries recomputed because that was cheaper
 
-    def observe(self, prefill_tokens: int, seconds: float) -> None:
+    def observe(self, work: StepWork, seconds: float) -> None:
         """One step's prefill tokens and wall time (the step's decode rows ride along: a rate on the low side)."""
-        if prefill_tokens < MIN_MEASURED_TOKENS or seconds <= 0:
+        if work.tokens < MIN_MEASURED_TOKENS or seconds <= 0:
             return
-        rate = prefill_tokens / seconds
+        rate = work.tokens / seconds
         self.tokens_per_s = rate if not self.measured else (1 - _SMOOTHING) * self.tokens_per_s + _SMOOTHING * rate
         self.measured = True
 
@@ -39,33 +43,42 @@ class ReadOrRecompute:
         return False
 
 
+class StepObserver(Protocol):
+    def observe(self, work: StepWork, seconds: float) -> None: ...
+
+
 class StepClock:
-    """Times steps for `ReadOrRecompute.observe` without ever waiting on the device: on a GPU a pair
-    of CUDA events per step, read once the second has completed; elsewhere the host clock."""
+    """Times steps for the cost models (`ReadOrRecompute`, `PrefillCost`) without ever waiting on
+    the device: on a GPU a pair of CUDA events per step, read once the second has completed;
+    elsewhere the host clock."""
 
-    def __init__(self, device: torch.device, costs: ReadOrRecompute) -> None:
-        self._cuda, self._costs = device.type == "cuda", costs
-        self._open: tuple[int, float | torch.cuda.Event] | None = None
-        self._pending: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+    def __init__(self, device: torch.device, observers: Sequence[StepObserver]) -> None:
+        self._cuda, self._observers = device.type == "cuda", tuple(observers)
+        self._open: tuple[StepWork, float | torch.cuda.Event] | None = None
+        self._pending: list[tuple[StepWork, torch.cuda.Event, torch.cuda.Event]] = []
 
-    def start(self, prefill_tokens: int) -> None:
-        """Before a step's forward; `prefill_tokens` 0 for a step not worth measuring."""
+    def start(self, work: StepWork | None) -> None:
+        """Before a step's forward; `work` None (or without prefill tokens) for a step not worth measuring."""
         self._open = None
-        if prefill_tokens >= MIN_MEASURED_TOKENS:
-            self._open = (prefill_tokens, self._mark())
+        if work is not None and work.tokens > 0:
+            self._open = (work, self._mark())
 
     def stop(self) -> None:
-        """After the step; hands every completed measurement to the cost model."""
+        """After the step; hands every completed measurement to the cost models."""
         if self._open is not None:
-            tokens, began = self._open
+            work, began = self._open
             if self._cuda:
-                self._pending.append((tokens, began, self._mark()))
+                self._pending.append((work, began, self._mark()))
             else:
-                self._costs.observe(tokens, time.perf_counter() - began)
+                self._observe(work, time.perf_counter() - began)
         marks = [(p, p[2].query()) for p in self._pending]
         self._pending = [p for p, done in marks if not done]
-        for tokens, began, ended in [p for p, done in marks if done]:
-            self._costs.observe(tokens, began.elapsed_time(ended) / 1000)
+        for work, began, ended in [p for p, done in marks if done]:
+            self._observe(work, began.elapsed_time(ended) / 1000)
+
+    def _observe(self, work: StepWork, seconds: float) -> None:
+        for observer in self._observers:
+            observer.observe(work, seconds)
 
     def _mark(self) -> float | torch.cuda.Event:
         if not self._cuda:
