@@ -38,6 +38,7 @@ DECODE_STEPS = 200
 PREFILL_TOKENS = 4096
 PREFILL_REPEATS = 12
 PROMPT_TOKENS = 128  # of each decoding sequence
+STAGES = ("schedule", "build", "execute", "sample")  # "execute": less the build inside it
 OPTIONS = dict(max_num_seqs=max(DECODE_BATCHES), max_num_batched_tokens=PREFILL_TOKENS,
                max_model_len=PREFILL_TOKENS + 64, cache_mode="none")
 
@@ -81,9 +82,10 @@ def instrument(engine: LLMEngine, clock: StepClock) -> None:
     else:
         clock.wrap(engine.model, "forward")
         clock.wrap(engine.model, "compute_logits")
-    for label, owner, name in (("schedule", engine.scheduler, "schedule"), ("build", engine.runner, "_forward_batch"),
-                               ("sample", engine.sampler, "sample"), ("execute", engine.runner, "execute")):
-        clock.wrap(owner, name, label)
+    owners = {"schedule": (engine.scheduler, "schedule"), "build": (engine.runner, "_forward_batch"),
+              "sample": (engine.sampler, "sample"), "execute": (engine.runner, "execute")}
+    for label in STAGES:
+        clock.wrap(*owners[label], label)
 
 
 def timed_step(engine: LLMEngine, clock: StepClock) -> dict[str, float]:
@@ -93,8 +95,8 @@ def timed_step(engine: LLMEngine, clock: StepClock) -> dict[str, float]:
     start = time.perf_counter()
     engine.step()
     wall = time.perf_counter() - start
-    stages = dict(clock.stages)
-    stages["execute"] = stages.get("execute", 0.0) - stages.get("build", 0.0)
+    stages = {label: clock.stages.get(label, 0.0) for label in STAGES}  # a step may not sample
+    stages["execute"] -= stages["build"]
     host = wall - clock.device
     stages["other"] = host - sum(stages.values())
     return {name: seconds * 1e3 for name, seconds in
@@ -114,7 +116,8 @@ def prompt(engine: LLMEngine, n: int, rng: random.Random) -> SegmentedPrompt:
 
 
 def decode_steps(engine: LLMEngine, clock: StepClock, batch: int, rng: random.Random) -> dict[str, float]:
-    params = SamplingParams(max_tokens=DECODE_STEPS + 8, temperature=0.0, ignore_eos=True)
+    # room for every sequence to outlast the timed steps, however staggered the scheduler admits them
+    params = SamplingParams(max_tokens=OPTIONS["max_model_len"] - PROMPT_TOKENS, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(prompt(engine, PROMPT_TOKENS, rng), params)
     while engine.scheduler.waiting or any(not s.in_decode for s in engine.scheduler.running):
@@ -127,13 +130,15 @@ def decode_steps(engine: LLMEngine, clock: StepClock, batch: int, rng: random.Ra
 
 
 def prefill_steps(engine: LLMEngine, clock: StepClock, rng: random.Random) -> dict[str, float]:
-    """One step per request: the whole prompt in one chunk, then its one sampled token."""
+    """The steps of one prompt added up: the whole prompt in one chunk unless the scheduler cuts it,
+    and its one sampled token."""
     samples = []
     for _ in range(PREFILL_REPEATS):
         engine.add_request(prompt(engine, PREFILL_TOKENS - 1, rng), SamplingParams(max_tokens=1, temperature=0.0))
-        samples.append(timed_step(engine, clock))
+        steps = []
         while engine.has_work():
-            engine.step()
+            steps.append(timed_step(engine, clock))
+        samples.append({name: sum(step[name] for step in steps) for name in steps[0]})
     return summary_ms(samples)
 
 
