@@ -25,7 +25,8 @@ from hypic.kernels.gdn import gated_delta_rule
 from hypic.kernels.moe import moe_grouped_mm, moe_triton
 from hypic.kernels.paged_attention import paged_attention
 from hypic.kernels.scalar_gated import scalar_gated_rule
-from hypic.kernels.span_states import span_states
+from hypic.kernels.span_states import span_tuples
+from hypic.kernels.varlen import RowSpans
 from results import device_label, result_path, run_record
 
 HBM_BYTES_PER_S = 4.3e12  # device-to-device copy measured on this workplace's H200 (KINDS.md)
@@ -156,7 +157,8 @@ def tuple_capture_case(seq_lens: tuple[int, ...], closed_form: bool) -> Case:
     g = -0.1 * torch.rand(n, MAMBA_HEADS, device="cuda")  # dt A
     batch = varlen(seq_lens, 0, b)
     pool = torch.zeros(b, MAMBA_HEADS, MAMBA_STATE, MAMBA_HEAD_DIM, device="cuda")
-    run = ((lambda: span_states(k, v, g, batch["cu_seqlens"], seq_lens)) if closed_form else
+    spans = RowSpans.packed(batch["cu_seqlens"], seq_lens)
+    run = ((lambda: span_tuples(k, v, g, spans)) if closed_form else
            (lambda: scalar_gated_rule(k, k, v, g, pool, scale=1.0, **batch)))
     io = n * (MAMBA_GROUPS * MAMBA_STATE + MAMBA_HEADS * MAMBA_HEAD_DIM) * 2 + n * MAMBA_HEADS * 4
     return Case("scalar tuple S0 " + ("(closed form)" if closed_form else "(chunk kernel)"), shape_name(seq_lens),

@@ -25,6 +25,7 @@ from hypic import EngineConfig, SamplingParams
 from hypic.config import SEGMENT_STATE_DTYPES
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
+from hypic.kernels.host_copy import sync_sites
 from results import device_label, result_path, run_record, variant
 
 SYSTEM_TOKENS, QUERY_TOKENS = 64, 64
@@ -188,22 +189,7 @@ def print_host_time(label: str, run) -> None:
 def print_sync_sites(run) -> None:
     """Counts the host syncs of `run` by the innermost hypic line that caused them."""
     import collections
-    import traceback
-    import warnings
-    sites: collections.Counter = collections.Counter()
-
-    def record(*_args, **_kwargs) -> None:
-        frames = [f for f in traceback.extract_stack() if "/hypic/" in f.filename]
-        sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-3:][::-1])] += 1
-
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            run()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    sites = collections.Counter(sync_sites(run))
     print(f"host syncs: {sum(sites.values())}")
     for site, count in sites.most_common(25):
         print(f"{count:5d}  {site}")

@@ -12,6 +12,7 @@ import json
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,13 +52,17 @@ def _git(*args: str) -> str:
     return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
-def before_after_arguments(description: str, out: Path) -> argparse.Namespace:
+def before_after_arguments(description: str, out: Path | None,
+                           options: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
     """The command line of a benchmark that measures one tree under a label ("before" a fix on an
-    exported tree, "after" on this one) and keeps every label's run in one file."""
+    exported tree, "after" on this one) and keeps every label's run in one file; `options` adds the
+    benchmark's own (an `out` of None is the benchmark's to fill in from them)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--label", required=True, help="before | after")
     parser.add_argument("--tree", type=Path, default=Path("."), help="the hypic source tree the server runs from")
     parser.add_argument("--out", type=Path, default=out)
+    if options is not None:
+        options(parser)
     return parser.parse_args()
 
 

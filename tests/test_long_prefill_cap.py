@@ -141,6 +141,16 @@ def test_alone_the_cold_job_takes_the_whole_step_budget(tiny_model_dir):
     assert cold.pic.blocked
 
 
+def test_alone_a_long_uncached_prompt_is_prefilled_in_one_step(tiny_model_dir):
+    """Nothing else in flight: a waiting long prompt does not hold itself up (one step, not two)."""
+    engine = _engine(tiny_model_dir, CAP, budget=1024, cache_mode="none")
+    rid = engine.add_request(SegmentedPrompt.build(engine.tokenizer, LONG_DOC, separator=SEP), greedy(2))
+    long = engine.requests[rid].completions[0].seq
+    assert long.remaining > CAP
+    start, tokens, _ = _step_progress(engine, long)
+    assert start == 0 and tokens == len(long.token_ids) - len(long.output_ids)
+
+
 def test_a_long_uncached_prompt_beside_a_decode_is_capped_too(tiny_model_dir):
     engine = _engine(tiny_model_dir, CAP, cache_mode="none")
     decoder = _decoder(engine)

@@ -10,7 +10,7 @@ import xxhash
 
 from hypic.cache.model_caches import LinearShape
 from hypic.cache.prefix_cache import token_bytes
-from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentStore, SegmentTuple
+from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentStore, SegmentTuple, TupleStaging
 from hypic.engine.pic.pieces import Cached
 from hypic.kernels.compose import CachedPieces, compose_and_recur, compose_and_recur_ref
 from hypic.kernels.linear_families import get_family
@@ -42,6 +42,31 @@ def key(name: str, salt: str | None = None) -> SegmentKey:
 def store_for(entries: int, interior_len: int = 5, **kwargs) -> SegmentStore:
     lay = layout(**kwargs)
     return SegmentStore(lay, entries * lay.entry_bytes(interior_len), "cpu")
+
+
+@pytest.mark.parametrize(("family", "state_dtype"), [("gdn", torch.bfloat16), ("scalar", torch.float32)])
+def test_a_staged_tuple_is_stored_as_put_stores_it(family: str, state_dtype: torch.dtype) -> None:
+    """Two segments staged part by part for both at once (as a step's layers write them), the second's
+    K/V rows in two chunks, read back exactly as `put` of the same tuples stores them; a tuple whose
+    rows do not fill its interior is refused with the numbers."""
+    lay = layout(state_dtype, family, torch.bfloat16)
+    tuples = [random_tuple(lay, 5, seed=1), random_tuple(lay, 5, seed=2)]
+    staging = TupleStaging(lay, 2, 10, "cpu")
+    for i in range(lay.num_linear):
+        for block, name in enumerate(("T", "S0", "conv_tail")):
+            staging.part(block, i).copy_(torch.stack([getattr(t, name)[i] for t in tuples]))
+    staging.kv.copy_(torch.cat([torch.stack([t.K[0], t.V[0]], 1)[:, None] for t in tuples]))
+    staged, direct = store_for(2, family=family, state_dtype=state_dtype, model_dtype=torch.bfloat16), \
+        store_for(2, family=family, state_dtype=state_dtype, model_dtype=torch.bfloat16)
+    assert staged.put_staged(key("a"), (4, 9), staging.fixed[0], [staging.kv[:5]])
+    assert staged.put_staged(key("b"), (4, 9), staging.fixed[1], [staging.kv[5:7], staging.kv[7:]])
+    for name, tup in zip("ab", tuples):
+        direct.put(key(name), tup)
+        got, want = staged.get(key(name)).views(), direct.get(key(name)).views()
+        for part in ("T", "S0", "conv_tail", "K", "V"):
+            assert all(torch.equal(x, y) for x, y in zip(getattr(got, part), getattr(want, part))), (name, part)
+    with pytest.raises(ValueError, match="4 K/V rows"):
+        staged.put_staged(key("c"), (4, 9), staging.fixed[0], [staging.kv[:4]])
 
 
 def test_key_is_content_address() -> None:

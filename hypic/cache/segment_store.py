@@ -162,6 +162,15 @@ class SegmentLayout:
     def entry_bytes(self, interior_len: int) -> int:
         return sum(self.block_bytes(interior_len))
 
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes of an entry's T, S0 and conv blocks, its first three (the same at any interior length)."""
+        return sum(self.block_bytes(0)[:3])
+
+    def block_start(self, block: int) -> int:
+        """Byte offset of block 0 (T), 1 (S0) or 2 (conv) within an entry."""
+        return sum(self._parts[b][1] for b in range(block))
+
 
 @dataclass(eq=False)
 class SegmentEntry:
@@ -244,17 +253,42 @@ class SegmentEntry:
         return _view(self.arena, self._part_byte(block, linear_index), lay.block_dtype(block, linear_index),
                      lay.block_shape(block, linear_index))
 
-    def _kv(self) -> torch.Tensor:
+    def kv_rows(self) -> torch.Tensor:
+        """[L_int, n_full, kv, Hkv, D]: every interior token's K (and V) of every full layer."""
         lay = self.layout
         shape = (self.interior_len, lay.num_full, lay.kv_tensors, lay.kv_heads, lay.head_dim)
         return _view(self.arena, self._block_starts[3], lay.model_dtype, shape)
 
     def K(self, full_index: int) -> torch.Tensor:
         """[L_int, Hkv, D] before RoPE (a strided view)."""
-        return self._kv()[:, full_index, 0]
+        return self.kv_rows()[:, full_index, 0]
 
     def V(self, full_index: int) -> torch.Tensor:
-        return self._kv()[:, full_index, 1]
+        return self.kv_rows()[:, full_index, 1]
+
+
+class TupleStaging:
+    """Cold segments' tuples as a step captures them, in the pool's layout and dtypes: each layer writes
+    its part of every segment that ends in the step at once (a strided view over them), and storing one
+    is then two copies (`SegmentStore.put_staged`) rather than one per part and layer.
+
+    fixed [E, fixed_bytes]: the T, S0 and conv blocks of each ending segment, laid out as an entry's;
+    kv [R, n_full, kv, Hkv, D]: each full layer's K (and V) of every interior row of the step, in order."""
+
+    def __init__(self, layout: SegmentLayout, ending: int, rows: int, device: torch.device | str) -> None:
+        self.layout = layout
+        self.fixed = torch.empty(ending, layout.fixed_bytes, dtype=torch.uint8, device=device)
+        self.kv = torch.empty(rows, layout.num_full, layout.kv_tensors, layout.kv_heads, layout.head_dim,
+                              dtype=layout.model_dtype, device=device)
+
+    def part(self, block: int, linear_index: int) -> torch.Tensor:
+        """[E, *shape]: linear layer `linear_index`'s part of block 0 (T), 1 (S0) or 2 (conv tail) of
+        every ending segment."""
+        lay = self.layout
+        dtype, shape = lay.block_dtype(block, linear_index), lay.block_shape(block, linear_index)
+        start = lay.block_start(block) + lay.part_offset(block, linear_index)
+        size = math.prod(shape) * dtype.itemsize
+        return self.fixed[:, start:start + size].view(dtype).view(self.fixed.shape[0], *shape)
 
 
 @dataclass(frozen=True)
@@ -411,16 +445,30 @@ class SegmentStore:
     def put(self, key: SegmentKey, tup: SegmentTuple) -> bool:
         """Copy a tuple in (converting dtypes). True if stored or already present; False when it
         cannot fit even after evicting every unpinned entry. Does not pin."""
+        self._check(tup)
+        return self._store(key, tup.interior, lambda entry: self._write(entry, tup))
+
+    def put_staged(self, key: SegmentKey, interior: tuple[int, int], fixed: torch.Tensor,
+                   kv_rows: Sequence[torch.Tensor]) -> bool:
+        """`put` of a tuple a step captured into a `TupleStaging`: `fixed` its row of `staging.fixed`,
+        `kv_rows` its K/V rows ([n, n_full, kv, Hkv, D], in interior order: a part per chunk). Two
+        copies for a one-chunk tuple, whatever the number of layers."""
+        rows = sum(part.shape[0] for part in kv_rows)
+        if rows != interior[1] - interior[0] or fixed.numel() != self.layout.fixed_bytes:
+            raise ValueError(f"staged tuple of interior {interior}: {rows} K/V rows, {fixed.numel()} bytes of "
+                             f"T, S0 and conv blocks (expected {self.layout.fixed_bytes})")
+        return self._store(key, interior, lambda entry: self._write_staged(entry, fixed, kv_rows))
+
+    def _store(self, key: SegmentKey, interior: tuple[int, int], write) -> bool:
         if key in self._index:
             self._index.move_to_end(key)
             return True
-        self._check(tup)
-        nbytes = self.layout.entry_bytes(tup.interior_len)
+        nbytes = self.layout.entry_bytes(interior[1] - interior[0])
         offset = self._allocate(nbytes)
         if offset is None:
             return False
-        entry = SegmentEntry(key, tup.interior, offset, nbytes, self.layout, self._arena)
-        self._write(entry, tup)
+        entry = SegmentEntry(key, interior, offset, nbytes, self.layout, self._arena)
+        write(entry)
         self._index[key] = entry
         self._moved.add(key)
         return True
@@ -493,6 +541,13 @@ class SegmentStore:
         for name in ("T", "S0", "conv_tail", "K", "V"):
             for dst, src in zip(getattr(stored, name), getattr(tup, name)):
                 dst.copy_(src)
+
+    def _write_staged(self, entry: SegmentEntry, fixed: torch.Tensor, kv_rows: Sequence[torch.Tensor]) -> None:
+        self._bytes(entry)[:fixed.numel()].copy_(fixed)
+        kv, row = entry.kv_rows(), 0
+        for part in kv_rows:
+            kv[row:row + part.shape[0]].copy_(part)
+            row += part.shape[0]
 
     def _check(self, tup: SegmentTuple) -> None:
         lay = self.layout

@@ -1,14 +1,17 @@
 """Turns the scheduler's chunks into the flat tensors of a ForwardBatch (built on the host)."""
 from __future__ import annotations
 
+import array
 import itertools
+from collections.abc import Iterable
 
 import torch
 
 from hypic.cache.segment_store import SegmentStore
+from hypic.engine.pic.pieces import Chunk
 from hypic.engine.pic.step import build_pic_step
-from hypic.engine.scheduler import ScheduledBatch
-from hypic.kernels.host_copy import host_to_device
+from hypic.engine.scheduler import ScheduledBatch, ScheduledChunk
+from hypic.kernels.host_copy import host_to_device_packed
 from hypic.models.batch import ForwardBatch
 
 
@@ -23,46 +26,67 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.de
     chunks = batch.chunks
     seq_lens = tuple(c.chunk.num_tokens for c in chunks)
     cu = [0, *itertools.accumulate(seq_lens)]
-    positions = [p for c in chunks for p in c.chunk.positions]
-    # plain Python: on a busy host small CPU tensor ops (repeat_interleave, index) took ~1-6 ms each
-    # in the H200 profile, more than this loop over a warm step's tokens
-    write_slots = [c.seq.block_ids[p // block_size] * block_size + p % block_size
-                   for c in chunks for p in c.chunk.positions]
+    ends = tuple(c.chunk.end for c in chunks)
+    positions = _long(itertools.chain.from_iterable(c.chunk.positions for c in chunks))
+    block_tables = _pad([c.seq.block_ids for c in chunks])
     host = ForwardBatch(
-        input_ids=torch.tensor([t for c in chunks for t in c.chunk.token_ids], dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long),
+        input_ids=_long(itertools.chain.from_iterable(c.chunk.token_ids for c in chunks)),
+        positions=positions,
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-        slots=torch.tensor([c.seq.slot for c in chunks], dtype=torch.long),
+        slots=_long(c.seq.slot for c in chunks),
         has_state=torch.tensor([c.chunk.start > 0 for c in chunks], dtype=torch.bool),
-        block_tables=_pad([c.seq.block_ids for c in chunks]),
-        kv_lens=torch.tensor([c.chunk.end for c in chunks], dtype=torch.int32),
-        kv_write_slots=torch.tensor(write_slots, dtype=torch.long),
-        logits_indices=torch.tensor([cu[i + 1] - 1 for i, c in enumerate(chunks) if c.samples],
-                                    dtype=torch.long),
+        block_tables=block_tables,
+        kv_lens=torch.tensor(ends, dtype=torch.int32),
+        kv_write_slots=_write_slots(chunks, block_size),
+        logits_indices=_long(cu[i + 1] - 1 for i, c in enumerate(chunks) if c.samples),
         num_decodes=batch.num_decodes,
         seq_lens_cpu=seq_lens,
-        kv_lens_cpu=tuple(c.chunk.end for c in chunks),
-        max_kv_len=max(c.chunk.end for c in chunks),
+        kv_lens_cpu=ends,
+        max_kv_len=max(ends),
     )
     return to_device(host, device)
 
 
+def _long(values: Iterable[int]) -> torch.Tensor:
+    """An int64 host tensor (through an array: torch.tensor walks a long prefill's ids ~4x slower)."""
+    buffer = array.array("q", list(values))  # array() takes a list faster than a generator
+    return torch.frombuffer(buffer, dtype=torch.long) if buffer else torch.empty(0, dtype=torch.long)
+
+
 def to_device(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
-    if device.type == "cpu":
-        return batch
-    host = {name: getattr(batch, name) for name in TENSOR_FIELDS}
-    moved = {name: host_to_device(tensor, tensor.dtype, device) for name, tensor in host.items()}
-    return ForwardBatch(**moved, num_decodes=batch.num_decodes, seq_lens_cpu=batch.seq_lens_cpu,
-                        kv_lens_cpu=batch.kv_lens_cpu, max_kv_len=batch.max_kv_len)
+    """The batch's tensors onto the device in one copy."""
+    moved = host_to_device_packed([getattr(batch, name) for name in TENSOR_FIELDS], device)
+    return ForwardBatch(**dict(zip(TENSOR_FIELDS, moved)), num_decodes=batch.num_decodes,
+                        seq_lens_cpu=batch.seq_lens_cpu, kv_lens_cpu=batch.kv_lens_cpu, max_kv_len=batch.max_kv_len)
 
 
 TENSOR_FIELDS = ("input_ids", "positions", "cu_seqlens", "slots", "has_state", "block_tables",
                   "kv_lens", "kv_write_slots", "logits_indices")
 
 
+def _write_slots(chunks: list[ScheduledChunk], block_size: int) -> torch.Tensor:
+    """block_id * block_size + offset of each token's K/V, one range per page a run of consecutive
+    positions covers (plain Python: a loop over a long prefill's tokens cost milliseconds, and
+    small CPU tensor ops cost more than this on a busy host)."""
+    slots: list[int] = []
+    for scheduled in chunks:
+        for start, end in _position_runs(scheduled.chunk):
+            while start < end:
+                page = start // block_size
+                stop = min(end, (page + 1) * block_size)
+                shift = (scheduled.seq.block_ids[page] - page) * block_size
+                slots += range(start + shift, stop + shift)
+                start = stop
+    return _long(slots)
+
+
+def _position_runs(chunk: Chunk) -> list[tuple[int, int]]:
+    """[start, end) ranges of the chunk's positions: consecutive but where they jump a cached piece."""
+    cuts = [0, *(at for at, _ in chunk.cached), chunk.num_tokens]
+    return [(chunk.positions[lo], chunk.positions[lo] + hi - lo) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
+
+
 def _pad(rows: list[list[int]]) -> torch.Tensor:
+    """[B, max blocks] int32, padded with 0, in one tensor construction."""
     width = max(1, max(len(r) for r in rows))
-    table = torch.zeros(len(rows), width, dtype=torch.int32)
-    for i, row in enumerate(rows):
-        table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-    return table
+    return torch.tensor([[*r, *(0,) * (width - len(r))] for r in rows], dtype=torch.int32)

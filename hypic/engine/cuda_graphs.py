@@ -64,6 +64,8 @@ class DecodeGraphs:
 
     def _pad_from(self, start: int, end: int) -> None:
         """Rows [start, end) decode a dummy token into the scratch slot and page."""
+        if start == end:  # a batch the size of its graph: no padding rows
+            return
         s = self.static
         s["input_ids"][start:end] = 0
         s["positions"][start:end] = 0

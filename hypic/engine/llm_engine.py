@@ -196,14 +196,14 @@ class LLMEngine:
         deltas: dict[str, list[CompletionDelta]] = {}
         if rows:
             index = [i for i, _ in rows]
-            picked = self.sampler.sample(logits[host_to_device(index, torch.long, logits.device)],
-                                         [self._sampling_row(c) for _, c in rows], masks and masks.token_mask(index))
+            picked = self.sampler.sample(_logits_rows(logits, index), [self._sampling_row(c) for _, c in rows],
+                                         masks and masks.token_mask(index))
             grammar_done = self.structured.advance([(c.seq, t) for (_, c), t in zip(rows, picked.token_ids)])
             for (_, completion), token, logprob, done in zip(rows, picked.token_ids, picked.logprobs, grammar_done):
                 self._take_token(completion, token, logprob, done, deltas)
             self.structured.prefetch(c.seq for _, c in rows)  # the next masks, beside everything until sampling
         for chunk in batch.chunks:
-            if chunk.samples and chunk.seq.info.params.max_tokens == 0 and not chunk.seq.finished:
+            if chunk.seq.info.params.max_tokens == 0 and chunk.samples and not chunk.seq.finished:
                 self._collect(deltas, chunk.seq, self._finish(self._completion(chunk.seq), "length"))
         self.step_clock.stop()
         return self._outputs(deltas)
@@ -288,9 +288,8 @@ class LLMEngine:
     def _outputs(self, deltas: dict[str, list[CompletionDelta]]) -> list[RequestOutput]:
         outputs = []
         for request_id, items in deltas.items():
-            state = self.requests[request_id]
-            outputs.append(state.output(items))
-            if state.finished:
+            outputs.append(self.requests[request_id].output(items))
+            if outputs[-1].finished:
                 self._retire(request_id)
         return outputs
 
@@ -448,6 +447,14 @@ def _step_work(batch: ScheduledBatch) -> StepWork | None:
     prefills = [c.chunk for c in batch.chunks[batch.num_decodes:]]
     return StepWork(sum(c.num_tokens for c in prefills), sum(chunk_attention(c.start, c.num_tokens) for c in prefills),
                     batch.num_decodes, sum(c.start for c in prefills))
+
+
+def _logits_rows(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """The rows the step samples from, in order: the logits themselves when that is every row once
+    (the usual step), else a gather."""
+    if index == list(range(logits.shape[0])):
+        return logits
+    return logits[host_to_device(index, torch.long, logits.device)]
 
 
 def _check_resume(resume: Mapping[int, list[int]], params: SamplingParams) -> None:

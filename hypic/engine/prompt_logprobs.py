@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hypic.kernels.host_copy import host_to_device
+from hypic.kernels.host_copy import host_to_device, read_rows
 
 ROWS_PER_CHUNK = 1024
 
@@ -47,5 +47,7 @@ def score_prompt_rows(hidden: torch.Tensor, scoring: PromptScoring, project: Cal
         top = logprobs.topk(scoring.top_k, dim=-1)
         values.append(top.values)
         ids.append(top.indices)
-    return PromptScores(torch.cat(chosen)[:, 0].tolist(), torch.cat(ranks).tolist(), torch.cat(ids).tolist(),
-                        torch.cat(values).tolist())
+    k = scoring.top_k
+    table = read_rows([torch.cat(chosen), torch.cat(ranks)[:, None], torch.cat(values), torch.cat(ids)])
+    return PromptScores([r[0] for r in table], [int(r[1]) for r in table], [[int(t) for t in r[2 + k:]] for r in table],
+                        [r[2:2 + k] for r in table])

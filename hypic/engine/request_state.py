@@ -67,7 +67,7 @@ class RequestState:
     @property
     def finished(self) -> bool:
         # Forking happens before the first token, so no completion appears after all have finished.
-        return all(s.finished for s in self.sequences)
+        return all(c.seq.finished for c in self.completions.values())
 
     def output(self, deltas: list[CompletionDelta]) -> RequestOutput:
         gap = self._token_step() if any(d.token_ids for d in deltas) else None
@@ -105,7 +105,8 @@ class RequestState:
             ttft=_since(info.arrival_time, info.first_token_time),
             prompt_tokens=len(info.prompt_ids), cached_tokens=info.cached_tokens,
             cached_tokens_by_kind=dict(info.cached_tokens_by_kind),
-            generated_tokens=sum(len(s.output_ids) for s in self.sequences), token_steps=self.token_steps,
+            generated_tokens=sum(len(c.seq.output_ids) for c in self.completions.values()),
+            token_steps=self.token_steps,
             inter_token_latency=inter_token_latency,
             decode_time=None if self.token_step_times is None else self.token_step_times[1] - self.token_step_times[0])
 

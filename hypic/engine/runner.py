@@ -70,7 +70,8 @@ class ModelRunner:
             else:
                 logits = self.model.compute_logits(self.model(forward, self.caches))
             capture = forward.pic.capture if forward.pic is not None else None
-        logits[:, self.settings.tokenizer_vocab_size:] = float("-inf")
+        if logits.shape[1] > self.settings.tokenizer_vocab_size:  # embedding padding: never sampled
+            logits[:, self.settings.tokenizer_vocab_size:] = float("-inf")
         return logits, capture, scores
 
     def _scored(self, forward: ForwardBatch, scoring: PromptScoring) -> tuple[torch.Tensor, PromptScores]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from hypic.errors import InvalidRequestError
-from hypic.kernels.host_copy import host_to_device
+from hypic.kernels.host_copy import host_to_device, read_rows
 from hypic.kernels.token_mask import apply_token_mask
 from hypic.outputs import TokenLogprob
 from hypic.sampling_params import SamplingParams
@@ -115,7 +115,7 @@ class Sampler:
             return chosen
         if len(random_rows) == len(rows):
             return self._sample_random(logits, rows)
-        index = torch.tensor(random_rows, device=logits.device)
+        index = _index(random_rows, logits)
         sampled = self._sample_random(logits[index], [rows[i] for i in random_rows])
         return chosen.index_copy_(0, index, sampled)
 
@@ -132,7 +132,7 @@ class Sampler:
             noise.exponential_(generator=self._default_generator(probs.device))
         elif unseeded:
             shared = torch.empty((len(unseeded), probs.shape[1]), device=probs.device)
-            noise[unseeded] = shared.exponential_(generator=self._default_generator(probs.device))
+            noise[_index(unseeded, probs)] = shared.exponential_(generator=self._default_generator(probs.device))
         for i, row in enumerate(rows):
             if row.generator is not None:
                 noise[i].exponential_(generator=row.generator)  # this row's draws depend on its seed only
@@ -153,20 +153,23 @@ class Sampler:
 
     def _result(self, chosen: torch.Tensor, rows: Sequence[SamplingRow],
                 raw_logprobs: torch.Tensor | None) -> SampleResult:
-        token_ids = chosen.tolist()
-        logprobs: list[TokenLogprob | None] = [None] * len(rows)
-        if raw_logprobs is not None:
-            logprobs = self._logprobs(raw_logprobs, chosen, token_ids, rows)
+        if raw_logprobs is None:
+            return SampleResult(chosen.tolist(), [None] * len(rows), chosen)
+        token_ids, logprobs = self._logprobs(raw_logprobs, chosen, rows)
         return SampleResult(token_ids, logprobs, chosen)
 
-    def _logprobs(self, raw: torch.Tensor, chosen: torch.Tensor, token_ids: list[int],
-                  rows: Sequence[SamplingRow]) -> list[TokenLogprob | None]:
+    def _logprobs(self, raw: torch.Tensor, chosen: torch.Tensor,
+                  rows: Sequence[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The ids and their logprobs in one read from the device: [id, its logprob, top k logprobs,
+        top k ids] per row."""
         want = [row.params.logprobs for row in rows]
-        chosen_lp = raw.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-        top_lp, top_ids = raw.topk(max(n for n in want if n is not None), dim=-1)
-        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-        return [None if n is None else self._token_logprob(token_ids[i], chosen_lp[i], top_ids[i][:n], top_lp[i][:n])
-                for i, n in enumerate(want)]
+        k = max(n for n in want if n is not None)
+        top_lp, top_ids = raw.topk(k, dim=-1)
+        table = read_rows([chosen.unsqueeze(1), raw.gather(1, chosen.unsqueeze(1)), top_lp, top_ids])
+        token_ids = [int(r[0]) for r in table]
+        return token_ids, [None if n is None else self._token_logprob(
+            token_ids[i], table[i][1], [int(t) for t in table[i][2 + k:2 + k + n]], table[i][2:2 + n])
+            for i, n in enumerate(want)]
 
     def _token_logprob(self, token_id: int, logprob: float, top_ids: list[int], top_lp: list[float]) -> TokenLogprob:
         top = tuple((t, self._token_text(t), lp) for t, lp in zip(top_ids, top_lp))
@@ -182,11 +185,17 @@ def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
     return host_to_device(list(values), torch.float32, like.device).unsqueeze(1)
 
 
+def _index(values: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """An int64 index on like's device (a pinned copy: a pageable one would wait for the GPU)."""
+    return host_to_device(list(values), torch.long, like.device)
+
+
 def _apply(logits: torch.Tensor, mask: TokenMask) -> None:
     """In place, before anything reads the logits: logprobs see the constrained distribution. Both copies
     are queued without a sync; the pinned words are not rewritten before this step's tokens are read."""
     pairs = host_to_device(mask.pairs, torch.int32, logits.device)
-    apply_token_mask(logits, pairs, mask.words.to(logits.device, non_blocking=True))
+    with torch.inference_mode():  # the runner's logits are inference tensors
+        apply_token_mask(logits, pairs, mask.words.to(logits.device, non_blocking=True))
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -195,8 +204,8 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     if not entries:
         return
     row_idx, token_idx, bias = zip(*entries)
-    index = torch.tensor([row_idx, token_idx]).to(logits.device)
-    logits.index_put_((index[0], index[1]), torch.tensor(bias).to(logits), accumulate=True)
+    index = host_to_device([row_idx, token_idx], torch.long, logits.device)
+    logits.index_put_((index[0], index[1]), host_to_device(bias, torch.float32, logits.device), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -205,7 +214,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     if not penalised:
         return
     params = [rows[i].params for i in penalised]
-    index = torch.tensor(penalised, device=logits.device)
+    index = _index(penalised, logits)
     sub = logits[index]
     counts = _token_counts([rows[i].output_ids for i in penalised], sub)
     if any(p.repetition_penalty != 1.0 for p in params):
@@ -229,7 +238,7 @@ def _token_counts(id_lists: Sequence[Sequence[int]], like: torch.Tensor) -> torc
     rows = torch.repeat_interleave(torch.arange(len(id_lists)), torch.tensor([len(ids) for ids in id_lists]))
     ids = torch.tensor([t for ids in id_lists for t in ids], dtype=torch.int64)
     keep = (ids >= 0) & (ids < like.shape[1])
-    index = (rows[keep].to(like.device), ids[keep].to(like.device))
+    index = tuple(host_to_device(t[keep], torch.long, like.device) for t in (rows, ids))
     counts.index_put_(index, torch.ones(index[0].shape, device=like.device), accumulate=True)
     return counts
 
@@ -250,7 +259,7 @@ def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1)  # ascending: the kept tail is at the right
-    kth_index = torch.tensor([vocab - min(k, vocab) for k in top_k]).to(logits.device).unsqueeze(1)
+    kth_index = _index([vocab - min(k, vocab) for k in top_k], logits).unsqueeze(1)
     kth_value = sorted_logits.gather(1, kth_index)
     sorted_logits.masked_fill_(sorted_logits < kth_value, float("-inf"))  # ties with the k-th are kept
     cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)

@@ -144,9 +144,10 @@ class Scheduler:
 
     def _long_prefill_cap(self) -> float:
         """This step's cost cap on long prefills: the threshold while anything they would hold up is
-        in flight (a decode, a short or warm prefill, a request waiting that no job blocks), else none."""
+        in flight (a decode, a short or warm prefill, a short request waiting that no job blocks), else
+        none: a lone long prompt is not held up by itself."""
         others = any(not self._long(s) for s in self.running) or any(
-            s.pic.job is None and not s.pic.blocked for s in self.waiting)
+            s.pic.job is None and not s.pic.blocked and not self._long(s) for s in self.waiting)
         return self.limits.long_prefill_cost if self.limits.long_prefill_cost and others else math.inf
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -33,8 +33,8 @@ from hypic.kernels.gdn import gated_delta_rule
 from hypic.kernels.kda_rule import kda_rule
 from hypic.kernels.scalar_gated import scalar_gated_rule
 from hypic.kernels.scatter_kv import apply_rope
-from hypic.kernels.span_states import span_states
-from hypic.kernels.varlen import Operands, StateSpans
+from hypic.kernels.span_states import span_tuples
+from hypic.kernels.varlen import Operands, RowSpans, StateSpans
 
 
 class LinearFamily(ABC):
@@ -160,31 +160,47 @@ class LinearFamily(ABC):
         the end state from I with v = 0 (value dim K), since (prod T_t) I = T_C. `seq_lens`: the spans'
         lengths on the host (cu_seqlens' differences; reading those back would sync a GPU).
         """
-        num, heads, key_dim = cu_seqlens.numel() - 1, v.shape[1], k.shape[-1]
-        dtype = torch.promote_types(k.dtype, torch.float32)
-        zeros = torch.zeros(num, heads, key_dim, v.shape[2], dtype=dtype, device=v.device)
         # value columns recur independently, so [v | 0] from [0 | I] ends at [S0 | T]
-        values = torch.cat([v, v.new_zeros(v.shape[0], heads, key_dim)], -1)
-        eye = self.identity_T(heads, key_dim, dtype, v.device).expand(num, -1, -1, -1)
+        values = torch.cat([v, v.new_zeros(v.shape[0], v.shape[1], k.shape[-1])], -1)
+        return self._tuple_of_values(k, values, v.shape[2], g, beta, cu_seqlens, seq_lens)
+
+    def _tuple_of_values(self, k: Tensor, values: Tensor, value_dim: int, g: Tensor, beta: Tensor | None,
+                         cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        """(T, S0) as views of the end states of `values` = [v | 0] ([N, HV, V + K]) from [0 | I]."""
+        num, heads, key_dim = cu_seqlens.numel() - 1, values.shape[1], k.shape[-1]
+        dtype = torch.promote_types(k.dtype, torch.float32)
+        zeros = torch.zeros(num, heads, key_dim, value_dim, dtype=dtype, device=values.device)
+        eye = self.identity_T(heads, key_dim, dtype, values.device).expand(num, -1, -1, -1)
         both = self.final_states(k, values, g, beta, torch.cat([zeros, eye], -1), cu_seqlens, seq_lens)
-        return both[..., v.shape[2]:].contiguous(), both[..., : v.shape[2]].contiguous()
+        return both[..., value_dim:], both[..., :value_dim]
+
+    def spans_tuple(self, x: Operands, spans: RowSpans) -> tuple[torch.Tensor, torch.Tensor]:
+        """`extract_tuple` of spans of a flat batch's rows (cold interiors in a step); here over their
+        rows gathered."""
+        rows = spans.rows
+        beta = None if x.beta is None else x.beta[rows]
+        return self.extract_tuple(x.k[rows], x.v[rows], x.g[rows], beta, spans.cu_seqlens, spans.lens)
 
 
 class LogGateFamily(LinearFamily):
     """Families whose T_t is exp(g_t) on the identity or a diagonal: T_C is the sum of log gates and
-    S0 a closed-form sum of decayed k v^T, one weighted GEMM per span and head (`span_states`)."""
+    S0 a closed-form sum of decayed k v^T, one weighted GEMM per span and head (`span_tuples`)."""
 
     log_T = True
 
     def extract_tuple(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, cu_seqlens: Tensor,
                       seq_lens: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-        """float64 keeps the token recurrence (the exact oracle); any other dtype takes `span_states`."""
-        dtype = torch.promote_types(k.dtype, torch.float32)
-        T = segment_sum(g.to(dtype), cu_seqlens)
-        if dtype != torch.float64:
-            return T, span_states(k, v, g, cu_seqlens, seq_lens)
-        zeros = torch.zeros(len(seq_lens), v.shape[1], k.shape[-1], v.shape[2], dtype=dtype, device=v.device)
-        return T, super().final_states(k, v, g, beta, zeros, cu_seqlens, seq_lens)
+        """float64 keeps the token recurrence (the exact oracle); any other dtype takes `span_tuples`."""
+        if k.dtype != torch.float64:
+            return span_tuples(k, v, g, RowSpans.packed(cu_seqlens, seq_lens))
+        zeros = torch.zeros(len(seq_lens), v.shape[1], k.shape[-1], v.shape[2], dtype=k.dtype, device=v.device)
+        return segment_sum(g.double(), cu_seqlens), super().final_states(k, v, g, beta, zeros, cu_seqlens, seq_lens)
+
+    def spans_tuple(self, x: Operands, spans: RowSpans) -> tuple[Tensor, Tensor]:
+        """In place: k and v are read span by span as slices of the flat batch."""
+        if x.k.dtype == torch.float64:
+            return super().spans_tuple(x, spans)
+        return span_tuples(x.k, x.v, x.g, spans)
 
     def final_states(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor,
                      cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> Tensor:
@@ -308,6 +324,14 @@ class DenseFamily(LinearFamily):
         if initial.dtype == torch.float64:
             return super().final_states(k, v, g, beta, initial, cu_seqlens, seq_lens)
         return self._kernel_final_states(k, v, g, beta, initial, cu_seqlens, seq_lens)
+
+    def spans_tuple(self, x: Operands, spans: RowSpans) -> tuple[Tensor, Tensor]:
+        """The interior rows of v gathered straight into [v | 0] (one copy, not a gather and a cat)."""
+        rows, (heads, value_dim), key_dim = spans.rows, x.v.shape[1:], x.k.shape[-1]
+        values = x.v.new_zeros(rows.numel(), heads, value_dim + key_dim)
+        torch.index_select(x.v, 0, rows, out=values[..., :value_dim])
+        beta = None if x.beta is None else x.beta[rows]
+        return self._tuple_of_values(x.k[rows], values, value_dim, x.g[rows], beta, spans.cu_seqlens, spans.lens)
 
     @staticmethod
     def _delta_write(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -4,7 +4,7 @@
   in right where the interior sits, so the seam tokens after it see its last W-1 pre-conv inputs;
 - `assembled_recurrence`: the walk (compose S <- T S + S0 at each cached piece, recur the tokens
   between) over the assembling sequences, then the mixer's ordinary chunked path for the rest;
-- `segment_tuple` / `conv_tail`: a cold segment's (T, S0) and conv tail from its interior rows.
+- `segment_tuple`: cold segments' (T, S0) from their interior rows.
 
 They take the family, the mixer's tensors and index tensors built on the host; a CUDA graph
 replays them for other pieces (offsets are tensors, never Python lists of views).
@@ -18,7 +18,7 @@ import torch
 from hypic.kernels.compose import CachedPieces, StateCheckpoints, compose_and_recur
 from hypic.kernels.conv1d import causal_conv1d
 from hypic.kernels.linear_families import LinearFamily
-from hypic.kernels.varlen import Operands, StateSpans
+from hypic.kernels.varlen import Operands, RowSpans, StateSpans
 
 Chunked = Callable[[Operands, torch.Tensor, StateSpans], torch.Tensor]  # (operands, ssm_pool, spans) -> o
 
@@ -55,14 +55,12 @@ def assembled_recurrence(x: Operands, ssm_pool: torch.Tensor, *, family: LinearF
     return o
 
 
-def segment_tuple(family: LinearFamily, x: Operands, rows: torch.Tensor, cu_seqlens: torch.Tensor,
-                  seq_lens: tuple[int, ...], identity_T: tuple[bool, ...],
+def segment_tuple(family: LinearFamily, x: Operands, spans: RowSpans, identity_T: tuple[bool, ...],
                   priors: list[tuple[torch.Tensor, torch.Tensor] | None]) -> tuple[torch.Tensor, torch.Tensor]:
     """(T [J, HV, *t_shape], S0 [J, HV, K, V]) of the segments whose interior rows in this step are
-    `rows` (spans `cu_seqlens`), each composed after its prior (T, S0) of earlier chunks when given:
+    `spans`, each composed after its prior (T, S0) of earlier chunks when given:
     T = T2.T1, S0 = T2.S0_1 + S0_2 (exact). A segment marked in `identity_T` stores T = I (naive)."""
-    beta = None if x.beta is None else x.beta[rows]
-    T, S0 = family.extract_tuple(x.k[rows], x.v[rows], x.g[rows], beta, cu_seqlens, seq_lens)
+    T, S0 = family.spans_tuple(x, spans)
     for j, prior in enumerate(priors):
         if prior is not None:
             S0[j] = family.compose(T[j], S0[j], prior[1])
@@ -71,8 +69,3 @@ def segment_tuple(family: LinearFamily, x: Operands, rows: torch.Tensor, cu_seql
         if identity:
             T[j] = family.identity_T(T.shape[1], x.k.shape[-1], T.dtype, T.device)
     return T, S0
-
-
-def conv_tail(conv_in: torch.Tensor, tail_rows: torch.Tensor) -> torch.Tensor:
-    """[J, C, W-1]: each segment's last W-1 pre-conv inputs (rows `tail_rows` [J, W-1])."""
-    return conv_in[tail_rows].transpose(1, 2).contiguous()

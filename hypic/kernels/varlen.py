@@ -43,6 +43,33 @@ class Operands:
         return Operands(self.q[index], self.k[index], self.v[index], self.g[index], beta)
 
 
+@dataclass(frozen=True)
+class RowSpans:
+    """Spans of a flat batch's rows, each span's rows consecutive (a cold segment's interior rows in a
+    step), and the index tensors over them that every layer of the step shares (built once)."""
+
+    starts: tuple[int, ...]  # [B] flat row of each span's first row (host)
+    lens: tuple[int, ...]  # [B] rows of each span (host)
+    rows: torch.Tensor  # [R] int64: the spans' flat rows, span after span
+    cu_seqlens: torch.Tensor  # [B+1] int32: offsets of the spans in `rows`
+    span_ends: torch.Tensor  # [R] int64: for each of `rows`, the end offset (cu_seqlens[b + 1]) of its span
+
+    @classmethod
+    def build(cls, starts: tuple[int, ...], lens: tuple[int, ...], device: torch.device | str) -> RowSpans:
+        """From the host's starts and lengths: one small copy, the per-row indices expanded on the device."""
+        cu = list(itertools.accumulate(lens, initial=0))
+        host = host_to_device([*starts, *lens, *cu], torch.long, device)
+        starts_t, lens_t, cu_t = host[:len(starts)], host[len(starts):2 * len(starts)], host[2 * len(starts):]
+        span = torch.repeat_interleave(torch.arange(len(lens), device=device), lens_t, output_size=cu[-1])
+        rows = starts_t[span] + torch.arange(cu[-1], device=device) - cu_t[span]
+        return cls(tuple(starts), tuple(lens), rows, cu_t.int(), cu_t[1:][span])
+
+    @classmethod
+    def packed(cls, cu_seqlens: torch.Tensor, lens: tuple[int, ...]) -> RowSpans:
+        """Spans that tile the rows in order (a packed varlen batch; `lens` its cu_seqlens' differences)."""
+        return cls.build(tuple(itertools.accumulate(lens, initial=0))[:-1], lens, cu_seqlens.device)
+
+
 @functools.lru_cache(maxsize=16)
 def fla_cu_seqlens(seq_lens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefill spans' offsets from 0, on the device and on the host. FLA builds its chunk indices

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hypic.cache.segment_store import SegmentStore
+from hypic.cache.segment_store import SegmentStore, TupleStaging
 from hypic.kernels.compose import CachedPieces, StateCheckpoints
-from hypic.kernels.varlen import StateSpans
+from hypic.kernels.varlen import RowSpans, StateSpans
 
 
 @dataclass
@@ -105,27 +105,41 @@ class TupleSoFar:
 @dataclass
 class Capture:
     """Cold segments of the step: where their interiors' rows in this step and conv tails sit in the
-    flat batch, and the tuples captured from them layer by layer (composed after `priors`)."""
+    flat batch, and their tuples captured layer by layer (composed after `priors`): the tuples of the
+    jobs whose interior ends in this step straight into `staged`, in the pool's layout and dtypes; the
+    others' (T, S0) in float32, to compose with their next chunk's."""
 
     jobs: tuple[int, ...]  # [J] the step's sequence index of each capturing job
     identity_T: tuple[bool, ...]  # [J] whether job j stores T = I (naive; only at its interior's end)
     priors: tuple[TupleSoFar | None, ...]  # [J] the tuple of the interior rows of job j's earlier chunks
     ends: tuple[bool, ...]  # [J] whether job j's interior ends in this step (its tuple is complete)
-    rows: torch.Tensor  # [R] interior token rows of this step, job after job
-    cu_seqlens: torch.Tensor  # [J+1] int32 offsets into rows
-    seq_lens: tuple[int, ...]  # [J] interior rows of each job in this step, on the host
+    spans: RowSpans  # [J] interior rows of each job in this step (consecutive rows of its chunk)
     tail_rows: torch.Tensor  # [E, W-1] rows of the pre-conv inputs just before each ending interior's end
-    T: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, HV, *t_shape]
-    S0: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, HV, K, V]
-    conv_tail: list[torch.Tensor] = field(default_factory=list)  # per linear layer [E, conv_dim, W-1]
-    K: list[torch.Tensor] = field(default_factory=list)  # per full layer [R, Hkv, D] pre-RoPE
-    V: list[torch.Tensor] = field(default_factory=list)  # empty when K is V (MLA latents)
+    staged: TupleStaging  # the E ending jobs' tuples, in order; K/V of every job's interior rows
+    ending: torch.Tensor | None  # [E] the ending jobs among the J (None: all of them)
+    T: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, HV, *t_shape], if a job goes on
+    S0: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, HV, K, V], if a job goes on
+    full_layers: int = 0  # full layers captured so far
+
+    def add_linear(self, linear_index: int, T: torch.Tensor, S0: torch.Tensor, conv_in: torch.Tensor) -> None:
+        """A linear layer's (T, S0) of every job (float32, composed after the priors) and its pre-conv
+        input [N, conv_dim]: one copy per part for all the ending jobs."""
+        st = self.staged
+        st.part(0, linear_index).copy_(T if self.ending is None else T[self.ending])
+        st.part(1, linear_index).copy_(S0 if self.ending is None else S0[self.ending])
+        st.part(2, linear_index).copy_(conv_in[self.tail_rows].transpose(1, 2))
+        if self.ending is not None:
+            self.T.append(T)
+            self.S0.append(S0)
 
     def add_full(self, k_pre_rope: torch.Tensor, v: torch.Tensor | None) -> None:
-        """A full layer's interior K (before RoPE) and V; v None: the K rows are the values too."""
-        self.K.append(k_pre_rope[self.rows])
-        if v is not None:
-            self.V.append(v[self.rows])
+        """A full layer's interior K (before RoPE) and V, gathered into the staging; v None: the K rows
+        are the values too."""
+        kv, rows = self.staged.kv, self.spans.rows
+        for which, x in enumerate((k_pre_rope, v) if v is not None else (k_pre_rope,)):
+            dst = kv[:, self.full_layers, which]
+            torch.index_select(x.reshape(x.shape[0], *dst.shape[1:]), 0, rows, out=dst)
+        self.full_layers += 1
 
     def layer_priors(self, linear_index: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Each job's (T, S0) so far at one linear layer (None: its interior starts in this step)."""

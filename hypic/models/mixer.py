@@ -93,8 +93,5 @@ class LinearMixer(nn.Module, ABC):
 
     def _capture(self, pic: PicStep, conv_in: torch.Tensor, x: Operands, linear_index: int) -> None:
         c = pic.capture
-        T, S0 = pic_layer.segment_tuple(self.shape.family, x, c.rows, c.cu_seqlens, c.seq_lens, c.identity_T,
-                                        c.layer_priors(linear_index))
-        c.T.append(T)
-        c.S0.append(S0)
-        c.conv_tail.append(pic_layer.conv_tail(conv_in, c.tail_rows))
+        T, S0 = pic_layer.segment_tuple(self.shape.family, x, c.spans, c.identity_T, c.layer_priors(linear_index))
+        c.add_linear(linear_index, T, S0, conv_in)

@@ -23,7 +23,6 @@ from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.sequence import RequestInfo, Sequence
 from hypic.kernels.host_copy import host_to_device
 from hypic.kernels.scatter_kv import scatter_kv
-from hypic.engine.pic.state import PicState
 from hypic.models.batch import Capture, TupleSoFar
 from hypic.sampling_params import SamplingParams
 
@@ -102,14 +101,19 @@ class PicAssembler:
         if capture is None:
             return []
         done, ending = [], itertools.count()
-        starts = itertools.accumulate(capture.seq_lens, initial=0)
+        starts = itertools.accumulate(capture.spans.lens, initial=0)
         for j, (i, start) in enumerate(zip(capture.jobs, starts)):
             pic = batch.chunks[i].seq.pic
-            _keep(pic, capture, j, start)
-            if capture.ends[j]:
-                stored = self.store.put(pic.job.key, _complete(pic, capture.conv_tail, next(ending)))
-                self._wake(pic.job.key, stored)
-                done.append((self.jobs.pop(pic.job.key), stored))
+            kv = [*([] if capture.priors[j] is None else pic.captured_kv),
+                  capture.staged.kv[start:start + capture.spans.lens[j]]]
+            if not capture.ends[j]:  # its next chunk composes after this one's (T, S0)
+                pic.captured = TupleSoFar([t[j] for t in capture.T], [s[j] for s in capture.S0])
+                pic.captured_kv = [*kv[:-1], kv[-1].clone()]  # a copy: the step's staging is let go
+                continue
+            stored = self.store.put_staged(pic.job.key, pic.job.interior, capture.staged.fixed[next(ending)], kv)
+            pic.captured, pic.captured_kv = None, []
+            self._wake(pic.job.key, stored)
+            done.append((self.jobs.pop(pic.job.key), stored))
         return done
 
     def start_job(self, job: SegmentJob) -> Sequence:
@@ -186,21 +190,3 @@ class PicAssembler:
             k_cache, v_cache = self.caches.kv(layer_id)
             scatter_kv(self.store.model_src, self.store.kv_at_layer(src, full_index), positions, k_cache, v_cache,
                        dst, self.inv_freq, self.store.layout.v_offset)
-
-
-def _keep(pic: PicState, capture: Capture, j: int, start: int) -> None:
-    """Job j's tuple over its interior so far, and this step's K/V rows of it."""
-    end = start + capture.seq_lens[j]
-    kv = ([k[start:end] for k in capture.K], [v[start:end] for v in capture.V])
-    pic.captured_kv = [kv] if capture.priors[j] is None else [*pic.captured_kv, kv]
-    pic.captured = TupleSoFar([t[j] for t in capture.T], [s[j] for s in capture.S0])
-
-
-def _complete(pic: PicState, conv_tails: list[torch.Tensor], e: int) -> SegmentTuple:
-    """The whole interior's tuple (the job's capture ended in this step, its e-th ending one)."""
-    ks, vs = zip(*pic.captured_kv)
-    tup = SegmentTuple(interior=pic.job.interior, T=pic.captured.T, S0=pic.captured.S0,
-                       conv_tail=[c[e] for c in conv_tails], K=[torch.cat(parts) for parts in zip(*ks)],
-                       V=[torch.cat(parts) for parts in zip(*vs)])
-    pic.captured, pic.captured_kv = None, []
-    return tup

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from hypic.cache.segment_store import SegmentKey
 from hypic.engine.pic.pieces import Cached
 from hypic.engine.pic.plan import SegmentJob
@@ -20,7 +22,7 @@ class PicState:
     awaiting: set[SegmentKey] = field(default_factory=set)  # cold segments the sequence waits for
     job: SegmentJob | None = None  # set on the isolated prefill of a cold segment (no sampling)
     captured: TupleSoFar | None = None  # a job's (T, S0) over the interior its chunks computed so far
-    captured_kv: list[tuple[list, list]] = field(default_factory=list)  # per such chunk: (K, V) per full layer
+    captured_kv: list[torch.Tensor] = field(default_factory=list)  # per such chunk: [n, n_full, kv, Hkv, D] K/V rows
 
     @property
     def blocked(self) -> bool:

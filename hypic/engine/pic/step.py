@@ -7,11 +7,11 @@ import itertools
 
 import torch
 
-from hypic.cache.segment_store import SegmentStore
+from hypic.cache.segment_store import SegmentLayout, SegmentStore, TupleStaging
 from hypic.engine.pic.pieces import walk_length
 from hypic.kernels.compose import CachedPieces, StateCheckpoints
 from hypic.kernels.host_copy import host_to_device
-from hypic.kernels.varlen import StateSpans
+from hypic.kernels.varlen import RowSpans, StateSpans
 from hypic.models.batch import Assembly, Capture, PicStep
 
 
@@ -20,7 +20,7 @@ def build_pic_step(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, st
     """The PIC part of a step over the segment store `store`; None when no chunk needs one."""
     width = store.layout.conv_kernel
     assembly = build_assembly(chunks, seq_lens, num_decodes, width, device)
-    capture = build_capture(chunks, seq_lens, width, device)
+    capture = build_capture(chunks, seq_lens, store.layout, device)
     if assembly is None and capture is None:
         return None
     return PicStep(assembly, capture, store)
@@ -102,10 +102,11 @@ def _splice(chunks: list, cu: list[int], seq_lens: tuple[int, ...], width: int):
     return index, keep, lens
 
 
-def build_capture(chunks: list, seq_lens: tuple[int, ...], conv_width: int,
+def build_capture(chunks: list, seq_lens: tuple[int, ...], layout: SegmentLayout,
                   device: torch.device) -> Capture | None:
     """The interior rows each cold job's chunk holds (a long segment is prefilled chunk by chunk; the
-    scheduler never cuts inside its last W-1 interior tokens, so its conv tail lies in one chunk)."""
+    scheduler never cuts inside its last W-1 interior tokens, so its conv tail lies in one chunk), and
+    the staging its layers capture the ending jobs' tuples into."""
     cu = [0, *itertools.accumulate(seq_lens)]
     jobs = [(i, c.seq.pic.job, c.chunk, c.seq.pic.captured) for i, c in enumerate(chunks)
             if c.seq.pic.job is not None and _interior_rows(c.seq.pic.job, c.chunk) is not None]
@@ -113,15 +114,17 @@ def build_capture(chunks: list, seq_lens: tuple[int, ...], conv_width: int,
         return None
     spans = [_interior_rows(job, chunk) for _, job, chunk, _ in jobs]
     ends = tuple(chunk.end >= job.interior[1] for _, job, chunk, _ in jobs)
-    rows = [cu[i] + r - chunk.start for (i, _, chunk, _), (a, b) in zip(jobs, spans) for r in range(a, b)]
-    tails = [[cu[i] + job.interior[1] - chunk.start - conv_width + 1 + t for t in range(conv_width - 1)]
+    width = layout.conv_kernel
+    tails = [[cu[i] + job.interior[1] - chunk.start - width + 1 + t for t in range(width - 1)]
              for (i, job, chunk, _), end in zip(jobs, ends) if end]
-    lens = tuple(b - a for a, b in spans)
+    rows = RowSpans.build(tuple(cu[i] + a - chunk.start for (i, _, chunk, _), (a, _) in zip(jobs, spans)),
+                          tuple(b - a for a, b in spans), device)
     return Capture(jobs=tuple(i for i, *_ in jobs),
                    identity_T=tuple(job.identity_T and end for (_, job, _, _), end in zip(jobs, ends)),
                    priors=tuple(None if chunk.start <= job.interior[0] else so_far for _, job, chunk, so_far in jobs),
-                   ends=ends, rows=_long(rows, device), cu_seqlens=_cumsum(lens, device), seq_lens=lens,
-                   tail_rows=_long(tails, device).reshape(len(tails), conv_width - 1))
+                   ends=ends, spans=rows, tail_rows=_long(tails, device).reshape(len(tails), width - 1),
+                   staged=TupleStaging(layout, len(tails), rows.rows.numel(), device),
+                   ending=None if all(ends) else _long([j for j, end in enumerate(ends) if end], device))
 
 
 def _interior_rows(job, chunk) -> tuple[int, int] | None:

@@ -1,0 +1,234 @@
+"""What a cold step's tuple capture adds, op by op, at the Nemotron 3 Nano shape (issue 24), on the CPU.
+
+One step of J cold segments (default 8 x 2048 tokens, seam 8: what bench_pic's tuple overhead runs)
+goes through the capture path on meta tensors that say they are CUDA ones (real shapes, dtypes and the
+GPU code path; no data, no GPU), and a dispatch mode counts its aten ops, its dtype conversions
+and the bytes they read and write (from the shapes; views move nothing): per Mamba2 layer (`T`, `S0`,
+conv tail), per attention layer (interior K and V) and per step (storing the tuples in the pool).
+The plain forward's own ops are not run: everything counted is what the capture adds to it.
+
+    python scripts/capture_cost.py --label after
+    git archive 5ac4923 | tar -x -C /tmp/before && echo 5ac4923 > /tmp/before/COMMIT
+    PYTHONPATH=/tmp/before python scripts/capture_cost.py --label before
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+from pathlib import Path
+
+import torch
+from bench_engine import shape_config
+from results import result_path, write_labelled_run
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hypic
+from hypic.cache import segment_store
+from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentStore
+from hypic.engine.pic.plan import SegmentJob
+from hypic.engine.pic.state import PicState
+from hypic.kernels import varlen
+from hypic.kernels.varlen import Operands
+from hypic.models.batch import Capture, PicStep
+from hypic.models.mamba2 import Mamba2Mixer
+from hypic.models.mamba2_config import Mamba2HybridConfig
+
+DTYPE = torch.bfloat16
+GPU = "meta"
+FREE_OPS = {"aten.lift_fresh.default", "prim.device.default"}  # bookkeeping, no kernel
+
+
+class CudaLike(torch.Tensor):
+    """A meta tensor the code takes for a CUDA one (the ops computed from it are CudaLike too)."""
+
+    is_cuda = property(lambda self: True)
+
+
+def gpu_empty(*shape: int, dtype: torch.dtype = DTYPE) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device=GPU).as_subclass(CudaLike)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten op that launches work (views excluded), with the bytes it reads and writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.bytes: dict[str, list[int]] = {}  # per op: bytes read, written
+        self.read = self.written = self.conversions = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = str(func)
+        if func.is_view or name in FREE_OPS or name.startswith("aten.empty") or name.startswith("aten._unsafe_view"):
+            return out
+        inputs = _tensors(list(args)) + _tensors([v for key, v in kwargs.items() if key != "out"])
+        outputs = _tensors([out])
+        read, written = _read_bytes(name, inputs, outputs), sum(_nbytes(t) for t in outputs)
+        self.ops[name] += 1
+        self.bytes[name] = [a + b for a, b in zip(self.bytes.get(name, (0, 0)), (read, written))]
+        self.read, self.written = self.read + read, self.written + written
+        self.conversions += _converts(name, inputs, outputs)
+        return out
+
+    def summary(self) -> dict:
+        by_op = {name: {"calls": count, "MB_read": round(self.bytes[name][0] / 1e6, 2),
+                        "MB_written": round(self.bytes[name][1] / 1e6, 2)} for name, count in self.ops.most_common()}
+        return {"ops": sum(self.ops.values()), "bytes_read": self.read, "bytes_written": self.written,
+                "dtype_conversions": self.conversions, "by_op": by_op}
+
+
+def _tensors(values: list) -> list[torch.Tensor]:
+    flat = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            flat.append(value)
+        elif isinstance(value, (list, tuple)):
+            flat += _tensors(list(value))
+    return flat
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _read_bytes(name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
+    """Gathers read as many source bytes as they write (plus the index); a copy reads its source only."""
+    if name.startswith(("aten.index", "aten.gather")):
+        return sum(_nbytes(t) for t in outputs) + sum(_nbytes(t) for t in inputs[1:])
+    if name.startswith("aten.copy_"):
+        return _nbytes(inputs[1])
+    return sum(_nbytes(t) for t in inputs)
+
+
+def _converts(name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
+    if name.startswith("aten._to_copy") or name.startswith("aten.copy_"):
+        source = inputs[1] if name.startswith("aten.copy_") else inputs[0]
+        return int(source.dtype != outputs[0].dtype)
+    return 0
+
+
+def nemotron() -> tuple[Mamba2HybridConfig, SegmentLayout]:
+    config = Mamba2HybridConfig.from_dict(shape_config("nemotron3_nano", 32768))
+    with torch.device("meta"):
+        mixer = Mamba2Mixer(config)
+    num_full = config.blocks.count(Mamba2HybridConfig.FULL)
+    linear = (mixer.shape,) * config.blocks.count(Mamba2HybridConfig.LINEAR)
+    return config, SegmentLayout(linear, num_full, config.num_key_value_heads, config.head_dim, DTYPE, DTYPE)
+
+
+def cold_step(config: Mamba2HybridConfig, layout: SegmentLayout, jobs: int, length: int, seam: int) -> dict:
+    """The counts of one step of `jobs` cold segments of `length` tokens each."""
+    with torch.device("meta"):
+        mixer = Mamba2Mixer(config)
+    n = jobs * length
+    store = SegmentStore(layout, jobs * layout.entry_bytes(length), GPU)
+    capture, pics = (build if STAGED else build_before)(layout, jobs, length, seam)
+    pic = PicStep(None, capture, store)
+    conv_out = gpu_empty(n, mixer.conv_dim)
+    _, b, c = mixer.split(conv_out)
+    x = Operands(c, b, gpu_empty(n, mixer.num_heads, mixer.head_dim),
+                 gpu_empty(n, mixer.num_heads, dtype=torch.float32), None)
+    conv_in = gpu_empty(n, mixer.conv_dim)
+    qkv = gpu_empty(n, (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim)
+    q_size = config.num_attention_heads * config.head_dim
+    kv = qkv.narrow(1, q_size, qkv.shape[1] - q_size).unflatten(1, (2, config.num_key_value_heads,
+                                                                    config.head_dim))
+    counts = {}
+    with OpCounter() as counter:
+        mixer._capture(pic, conv_in, x, 0)
+    counts["per_mamba2_layer"] = counter.summary()
+    for index in range(1, layout.num_linear):  # the other layers, uncounted: storing needs them all
+        mixer._capture(pic, conv_in, x, index)
+    with OpCounter() as counter:
+        capture.add_full(kv[:, 0], kv[:, 1])
+    counts["per_attention_layer"] = counter.summary()
+    for _ in range(1, layout.num_full):
+        capture.add_full(kv[:, 0], kv[:, 1])
+    with OpCounter() as counter:
+        (store_all if STAGED else store_all_before)(capture, pics, store)
+    counts["per_step_store"] = counter.summary()
+    return counts
+
+
+def cold_jobs(layout: SegmentLayout, jobs: int, length: int, seam: int) -> tuple[list[PicState], list[list[int]]]:
+    """The jobs' states (one chunk each, rows job after job) and the flat rows of their conv tails."""
+    width, interior = layout.conv_kernel, (max(seam, layout.conv_kernel - 1), length - seam)
+    pics = []
+    for j in range(jobs):
+        pics.append(PicState())
+        pics[-1].job = SegmentJob(SegmentKey(bytes([j]) * 16, None), (0,) * length, interior, False)
+    return pics, [[j * length + interior[1] - width + 1 + t for t in range(width - 1)] for j in range(jobs)]
+
+
+def build(layout: SegmentLayout, jobs: int, length: int, seam: int) -> tuple[Capture, list[PicState]]:
+    """The Capture `hypic.engine.pic.step.build_capture` makes for `jobs` cold segments, one chunk each."""
+    pics, tails = cold_jobs(layout, jobs, length, seam)
+    (start, end), flags = pics[0].job.interior, (False,) * jobs
+    spans = varlen.RowSpans.build(tuple(j * length + start for j in range(jobs)), (end - start,) * jobs, GPU)
+    return Capture(jobs=tuple(range(jobs)), identity_T=flags, priors=(None,) * jobs, ends=(True,) * jobs,
+                   spans=spans, tail_rows=torch.tensor(tails, device=GPU),
+                   staged=segment_store.TupleStaging(layout, jobs, jobs * (end - start), GPU), ending=None), pics
+
+
+def store_all(capture: Capture, pics: list[PicState], store: SegmentStore) -> None:
+    """What `PicAssembler.after_step` does with a step's capture: store each job's staged tuple."""
+    starts = itertools.accumulate(capture.spans.lens, initial=0)
+    for j, start in zip(range(len(pics)), starts):
+        kv = capture.staged.kv[start:start + capture.spans.lens[j]]
+        store.put_staged(pics[j].job.key, pics[j].job.interior, capture.staged.fixed[j], [kv])
+
+
+# The tree before issue 24's change (main at 5ac4923: `--tree` an export of it, put first on PYTHONPATH)
+# kept float32 tuples per layer and copied them part by part into the pool after the step.
+
+def build_before(layout: SegmentLayout, jobs: int, length: int, seam: int) -> tuple[Capture, list[PicState]]:
+    pics, tails = cold_jobs(layout, jobs, length, seam)
+    (start, end), lens = pics[0].job.interior, (pics[0].job.interior[1] - pics[0].job.interior[0],) * jobs
+    rows = [j * length + r for j in range(jobs) for r in range(start, end)]
+    return Capture(jobs=tuple(range(jobs)), identity_T=(False,) * jobs, priors=(None,) * jobs, ends=(True,) * jobs,
+                   rows=torch.tensor(rows, device=GPU), seq_lens=lens, tail_rows=torch.tensor(tails, device=GPU),
+                   cu_seqlens=torch.tensor(list(itertools.accumulate(lens, initial=0)), dtype=torch.int32,
+                                           device=GPU)), pics
+
+
+def store_all_before(capture: Capture, pics: list[PicState], store: SegmentStore) -> None:
+    from hypic.engine.pic import assembly
+    starts = itertools.accumulate(capture.seq_lens, initial=0)
+    for j, start in zip(range(len(pics)), starts):
+        assembly._keep(pics[j], capture, j, start)
+        store.put(pics[j].job.key, assembly._complete(pics[j], capture.conv_tail, j))
+
+
+STAGED = "staged" in Capture.__dataclass_fields__  # the tree on the path has this issue's capture
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--label", required=True, help="before | after")
+    parser.add_argument("--jobs", type=int, default=8)
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--seam", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=result_path("capture_cost", "cpu", "nemotron3_nano"))
+    args = parser.parse_args()
+    args.tree = Path(hypic.__file__).resolve().parents[1]  # the tree measured: the hypic on the path
+    config, layout = nemotron()
+    counts = cold_step(config, layout, args.jobs, args.length, args.seam)
+    per_step = {key: counts["per_mamba2_layer"][key] * layout.num_linear
+                + counts["per_attention_layer"][key] * layout.num_full + counts["per_step_store"][key]
+                for key in ("ops", "bytes_read", "bytes_written", "dtype_conversions")}
+    results = {"shape": f"{args.jobs}x{args.length}", "seam": args.seam, "mamba2_layers": layout.num_linear,
+               "attention_layers": layout.num_full, **counts, "per_step": per_step}
+    for part in ("per_mamba2_layer", "per_attention_layer", "per_step_store"):
+        c = counts[part]
+        print(f"{part:20s} {c['ops']:6d} ops  {c['bytes_read'] / 1e6:9.1f} MB read  "
+              f"{c['bytes_written'] / 1e6:9.1f} MB written  {c['dtype_conversions']:4d} conversions")
+    print(f"{'per_step':20s} {per_step['ops']:6d} ops  {per_step['bytes_read'] / 1e6:9.1f} MB read  "
+          f"{per_step['bytes_written'] / 1e6:9.1f} MB written  {per_step['dtype_conversions']:4d} conversions")
+    write_labelled_run(args, "capture_cost", [], results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""A GPU engine step waits for the device once: the read of its sampled ids (issue 29). Every other
+host sync in a prefill or decode step (a pageable copy, .item(), .tolist(), nonzero, ...) would
+stop the host from queueing the step's work ahead of the GPU; torch's sync debug mode names them.
+Constrained steps too: their grammar masks reach the GPU in pinned copies (issue 25)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hypic import EngineConfig, SamplingParams
+from hypic.engine.llm_engine import LLMEngine
+from hypic.engine.pic.segments import SegmentedPrompt
+from hypic.kernels.host_copy import sync_sites
+from hypic.structured_outputs import StructuredOutputs
+
+pytestmark = pytest.mark.gpu
+
+PLAIN = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+FILTERED = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, repetition_penalty=1.2,
+                          presence_penalty=0.5, logit_bias={5: 2.0}, logprobs=3, ignore_eos=True)
+CONSTRAINED = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                             structured=StructuredOutputs("regex", "[a-z]{20}"))
+
+
+def submit(engine: LLMEngine, params: SamplingParams, rng: random.Random) -> None:
+    for length in (40, 75, 120):
+        ids = [rng.randrange(3, 250) for _ in range(length)]
+        engine.add_request(SegmentedPrompt.build(engine.tokenizer, ids, separator=engine.config.segment_separator),
+                           params)
+
+
+@pytest.mark.parametrize("params", [PLAIN, FILTERED, CONSTRAINED], ids=["greedy", "filtered", "constrained"])
+def test_prefill_and_decode_steps_read_the_device_once(tiny_moe_model_dir, params):
+    engine = LLMEngine(EngineConfig(model=str(tiny_moe_model_dir), device="cuda", cache_mode="none",
+                                    gpu_memory_utilization=0.3, max_num_seqs=4, segment_host_bytes=0))
+    rng = random.Random(0)
+    submit(engine, params, rng)  # a first round compiles, autotunes and picks tilings (syncs, once)
+    while engine.has_work():
+        engine.step()
+    submit(engine, params, rng)
+    torch.cuda.synchronize()
+    prefill = sync_sites(engine.step)  # the three prompts in one step
+    decodes = [sync_sites(engine.step) for _ in range(3)]  # CUDA-graph decode steps
+    assert engine.runner.graphs is not None and engine.runner.graphs.graphs
+    assert len(prefill) == 1, prefill
+    assert [len(d) for d in decodes] == [1, 1, 1], decodes
