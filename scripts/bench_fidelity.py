@@ -19,6 +19,7 @@ from hypic import EngineConfig, SamplingParams
 from hypic.config import SEGMENT_STATE_DTYPES
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
+from hypic.models.random_weights import slow_decay
 from results import device_label, result_path, run_record, variant
 
 
@@ -55,15 +56,6 @@ def measure(engine: LLMEngine, num_segments: int, segment_len: int, rng: random.
     return result
 
 
-def slow_down(model: torch.nn.Module) -> None:
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("A_log"):
-                param.fill_(-4.0)
-            elif name.endswith("dt_bias"):
-                param.fill_(-2.0)
-
-
 def build_engine(args: argparse.Namespace) -> LLMEngine:
     common = dict(seam_width=args.seam_width, segment_state_dtype=args.segment_state_dtype, max_model_len=16384,
                   max_num_batched_tokens=16384)
@@ -90,7 +82,7 @@ def main() -> None:
     args = parser.parse_args()
     engine = build_engine(args)
     if args.slow_decay:
-        slow_down(engine.model)
+        slow_decay(engine.model)
     rng = random.Random(0)
     result = {**run_record(),
               "device": torch.cuda.get_device_name() if args.shape else "cpu",

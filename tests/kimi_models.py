@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from hypic.models.random_weights import slow_decay as set_slow_decay
+
 COMMON = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
               kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
               intermediate_size=48, moe_intermediate_size=24, num_local_experts=8, num_experts_per_tok=3, n_group=4,
@@ -55,12 +57,7 @@ def make_model_dir(path, *, slow_decay: bool = False, eos_token_id: int = 2, **o
 
     model = make(eos_token_id=eos_token_id, **overrides)
     if slow_decay:
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("A_log"):
-                    param.fill_(-4.0)  # exp(A_log) = 0.018
-                elif name.endswith("dt_bias"):
-                    param.fill_(-2.0)  # softplus: 0.13, before the f projection's spread
+        set_slow_decay(model)
     save_checkpoint(model, path)
     write_byte_level(path, vocab_size=300)
     return path

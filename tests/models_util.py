@@ -19,6 +19,7 @@ from hypic.models.batch import ForwardBatch
 from hypic.models.config import HybridConfig
 from hypic.models.kimi_config import KimiLinearConfig
 from hypic.models.mamba2_config import Mamba2HybridConfig
+from hypic.models.random_weights import slow_decay  # noqa: F401 (the tests' name for it)
 from hypic.models.registry import MODEL_REGISTRY, load_model
 
 TOKENIZER_VOCAB = 300  # ids the tests feed; the model's vocab_size (320) is padded past it
@@ -227,17 +228,6 @@ def assert_decode_replays(model: torch.nn.Module, builder: BatchBuilder, batch: 
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(captured, eager, rtol=1e-3, atol=1e-3)
-
-
-def slow_decay(model: torch.nn.Module) -> None:
-    """Linear layers remember hundreds of tokens (random init forgets within a few), so that errors
-    early in a prompt still show in the final state: exp(A_log) = 0.018, softplus(dt_bias) ~ 0.13."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("A_log"):
-                param.fill_(-4.0)
-            elif name.endswith("dt_bias"):
-                param.fill_(-2.0)
 
 
 def mixed_steps_logits(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
