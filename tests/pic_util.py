@@ -159,4 +159,5 @@ def assert_gpu_engine_matches_cpu_engine(model_dir, mode: str) -> None:
             assert g.tokens == c.tokens
     # cold round: whether the second request finds the first one's segments already stored depends on
     # step timing (the H200 stored them first); the warm round serves every interior from the pool
-    assert [g.metrics.cached_tokens for g in gpu[1]] == [c.metrics.cached_tokens for c in cpu[1]]
+    by_kind = [[o.metrics.cached_tokens_by_kind for o in run[1]] for run in (gpu, cpu)]
+    assert [g.metrics.cached_tokens for g in gpu[1]] == [c.metrics.cached_tokens for c in cpu[1]], by_kind

@@ -57,7 +57,8 @@ def test_only_the_masked_rows_change() -> None:
 
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def engine(request) -> LLMEngine:
-    return LLMEngine(EngineConfig(device=request.param, max_model_len=256, cpu_cache_bytes=32 << 20, segment_host_bytes=0))
+    return LLMEngine(EngineConfig(device=request.param, max_model_len=256, cpu_cache_bytes=32 << 20, segment_host_bytes=0,
+                                  gpu_memory_utilization=0.2))
 
 
 def _prompt(engine: LLMEngine) -> SegmentedPrompt:
@@ -114,7 +115,7 @@ def test_prefetched_and_step_filled_masks_both_hold(engine) -> None:
     n=2 joins (filled when its step starts, in the same batch; the bitmask of two rows grows under the
     prefetch): every reply is one a fresh llguidance matcher accepts, and each ending with `stop` is complete."""
     engine = LLMEngine(EngineConfig(device=engine.device.type, max_model_len=256, cpu_cache_bytes=32 << 20,
-                                    segment_host_bytes=0))  # its own: a bitmask no earlier test has grown
+                                    segment_host_bytes=0, gpu_memory_utilization=0.2))  # its own: a bitmask no earlier test has grown
     constraint = StructuredOutputs("json", json.dumps({"type": "array", "items": {"type": "integer"}, "maxItems": 6}))
     tokens, reasons = {}, {}
     for name in ("a", "b"):
