@@ -39,6 +39,12 @@ GPU = "meta"
 FREE_OPS = {"aten.lift_fresh.default", "prim.device.default"}  # bookkeeping, no kernel
 
 
+def launches_work(func) -> bool:
+    """Whether an aten op moves data (views, allocations and bookkeeping launch nothing)."""
+    name = str(func)
+    return not (func.is_view or name in FREE_OPS or name.startswith(("aten.empty", "aten._unsafe_view")))
+
+
 class CudaLike(torch.Tensor):
     """A meta tensor the code takes for a CUDA one (the ops computed from it are CudaLike too)."""
 
@@ -62,7 +68,7 @@ class OpCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = str(func)
-        if func.is_view or name in FREE_OPS or name.startswith("aten.empty") or name.startswith("aten._unsafe_view"):
+        if not launches_work(func):
             return out
         inputs = _tensors(list(args)) + _tensors([v for key, v in kwargs.items() if key != "out"])
         outputs = _tensors([out])
