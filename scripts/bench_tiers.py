@@ -24,18 +24,22 @@ The result is written after each part (a timeout keeps what was measured). Each 
 the date, commit and command of the run that measured them; a run of some parts replaces those in an
 existing result file and keeps the others, so runs in several sessions build one file.
 
-What each part costs on the H200, estimated from the code (the printed phase lines give the real
-figures): the weights (for ttft, disk or qps) ~10 s: the shape's config through transformers, 70 GB
-of random bf16 made on the GPU. The first engine of a process ~20-40 s (its decode CUDA graphs'
-warm-ups compile kernels), the first prefill ~30-60 s more (prefill kernels compile and tune); a
-later engine ~15 s, plus ~7 s with a disk tier (it hashes the 70 GB of weights into the directory's
-identity). copy ~3 s. ttft ~60-110 s: one engine without a disk tier; per prompt shape 4 rounds
-(--repeats 3, + one unmeasured) of a pool hit, a push-out of ~30 filler entries, a host hit and a
-recompute, ~1 s a round. disk ~40 s after ttft (ttft's engine, now with a disk tier, also caches 4
-document sets per shape cold and writes ~15 GB; then the restart and 4 prompts per shape), ~100-150 s
-alone (a writer engine first, and the compiles). qps ~90 s after another part, ~150 s alone: two
-engines, each a start, a preheat of ~500 documents of 1k tokens (~15 s) and 5 rates x 32 requests
-(~10-20 s). So --parts copy,ttft ~90-130 s; disk or qps alone ~2-3 min; everything ~4-5 min.
+What each part costs on the H200, estimated from the code, not yet measured (the printed phase
+lines give the real figures). Before any part but copy: the weights, ~10 s (the shape's config
+through transformers, 70 GB of random bf16 made on the GPU, once per process). The first engine of a
+process starts in ~30 s (its CUDA graphs' warm-ups compile the decode kernels) and its first prefill
+takes ~1-2 min (flash-linear-attention's chunk kernels compile and autotune); a later engine starts
+in ~15 s, ~7 s more with a disk tier (it hashes the 70 GB of weights for the directory's identity).
+  copy  ~3 s (five 1 GiB copies each way).
+  ttft  ~2-2.5 min: one engine (no disk tier unless disk runs too), then per prompt shape a cold
+        prompt and 4 rounds (--repeats 3 + one unmeasured) of a pool hit, ~30 filler imports pushing
+        the documents to the host tier, a host hit and a recompute: ~1 s a round.
+  disk  ~1 min after ttft in the same process: ttft's engine (then with a disk tier) also prefills 4
+        document sets per shape and writes ~15 GB, synced before the restart; the restarted engine
+        serves 4 prompts per shape. Alone ~3-4 min: an engine of its own writes the sets first.
+  qps   ~1.5 min after another part, ~3-4 min alone: two engines, each a start, a preheat of ~500
+        documents of 1k tokens (~15 s) and 5 rates x 32 requests (~10-20 s).
+So --parts copy,ttft ~2-3 min; disk or qps alone ~3-4 min each; all parts in one run ~5-6 min.
 
     python scripts/bench_tiers.py --parts copy,ttft    # H200: bench/results/tiers_h200_qwen3_5_moe.json
     python scripts/bench_tiers.py --parts disk,qps     # another call: merged into the same file
@@ -73,7 +77,8 @@ from hypic.engine.client import InProcessEngineClient
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.setup import BUNDLED_MODEL, resolve_dtype, resolve_segment_state_dtype
 from hypic.engine.text.tokenizer import Tokenizer
-from hypic.models.registry import architecture, load_config, read_config_json
+from hypic.models.config import read_config_json
+from hypic.models.registry import architecture, load_config
 from hypic.serve.app import build_app, runner_for
 from hypic.serve.state import ServerSettings
 
@@ -281,7 +286,8 @@ def measure_tiers(engine: LLMEngine, shape: PromptShape, filler, rng: random.Ran
     """Median TTFT (s) from the pool, from the host tier and by recompute (each after one unmeasured
     round: kernels compile for the shape), and the entries' bytes."""
     first = shape.prompt(shape.warm, rng)
-    timed_request(engine, first, "hypic")  # cold: caches the documents
+    cold, _ = timed_request(engine, first, "hypic")
+    say(f"{shape.name:>8} cold prompt (caches the documents): {cold:.1f} s")
     keys, entry_bytes = entry_keys(engine, first)
     timings = Timings()
     for round_ in range(repeats + 1):
@@ -296,11 +302,12 @@ def measure_tiers(engine: LLMEngine, shape: PromptShape, filler, rng: random.Ran
 
 def cache_disk_sets(engine: LLMEngine, shape: PromptShape, rng: random.Random) -> list[SegmentKey]:
     """Prefill every disk set once (cold); their documents' keys."""
-    keys = []
+    keys, start = [], time.perf_counter()
     for docs in shape.disk:
         prompt = shape.prompt(docs, rng)
         timed_request(engine, prompt, "hypic")
         keys += entry_keys(engine, prompt)[0]
+    say(f"{shape.name:>8} {len(shape.disk)} disk sets prefilled cold in {time.perf_counter() - start:.1f} s")
     return keys
 
 
@@ -378,21 +385,32 @@ def ttft_and_disk(record: ResultFile, config: EngineConfig, args: argparse.Names
     settings = {"pool_bytes": args.pool_bytes, "host_bytes": args.host_bytes, "repeats": args.repeats,
                 "prompts": [f"{n}x{length}" for n, length in args.prompts]}
     if "ttft" in args.parts:
-        first_config = config if "disk" in args.parts else dataclasses.replace(config, segment_disk_dir=None)
-        with record.part("ttft", {**settings, "disk_tier": "disk" in args.parts}) as saved:
-            saved.update(first_engine(first_config, shapes, rng, args.parts, args.repeats))
-            host_to_device = record.data["parts"]["copy"]["copy_bytes_per_s"]["host_to_device"]  # this run's
-            for name, figures in saved["prompts"].items():
-                figures.update(host_target(name, figures, host_to_device))
-        free_memory()
+        ttft_part(record, config, args.parts, shapes, rng, settings)
     if "disk" in args.parts:
-        with record.part("disk", {**settings, "disk_bytes": args.disk_bytes}) as saved:
-            if "ttft" not in args.parts:
-                first_engine(config, shapes, rng, args.parts, args.repeats)
-                free_memory()
-            drop_from_page_cache(Path(config.segment_disk_dir))
-            saved.update(restarted_engine(config, shapes, rng))
-        free_memory()
+        disk_part(record, config, args, shapes, rng, settings)
+
+
+def ttft_part(record: ResultFile, config: EngineConfig, parts: tuple[str, ...], shapes: list[PromptShape],
+              rng: random.Random, settings: dict) -> None:
+    first_config = config if "disk" in parts else dataclasses.replace(config, segment_disk_dir=None)
+    rate = record.data["parts"]["copy"]["copy_bytes_per_s"]["host_to_device"]  # this run's: ttft brings copy
+    with record.part("ttft", {**settings, "disk_tier": "disk" in parts}) as saved:
+        saved.update(first_engine(first_config, shapes, rng, parts, settings["repeats"]))
+        saved["host_to_device_bytes_per_s"] = rate  # beside the targets it made (a copy-only run replaces copy's)
+        for name, figures in saved["prompts"].items():
+            figures.update(host_target(name, figures, rate))
+    free_memory()
+
+
+def disk_part(record: ResultFile, config: EngineConfig, args: argparse.Namespace, shapes: list[PromptShape],
+              rng: random.Random, settings: dict) -> None:
+    with record.part("disk", {**settings, "disk_bytes": args.disk_bytes}) as saved:
+        if "ttft" not in args.parts:  # ttft's engine wrote the disk sets when it ran
+            first_engine(config, shapes, rng, args.parts, args.repeats)
+            free_memory()
+        drop_from_page_cache(Path(config.segment_disk_dir))
+        saved.update(restarted_engine(config, shapes, rng))
+    free_memory()
 
 
 def free_memory() -> None:
@@ -492,19 +510,24 @@ def main(argv: list[str] | None = None) -> dict:
     record = ResultFile(args.out or result_path("tiers", device_label(device), header["shape"]), header, args.parts)
     say(f"bench_tiers on {device}, {header['shape']}: parts {','.join(args.parts)}")
     with tempfile.TemporaryDirectory(prefix="hypic-tiers-", dir=args.disk_dir) as disk_dir:
-        if "copy" in args.parts:
-            with record.part("copy", {"bytes_per_copy": COPY_BYTES[args.device]}) as saved:
-                saved["copy_bytes_per_s"] = copy_rates(torch.device(args.device), COPY_BYTES[args.device])
-        if set(args.parts) - {"copy"}:
-            with phase("weights"):
-                config, model = engine_config(args, disk_dir)
-        if {"ttft", "disk"} & set(args.parts):
-            ttft_and_disk(record, config, args)
-        if "qps" in args.parts:
-            with record.part("qps", qps_settings(args)) as saved:
-                saved.update(corpus_qps(config, args, model))
+        run_parts(record, args, disk_dir)
     report(record.data)
     return record.data
+
+
+def run_parts(record: ResultFile, args: argparse.Namespace, disk_dir: str) -> None:
+    if "copy" in args.parts:
+        with record.part("copy", {"bytes_per_copy": COPY_BYTES[args.device]}) as saved:
+            saved["copy_bytes_per_s"] = copy_rates(torch.device(args.device), COPY_BYTES[args.device])
+    if args.parts == ("copy",):
+        return
+    with phase("weights"):
+        config, model = engine_config(args, disk_dir)
+    if {"ttft", "disk"} & set(args.parts):
+        ttft_and_disk(record, config, args)
+    if "qps" in args.parts:
+        with record.part("qps", qps_settings(args)) as saved:
+            saved.update(corpus_qps(config, args, model))
 
 
 def report(data: dict) -> None:
