@@ -167,7 +167,8 @@ class ResultFile:
         figures: dict = {}
         with phase(name) as clock:
             yield figures
-            self.data["parts"][name] = {**self.run, "wall_s": clock(), "settings": settings, **figures}
+            done = {**self.data["parts"], name: {**self.run, "wall_s": clock(), "settings": settings, **figures}}
+            self.data["parts"] = {part: done[part] for part in PARTS if part in done}
             self.data["parts_run"].append(name)
             bench_report.write_json(self.path, self.data)
             say(f"wrote {self.path} ({', '.join(self.data['parts_run'])} of this run)")
