@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hypic.config import EngineConfig
+from hypic.engine import structured
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.sampler import Sampler, SamplingRow, TokenMask
@@ -57,8 +58,8 @@ def test_only_the_masked_rows_change() -> None:
 
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def engine(request) -> LLMEngine:
-    return LLMEngine(EngineConfig(device=request.param, max_model_len=256, cpu_cache_bytes=32 << 20, segment_host_bytes=0,
-                                  gpu_memory_utilization=0.2))
+    return LLMEngine(EngineConfig(device=request.param, max_model_len=256, cpu_cache_bytes=32 << 20,
+                                  segment_host_bytes=0, gpu_memory_utilization=0.2))
 
 
 def _prompt(engine: LLMEngine) -> SegmentedPrompt:
@@ -115,7 +116,7 @@ def test_prefetched_and_step_filled_masks_both_hold(engine) -> None:
     n=2 joins (filled when its step starts, in the same batch; the bitmask of two rows grows under the
     prefetch): every reply is one a fresh llguidance matcher accepts, and each ending with `stop` is complete."""
     engine = LLMEngine(EngineConfig(device=engine.device.type, max_model_len=256, cpu_cache_bytes=32 << 20,
-                                    segment_host_bytes=0, gpu_memory_utilization=0.2))  # its own: a bitmask no earlier test has grown
+                                    segment_host_bytes=0, gpu_memory_utilization=0.2))  # a bitmask no test has grown
     constraint = StructuredOutputs("json", json.dumps({"type": "array", "items": {"type": "integer"}, "maxItems": 6}))
     tokens, reasons = {}, {}
     for name in ("a", "b"):
@@ -147,3 +148,21 @@ def test_the_bitmask_is_one_buffer_reused_every_step(engine, monkeypatch) -> Non
     _run(engine, [SamplingParams(max_tokens=12, seed=s, structured=constraint) for s in range(2)])
     assert len(buffers) == 1
 
+
+
+def test_a_grammar_compiles_once_per_mask_thread_and_completions_take_copies_in_turn(engine, monkeypatch) -> None:
+    """Copies of one llguidance matcher share its lexer behind a lock, so their masks are computed one at
+    a time: five completions of one grammar with two mask threads copy two compiled matchers, and every
+    reply holds to the grammar."""
+    monkeypatch.setattr(structured, "MASK_THREADS", 2)
+    compiled, compile_one = [], engine.structured._new_matcher
+    monkeypatch.setattr(engine.structured, "_new_matcher",
+                        lambda grammar: compiled.append(grammar) or compile_one(grammar))
+    constraint = StructuredOutputs("regex", "[a-c]{3}x[0-9]{2}")  # a grammar no other test compiled
+    tokens = _run(engine, [SamplingParams(max_tokens=12, seed=s, structured=constraint) for s in range(5)])
+    assert compiled == [constraint.grammar()] * 2
+    tokenizer = llguidance.LLTokenizer((engine.model_dir / "tokenizer.json").read_text(),
+                                       n_vocab=engine.tokenizer.vocab_size, eos_token=sorted(engine.eos_ids))
+    for ids in tokens.values():
+        matcher = llguidance.LLMatcher(tokenizer, constraint.grammar())
+        assert matcher.consume_tokens(ids) and matcher.is_accepting(), matcher.get_error()

@@ -2,8 +2,11 @@
 
 - Grammars compile once per distinct grammar text (an LRU of compiled matchers), on a thread of
   their own, started when the request is added; its prefill runs meanwhile.
-- Each constrained completion has its own matcher (a copy of the compiled one). Forks happen before
-  the first token, so a fork starts from the compiled matcher's initial state like its parent.
+- Each constrained completion has its own matcher, a copy of one of the grammar's compiled matchers.
+  Copies of one matcher share its lexer state behind a lock (llguidance's `deep_copy` leaves it
+  shared), so their masks are computed one at a time: a grammar is compiled up to once per mask
+  thread (a compile is ~1 ms for a JSON schema) and completions take copies of each in turn. Forks
+  happen before the first token, so a fork starts from the initial state like its parent.
 - Masks are filled by llguidance's parallel executor on a thread of their own, into rows of one
   bitmask buffer reused every step (pinned on CUDA): no host tensor op on the engine thread, where a
   busy host made small ones cost milliseconds. A completion's next mask is started as soon as it
@@ -17,8 +20,9 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -33,6 +37,8 @@ from hypic.structured_outputs import StructuredOutputs
 
 logger = logging.getLogger("hypic")
 _CACHED_GRAMMARS = 256
+# llguidance's own default for its mask threads: 80 % of the CPUs, at most 32
+MASK_THREADS = min(32, max(1, (os.cpu_count() or 1) * 4 // 5))
 
 
 @dataclass
@@ -53,6 +59,25 @@ class _Constrained:
         if self.matcher is None:
             self.matcher = self.compiled.result().deep_copy()
         return self.matcher
+
+
+class _Grammar:
+    """One grammar's compiled matchers: the first compiled at once (beside the request's prefill), up to
+    `width` as completions need them; the i-th completion copies matcher i mod width."""
+
+    def __init__(self, compile_one: Callable[[], Future], width: int) -> None:
+        self._compile_one, self._width = compile_one, width
+        self._compiled, self._taken = [compile_one()], 0
+
+    def take(self) -> Future:
+        if self._taken == len(self._compiled) < self._width and not self._failed():
+            self._compiled.append(self._compile_one())
+        compiled, self._taken = self._compiled[self._taken % len(self._compiled)], self._taken + 1
+        return compiled
+
+    def _failed(self) -> bool:
+        """The grammar is known not to compile for this tokenizer: no point compiling it again."""
+        return self._compiled[0].done() and self._compiled[0].result().is_error()
 
 
 class PendingMasks:
@@ -80,12 +105,12 @@ class StructuredDecoding:
         # built on the compiler's thread: the first compile waits for it, the engine never does
         self._tokenizer = self._compiler.submit(
             llguidance.LLTokenizer, tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_ids))
-        self._executor = llguidance.LLExecutor()
+        self._executor = llguidance.LLExecutor(MASK_THREADS)
         self._bitmask = torch.empty((0, self.words), dtype=torch.int32)
         self._ahead: dict[_Key, int] = {}  # the last prefetch: completion -> its bitmask row
         self._last: Future | None = None  # the last fill queued
-        self._compiled: OrderedDict[str, Future] = OrderedDict()
-        self._requests: dict[str, tuple[Future, dict[int, _Constrained]]] = {}  # compiled, per completion
+        self._compiled: OrderedDict[str, _Grammar] = OrderedDict()
+        self._requests: dict[str, tuple[_Grammar, dict[int, _Constrained]]] = {}  # grammar, per completion
 
     def add(self, request_id: str, structured: StructuredOutputs | None) -> None:
         if structured is not None:
@@ -164,10 +189,10 @@ class StructuredDecoding:
         self._bitmask = grown
 
     def _state(self, seq: Sequence) -> _Constrained:
-        compiled, states = self._requests[seq.info.request_id]
+        grammar, states = self._requests[seq.info.request_id]
         if seq.index not in states:
             after = seq.info.params.structured.after
-            states[seq.index] = _Constrained(compiled, after.encode() if after else None)
+            states[seq.index] = _Constrained(grammar.take(), after.encode() if after else None)
         return states[seq.index]
 
     def _watch_for_start(self, state: _Constrained, token: int) -> None:
@@ -183,11 +208,11 @@ class StructuredDecoding:
         live = [(state.matcher, row) for state, row in rows if not state.failed]
         self._executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), self.words * 4, bitmask.shape[0])
 
-    def _compile(self, grammar: str) -> Future:
+    def _compile(self, grammar: str) -> _Grammar:
         if grammar in self._compiled:
             self._compiled.move_to_end(grammar)
             return self._compiled[grammar]
-        self._compiled[grammar] = self._compiler.submit(self._new_matcher, grammar)
+        self._compiled[grammar] = _Grammar(lambda: self._compiler.submit(self._new_matcher, grammar), MASK_THREADS)
         if len(self._compiled) > _CACHED_GRAMMARS:
             self._compiled.popitem(last=False)  # matchers made from it keep it alive
         return self._compiled[grammar]
