@@ -1,21 +1,48 @@
-"""Segment tiers on one GPU (issue 28), in one run: (a) the host<->device copy rate (pinned);
-(b) TTFT of warm RAG prompts served from the GPU pool, from the host tier, from disk, and by full
-recompute (`none`), against the issue's target; (c) a corpus ten times the GPU pool under a rate
-sweep of `hypic bench serve`: sustainable QPS with the host tier against without it.
+"""Segment tiers on one GPU (issue 28), in parts that run and save on their own (--parts, default all):
+
+  copy  the pinned host<->device copy rates (ttft's target needs them: ttft always runs copy too);
+  ttft  TTFT of warm RAG prompts served from the GPU pool, from the host tier and by full recompute
+        (`none`), each with the tier that served its tokens (`served_from`) and the issue's target;
+  disk  the same prompt shapes served from disk by an engine restarted on a directory another
+        engine wrote (its files dropped from the page cache);
+  qps   a corpus ten times the GPU pool under a rate sweep of `hypic bench serve`: sustainable QPS
+        with the host tier against without it.
 
 Prompt = a system prefix + n documents + a question, random tokens, on a released shape with random
-bf16 weights (default: Qwen3.5-35B-A3B text), a GPU pool of 4 GB and a host tier of 40 GB.
-(b) Each measured request puts its documents in a new order, with a new question (the prefix cache
-reuses only the system prompt). A host-tier hit: the same filler tuples are imported until the pool
-has demoted every document. A disk hit: other document sets, cached and demoted (so written to
-disk) by the first engine, are served by a second one restarted on the same directory after the
-files left the page cache. Each tier's figure records which tier served its tokens
-(`served_from`). The target: a host hit costs at most the pool hit + the entries' bytes / the copy
-rate + 3 ms, and at most 20 % of recompute at 4 x 4k.
-(c) The server runs in this process (engine thread, HTTP on this event loop), one engine with the
-host tier and one without (same pool, same seeded requests, preheated with every document).
+bf16 weights (default: Qwen3.5-35B-A3B text, built once per process), a GPU pool of 4 GB and a host
+tier of 40 GB. ttft: each measured request puts its documents in a new order, with a new question
+(the prefix cache reuses only the system prompt); for a host-tier hit the same filler tuples are
+imported until the pool has demoted every document. The target: a host hit costs at most the pool
+hit + the entries' bytes / the copy rate + 3 ms, and at most 20 % of recompute at 4 x 4k. disk:
+other document sets, cached and demoted (so written to disk) by a first engine (ttft's, when both
+run), are served by a second one. qps: the server runs in this process (engine thread, HTTP on this
+event loop), one engine with the host tier and one without (same pool, same seeded requests,
+preheated with every document).
 
-    python scripts/bench_tiers.py                      # H200: bench/results/tiers_h200_qwen3_5_moe.json
+Each figure is printed as soon as it is measured, each phase's start and end with its wall seconds.
+The result is written after each part (a timeout keeps what was measured). Each part's figures carry
+the date, commit and command of the run that measured them; a run of some parts replaces those in an
+existing result file and keeps the others, so runs in several sessions build one file.
+
+What each part costs on the H200, estimated from the code, not yet measured (the printed phase
+lines give the real figures). Before any part but copy: the weights, ~10 s (the shape's config
+through transformers, 70 GB of random bf16 made on the GPU, once per process). The first engine of a
+process starts in ~30 s (its CUDA graphs' warm-ups compile the decode kernels) and its first prefill
+takes ~1-2 min (flash-linear-attention's chunk kernels compile and autotune); a later engine starts
+in ~15 s, ~7 s more with a disk tier (it hashes the 70 GB of weights for the directory's identity).
+  copy  ~3 s (five 1 GiB copies each way).
+  ttft  ~2-2.5 min: one engine (no disk tier unless disk runs too), then per prompt shape a cold
+        prompt and 4 rounds (--repeats 3 + one unmeasured) of a pool hit, ~30 filler imports pushing
+        the documents to the host tier, a host hit and a recompute: ~1 s a round.
+  disk  ~1 min after ttft in the same process: ttft's engine (then with a disk tier) also prefills 4
+        document sets per shape and writes ~15 GB, synced before the restart; the restarted engine
+        serves 4 prompts per shape. Alone ~3-4 min: an engine of its own writes the sets first.
+  qps   ~1.5 min after another part, ~3-4 min alone: two engines, each a start, a preheat of ~500
+        documents of 1k tokens (~15 s) and 5 rates x 32 requests (~10-20 s).
+So --parts copy,ttft ~2-3 min; disk or qps alone ~3-4 min each; all parts in one run ~5-6 min.
+
+    python scripts/bench_tiers.py --parts copy,ttft    # H200: bench/results/tiers_h200_qwen3_5_moe.json
+    python scripts/bench_tiers.py --parts disk,qps     # another call: merged into the same file
     python scripts/bench_tiers.py --device cpu         # smoke run: the bundled model, same code paths
 """
 from __future__ import annotations
@@ -26,12 +53,13 @@ import contextlib
 import dataclasses
 import gc
 import itertools
+import json
 import math
 import os
 import random
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -47,18 +75,21 @@ from hypic.bench.serve import add_bench_arguments, build_workload, run_sweeps
 from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentTuple
 from hypic.engine.client import InProcessEngineClient
 from hypic.engine.llm_engine import LLMEngine
-from hypic.engine.setup import BUNDLED_MODEL
+from hypic.engine.setup import BUNDLED_MODEL, resolve_dtype, resolve_segment_state_dtype
 from hypic.engine.text.tokenizer import Tokenizer
+from hypic.models.config import read_config_json
+from hypic.models.registry import architecture, load_config
 from hypic.serve.app import build_app, runner_for
 from hypic.serve.state import ServerSettings
 
-COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}  # (a) bytes per timed copy
+PARTS = ("copy", "ttft", "disk", "qps")  # in the order they run
+COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}  # copy: bytes per timed copy
 TWENTY_PERCENT_AT = "4x4096"  # the prompt shape where the issue asks for a host hit within 20 % of recompute
-TIERS = ("pool", "host", "none")  # measured on the first engine; "disk" on the restarted one
+TIERS = ("pool", "host", "none")  # measured by ttft; "disk" by the disk part's restarted engine
 # what differs between the H200 run and the CPU smoke run (the bundled model, ~1 MB per entry)
 DEVICE_DEFAULTS = {
     "cuda": dict(pool_bytes=4 << 30, host_bytes=40 << 30, disk_bytes=24 << 30, prompts="4x4096,16x1024",
-                 qps_doc_tokens=1024, qps_docs_per_request=4, qps_rates="8,12,18,27,40,60,inf", qps_requests=48),
+                 qps_doc_tokens=1024, qps_docs_per_request=4, qps_rates="6,12,24,48,inf", qps_requests=32),
     "cpu": dict(pool_bytes=4 << 20, host_bytes=40 << 20, disk_bytes=256 << 20, prompts="2x128,4x32",
                 qps_doc_tokens=32, qps_docs_per_request=2, qps_rates="20,inf", qps_requests=6),
 }
@@ -67,19 +98,20 @@ DEVICE_DEFAULTS = {
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--parts", type=parts_list, default=PARTS, help="comma list of " + ",".join(PARTS))
     parser.add_argument("--shape", default="qwen3_5_moe", help="cuda: the released shape (random bf16 weights)")
     parser.add_argument("--pool-bytes", type=int)
     parser.add_argument("--host-bytes", type=int)
     parser.add_argument("--disk-bytes", type=int)
     parser.add_argument("--disk-dir", type=Path, help="parent of the disk tier's directory (default: the temp dir)")
-    parser.add_argument("--prompts", metavar="NxLEN,...", help="(b) prompt shapes")
-    parser.add_argument("--repeats", type=int, default=3, help="(b) measured requests per tier and shape")
-    parser.add_argument("--corpus-factor", type=float, default=10.0, help="(c) corpus bytes / GPU pool bytes")
+    parser.add_argument("--prompts", metavar="NxLEN,...", help="ttft, disk: prompt shapes")
+    parser.add_argument("--repeats", type=int, default=3, help="ttft, disk: measured requests per tier and shape")
+    parser.add_argument("--corpus-factor", type=float, default=10.0, help="qps: corpus bytes / GPU pool bytes")
     parser.add_argument("--qps-doc-tokens", type=int)
     parser.add_argument("--qps-docs-per-request", type=int)
-    parser.add_argument("--qps-rates", help="(c) the rate sweep, req/s")
-    parser.add_argument("--qps-requests", type=int, help="(c) requests per rate")
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--qps-rates", help="qps: the rate sweep, req/s")
+    parser.add_argument("--qps-requests", type=int, help="qps: requests per rate")
+    parser.add_argument("--out", type=Path, help="default: bench/results/tiers_<device>_<shape>.json")
     args = parser.parse_args(argv)
     for name, value in DEVICE_DEFAULTS[args.device].items():
         setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
@@ -87,7 +119,62 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-# -- (a) ------------------------------------------------------------------------------------------
+def parts_list(text: str) -> tuple[str, ...]:
+    """The parts named, in run order; ttft brings copy (its target divides by the copy rate)."""
+    named = set(text.split(","))
+    if unknown := named - set(PARTS):
+        raise argparse.ArgumentTypeError(f"unknown parts {sorted(unknown)}; the parts are {','.join(PARTS)}")
+    return tuple(part for part in PARTS if part in named or (part == "copy" and "ttft" in named))
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[Callable[[], float]]:
+    """Prints the start and (when it succeeds) the end of a phase with its wall seconds; yields the clock."""
+    start = time.perf_counter()
+    say(f"== {name}: start")
+    yield lambda: time.perf_counter() - start
+    say(f"== {name}: done in {time.perf_counter() - start:.1f} s")
+
+
+class ResultFile:
+    """The benchmark's one result per device and shape: each part's figures under parts[name], with
+    the date, commit and command of the run that measured them. A run writes after each of its
+    parts, replacing those and keeping the others."""
+
+    def __init__(self, path: Path, header: dict, parts: tuple[str, ...]) -> None:
+        self.path, self.run = path, run_record()
+        self.data = {"benchmark": "tiers", **header, **self.run, "parts_requested": list(parts), "parts_run": [],
+                     "parts": self._kept(header)}
+
+    def _kept(self, header: dict) -> dict:
+        """The parts of an earlier run of the same device and shape."""
+        if not self.path.exists():
+            return {}
+        previous = json.loads(self.path.read_text())
+        theirs = {key: previous.get(key) for key in header}
+        if previous.get("benchmark") != "tiers" or theirs != header:
+            raise SystemExit(f"{self.path} holds another benchmark or setup ({theirs}, not {header}): "
+                             f"give another --out")
+        return previous["parts"]
+
+    @contextlib.contextmanager
+    def part(self, name: str, settings: dict) -> Iterator[dict]:
+        """A phase whose figures (filled into the dict yielded) are saved when it ends."""
+        figures: dict = {}
+        with phase(name) as clock:
+            yield figures
+            done = {**self.data["parts"], name: {**self.run, "wall_s": clock(), "settings": settings, **figures}}
+            self.data["parts"] = {part: done[part] for part in PARTS if part in done}
+            self.data["parts_run"].append(name)
+            bench_report.write_json(self.path, self.data)
+            say(f"wrote {self.path} ({', '.join(self.data['parts_run'])} of this run)")
+
+
+# -- copy -----------------------------------------------------------------------------------------
 
 def copy_rates(device: torch.device, nbytes: int, repeats: int = 5) -> dict[str, float]:
     """Median bytes/s of host -> device and device -> host copies of `nbytes` (pinned host memory
@@ -98,6 +185,7 @@ def copy_rates(device: torch.device, nbytes: int, repeats: int = 5) -> dict[str,
     for name, dst, src in (("host_to_device", on_device, host), ("device_to_host", host, on_device)):
         times = sorted(timed_copy(dst, src) for _ in range(repeats))
         rates[name] = nbytes / times[repeats // 2]
+        say(f"copy {name}: {rates[name] / 1e9:.2f} GB/s (median of {repeats} copies of {nbytes / 2**20:.0f} MiB)")
     return rates
 
 
@@ -114,11 +202,11 @@ def timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
     return start.elapsed_time(end) / 1e3
 
 
-# -- (b) ------------------------------------------------------------------------------------------
+# -- ttft and disk --------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class PromptShape:
-    """One (b) prompt shape's documents: `warm` for the pool and host figures, `disk` sets (one per
+    """One prompt shape's documents: `warm` for the pool and host figures, `disk` sets (one per
     request) that only the restarted engine serves."""
 
     name: str
@@ -150,8 +238,13 @@ class Timings:
         for kind, tokens in measured[1].items():
             kinds[kind] = kinds.get(kind, 0) + tokens
 
-    def medians(self) -> dict:
-        return {**{tier: sorted(t)[len(t) // 2] for tier, t in self.seconds.items()}, "served_from": self.kinds}
+    def medians(self, shape: str) -> dict:
+        """Each tier's median, printed."""
+        medians = {tier: sorted(t)[len(t) // 2] for tier, t in self.seconds.items()}
+        for tier, seconds in medians.items():
+            say(f"{shape:>8} {tier:>4}: TTFT {seconds * 1e3:8.1f} ms (median of {len(self.seconds[tier])}), "
+                f"served_from {self.kinds[tier]}")
+        return {**medians, "served_from": self.kinds}
 
 
 def random_tuple(engine: LLMEngine, interior_len: int) -> SegmentTuple:
@@ -190,13 +283,12 @@ def entry_keys(engine: LLMEngine, prompt) -> tuple[list[SegmentKey], int]:
     return [job.key for job in jobs], sum(engine.store.layout.entry_bytes(j.interior[1] - j.interior[0]) for j in jobs)
 
 
-def measure_first_engine(engine: LLMEngine, shape: PromptShape, filler, rng: random.Random, repeats: int) -> dict:
+def measure_tiers(engine: LLMEngine, shape: PromptShape, filler, rng: random.Random, repeats: int) -> dict:
     """Median TTFT (s) from the pool, from the host tier and by recompute (each after one unmeasured
-    round: kernels compile for the shape), and the entries' bytes. Caches the disk sets on the way."""
+    round: kernels compile for the shape), and the entries' bytes."""
     first = shape.prompt(shape.warm, rng)
-    timed_request(engine, first, "hypic")  # cold: caches the documents
-    for docs in shape.disk:
-        timed_request(engine, shape.prompt(docs, rng), "hypic")
+    cold, _ = timed_request(engine, first, "hypic")
+    say(f"{shape.name:>8} cold prompt (caches the documents): {cold:.1f} s")
     keys, entry_bytes = entry_keys(engine, first)
     timings = Timings()
     for round_ in range(repeats + 1):
@@ -206,57 +298,71 @@ def measure_first_engine(engine: LLMEngine, shape: PromptShape, filler, rng: ran
             measured = timed_request(engine, shape.prompt(shape.warm, rng), "none" if tier == "none" else "hypic")
             if round_:
                 timings.add(tier, measured)
-    return {**timings.medians(), "entry_bytes": entry_bytes}
+    return {**timings.medians(shape.name), "entry_bytes": entry_bytes}
 
 
-def measure_disk(engine: LLMEngine, shape: PromptShape, rng: random.Random) -> tuple[float, dict[str, int]]:
+def cache_disk_sets(engine: LLMEngine, shape: PromptShape, rng: random.Random) -> list[SegmentKey]:
+    """Prefill every disk set once (cold); their documents' keys."""
+    keys, start = [], time.perf_counter()
+    for docs in shape.disk:
+        prompt = shape.prompt(docs, rng)
+        timed_request(engine, prompt, "hypic")
+        keys += entry_keys(engine, prompt)[0]
+    say(f"{shape.name:>8} {len(shape.disk)} disk sets prefilled cold in {time.perf_counter() - start:.1f} s")
+    return keys
+
+
+def started_engine(config: EngineConfig, label: str) -> LLMEngine:
+    start = time.perf_counter()
+    engine = LLMEngine(config)
+    say(f"{label}: engine started in {time.perf_counter() - start:.1f} s")
+    return engine
+
+
+def first_engine(config: EngineConfig, shapes: list[PromptShape], rng: random.Random, parts: tuple[str, ...],
+                 repeats: int) -> dict:
+    """ttft's figures and the host tier's counters (when ttft runs); with disk among the parts, the
+    disk sets cached on the way and written down to disk."""
+    engine = started_engine(config, "first engine")
+    filler = fillers(engine, max(len(shape.warm[0]) for shape in shapes), rng)
+    figures, disk_keys = {}, []
+    for shape in shapes:
+        disk_keys += cache_disk_sets(engine, shape, rng) if "disk" in parts else []
+        if "ttft" in parts:
+            figures[shape.name] = measure_tiers(engine, shape, filler, rng, repeats)
+    push_out(engine, disk_keys, filler)
+    engine.store.lower.drain()
+    return {"prompts": figures, "host_stats": dataclasses.asdict(engine.store.lower.stats())}
+
+
+def measure_disk(engine: LLMEngine, shape: PromptShape, rng: random.Random) -> dict:
     """Median TTFT (s) of the disk sets on a restarted engine (the first unmeasured), and what served them."""
     timings = Timings()
     for i, docs in enumerate(shape.disk):
         measured = timed_request(engine, shape.prompt(docs, rng), "hypic")
         if i:
             timings.add("disk", measured)
-    medians = timings.medians()
-    return medians["disk"], medians["served_from"]["disk"]
+    medians = timings.medians(shape.name)
+    return {"disk": medians["disk"], "served_from": medians["served_from"]["disk"]}
+
+
+def restarted_engine(config: EngineConfig, shapes: list[PromptShape], rng: random.Random) -> dict:
+    """Disk figures of an engine restarted on the first one's directory; its disk counters."""
+    engine = started_engine(config, "restarted engine")
+    figures = {shape.name: measure_disk(engine, shape, rng) for shape in shapes}
+    return {"prompts": figures, "disk_stats_after_restart": dataclasses.asdict(engine.stats().segment_disk)}
 
 
 def drop_from_page_cache(directory: Path) -> None:
     """So that the restarted engine reads its segments from the disk, not from memory."""
-    for path in directory.rglob("*.seg"):
+    start = time.perf_counter()
+    files = list(directory.rglob("*.seg"))
+    for path in files:
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-
-
-def ttft_by_tier(config: EngineConfig, args: argparse.Namespace, rng: random.Random) -> tuple[dict, SegmentLayout]:
-    """(b), on two engines one after the other (each builds inside its own function, so that the
-    first is gone, device memory and all, before the second starts)."""
-    shapes = [PromptShape.random(n, length, args.repeats + 1, rng) for n, length in args.prompts]
-    figures, host_stats, layout = first_engine(config, shapes, rng, args.repeats)
-    free_memory()
-    drop_from_page_cache(Path(config.segment_disk_dir))
-    disk_stats = restarted_engine(config, shapes, rng, figures)
-    free_memory()
-    return {"prompts": figures, "host_stats": host_stats, "disk_stats_after_restart": disk_stats}, layout
-
-
-def first_engine(config: EngineConfig, shapes: list[PromptShape], rng: random.Random,
-                 repeats: int) -> tuple[dict, dict, SegmentLayout]:
-    """Pool, host and recompute figures; the tier's counters; the layout. Leaves the disk sets on disk."""
-    engine = LLMEngine(config)
-    filler = fillers(engine, max(len(shape.warm[0]) for shape in shapes), rng)
-    figures = {shape.name: measure_first_engine(engine, shape, filler, rng, repeats) for shape in shapes}
-    engine.store.lower.drain()
-    return figures, dataclasses.asdict(engine.store.lower.stats()), engine.store.layout
-
-
-def restarted_engine(config: EngineConfig, shapes: list[PromptShape], rng: random.Random, figures: dict) -> dict:
-    """Disk figures (into `figures`) of an engine restarted on the first one's directory; its disk counters."""
-    engine = LLMEngine(config)
-    for shape in shapes:
-        figures[shape.name]["disk"], figures[shape.name]["served_from"]["disk"] = measure_disk(engine, shape, rng)
-    return dataclasses.asdict(engine.stats().segment_disk)
+    say(f"{len(files)} segment files synced and dropped from the page cache in {time.perf_counter() - start:.1f} s")
 
 
 def host_target(name: str, figures: dict, host_to_device: float) -> dict:
@@ -264,9 +370,48 @@ def host_target(name: str, figures: dict, host_to_device: float) -> dict:
     (at 4 x 4k) within 20 % of recompute."""
     budget = figures["pool"] + figures["entry_bytes"] / host_to_device + 3e-3
     within_budget, within_20pct = figures["host"] <= budget, figures["host"] <= 0.2 * figures["none"]
-    return {"host_budget": budget, "host_within_budget": within_budget,
-            "host_over_none": figures["host"] / figures["none"], "host_within_20pct_of_none": within_20pct,
-            "target_met": within_budget and (within_20pct or name != TWENTY_PERCENT_AT)}
+    target = {"host_budget": budget, "host_within_budget": within_budget,
+              "host_over_none": figures["host"] / figures["none"], "host_within_20pct_of_none": within_20pct,
+              "target_met": within_budget and (within_20pct or name != TWENTY_PERCENT_AT)}
+    say(f"{name:>8} host target: budget {budget * 1e3:.1f} ms, host/none {target['host_over_none']:.1%}: "
+        f"{'met' if target['target_met'] else 'MISSED'}")
+    return target
+
+
+def ttft_and_disk(record: ResultFile, config: EngineConfig, args: argparse.Namespace) -> None:
+    """ttft on a first engine (with a disk tier only when the disk part follows: it writes the disk
+    sets); disk on an engine restarted after it (after a writer engine of its own when ttft did not run)."""
+    rng = random.Random(0)
+    shapes = [PromptShape.random(n, length, args.repeats + 1, rng) for n, length in args.prompts]
+    settings = {"pool_bytes": args.pool_bytes, "host_bytes": args.host_bytes, "repeats": args.repeats,
+                "prompts": [f"{n}x{length}" for n, length in args.prompts]}
+    if "ttft" in args.parts:
+        ttft_part(record, config, args.parts, shapes, rng, settings)
+    if "disk" in args.parts:
+        disk_part(record, config, args, shapes, rng, settings)
+
+
+def ttft_part(record: ResultFile, config: EngineConfig, parts: tuple[str, ...], shapes: list[PromptShape],
+              rng: random.Random, settings: dict) -> None:
+    first_config = config if "disk" in parts else dataclasses.replace(config, segment_disk_dir=None)
+    rate = record.data["parts"]["copy"]["copy_bytes_per_s"]["host_to_device"]  # this run's: ttft brings copy
+    with record.part("ttft", {**settings, "disk_tier": "disk" in parts}) as saved:
+        saved.update(first_engine(first_config, shapes, rng, parts, settings["repeats"]))
+        saved["host_to_device_bytes_per_s"] = rate  # beside the targets it made (a copy-only run replaces copy's)
+        for name, figures in saved["prompts"].items():
+            figures.update(host_target(name, figures, rate))
+    free_memory()
+
+
+def disk_part(record: ResultFile, config: EngineConfig, args: argparse.Namespace, shapes: list[PromptShape],
+              rng: random.Random, settings: dict) -> None:
+    with record.part("disk", {**settings, "disk_bytes": args.disk_bytes}) as saved:
+        if "ttft" not in args.parts:  # ttft's engine wrote the disk sets when it ran
+            first_engine(config, shapes, rng, args.parts, args.repeats)
+            free_memory()
+        drop_from_page_cache(Path(config.segment_disk_dir))
+        saved.update(restarted_engine(config, shapes, rng))
+    free_memory()
 
 
 def free_memory() -> None:
@@ -277,10 +422,18 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-# -- (c) ------------------------------------------------------------------------------------------
+# -- qps ------------------------------------------------------------------------------------------
+
+def segment_layout(config: EngineConfig, model: Path) -> SegmentLayout:
+    """The engines' segment layout, from the model's config alone (a meta-device model: no weights)."""
+    with torch.device("meta"):
+        cache = architecture(read_config_json(model)).model_cls(load_config(model)).cache_shape()
+    dtype = resolve_dtype(config.dtype, torch.device(config.device))
+    return SegmentLayout.from_cache_shape(cache, resolve_segment_state_dtype(config.segment_state_dtype, dtype), dtype)
+
 
 def corpus_options(args: argparse.Namespace, model: Path, documents: int) -> list[str]:
-    """`hypic bench serve` options of (c): the RAG workload over the whole corpus, preheated."""
+    """`hypic bench serve` options of qps: the RAG workload over the whole corpus, preheated."""
     return ["--no-progress", "--no-plot", "--tokenizer", str(model), "--cache-modes", "hypic", "--preheat",
             "--documents", str(documents), "--doc-tokens", str(args.qps_doc_tokens), "--doc-tokens-range", "0",
             "--docs-per-request", str(args.qps_docs_per_request), "--max-tokens", "16",
@@ -309,21 +462,37 @@ async def served_sweep(config: EngineConfig, options: list[str]) -> dict:
     return {"workload": swept["workload"], "slo": swept["slo"], "series": swept["series"][0], "admin_cache": cache}
 
 
-def corpus_qps(config: EngineConfig, args: argparse.Namespace, entry_bytes: int, model: Path) -> dict:
+def corpus_qps(config: EngineConfig, args: argparse.Namespace, model: Path) -> dict:
     """Sustainable QPS over a corpus `corpus_factor` GPU pools large, with the host tier and without."""
+    entry_bytes = segment_layout(config, model).entry_bytes(args.qps_doc_tokens)
     documents = math.ceil(args.corpus_factor * args.pool_bytes / entry_bytes)
+    say(f"qps: corpus of {documents} documents ({documents * entry_bytes / 2**30:.1f} GiB of entries), "
+        f"rates {args.qps_rates} req/s, {args.qps_requests} requests each")
     options = corpus_options(args, model, documents)
     figures = {"documents": documents, "entry_bytes": entry_bytes, "requests_per_rate": args.qps_requests}
     for label, host_bytes in (("host_tier", args.host_bytes), ("pool_only", 0)):
         tier_config = dataclasses.replace(config, segment_host_bytes=host_bytes, segment_disk_dir=None)
-        figures[label] = asyncio.run(served_sweep(tier_config, options))
+        with phase(f"qps {label}"):
+            figures[label] = asyncio.run(served_sweep(tier_config, options))
+        say(f"qps {label}: {sustainable_line(figures[label]['series'])}")
         free_memory()
     return figures
 
 
+def qps_settings(args: argparse.Namespace) -> dict:
+    return {"pool_bytes": args.pool_bytes, "host_bytes": args.host_bytes, "corpus_factor": args.corpus_factor,
+            "doc_tokens": args.qps_doc_tokens, "docs_per_request": args.qps_docs_per_request, "rates": args.qps_rates,
+            "requests_per_rate": args.qps_requests}
+
+
+def sustainable_line(series: dict) -> str:
+    return (f"sustainable {series['sustainable']['rate']} req/s ({series['sustainable']['bound']}), "
+            f"saturated {series['saturated_rps']:.1f} req/s")
+
+
 # -- the run --------------------------------------------------------------------------------------
 
-def engine_config(args: argparse.Namespace, disk_dir: str) -> tuple[EngineConfig, Path]:
+def engine_config(args: argparse.Namespace, disk_dir: str | None) -> tuple[EngineConfig, Path]:
     tiers = dict(segment_pool_bytes=args.pool_bytes, segment_host_bytes=args.host_bytes, max_num_seqs=32,
                  segment_disk_dir=disk_dir, segment_disk_bytes=args.disk_bytes)
     if args.device == "cpu":
@@ -335,58 +504,59 @@ def engine_config(args: argparse.Namespace, disk_dir: str) -> tuple[EngineConfig
                         max_model_len=20480, max_num_batched_tokens=20480, **tiers), path
 
 
-@contextlib.contextmanager
-def phase(result: dict, name: str) -> Iterator[None]:
-    """Wall seconds of one part of the run, in result["phase_s"]."""
-    start = time.perf_counter()
-    yield
-    result["phase_s"][name] = time.perf_counter() - start
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    result = {**run_record(), "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-              "shape": args.shape if args.device == "cuda" else BUNDLED_MODEL.name, "pool_bytes": args.pool_bytes,
-              "host_bytes": args.host_bytes, "disk_bytes": args.disk_bytes, "phase_s": {}}
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    header = {"device": device, "shape": args.shape if args.device == "cuda" else BUNDLED_MODEL.name}
+    record = ResultFile(args.out or result_path("tiers", device_label(device), header["shape"]), header, args.parts)
+    say(f"bench_tiers on {device}, {header['shape']}: parts {','.join(args.parts)}")
     with tempfile.TemporaryDirectory(prefix="hypic-tiers-", dir=args.disk_dir) as disk_dir:
-        with phase(result, "copy_rates_and_weights"):
-            rates = result["copy_bytes_per_s"] = copy_rates(torch.device(args.device), COPY_BYTES[args.device])
-            config, model = engine_config(args, disk_dir)
-        with phase(result, "ttft"):
-            result["ttft"], layout = ttft_by_tier(config, args, random.Random(0))
-        for name, figures in result["ttft"]["prompts"].items():
-            figures.update(host_target(name, figures, rates["host_to_device"]))
-        with phase(result, "qps"):
-            result["qps"] = corpus_qps(config, args, layout.entry_bytes(args.qps_doc_tokens), model)
-    report(result)
-    out = args.out or result_path("tiers", device_label(result["device"]), result["shape"])
-    bench_report.write_json(out, result)
-    print(f"wrote {out}")
-    return result
+        run_parts(record, args, disk_dir)
+    report(record.data)
+    return record.data
 
 
-def report(result: dict) -> None:
-    rates = result["copy_bytes_per_s"]
-    print(f"{result['device']}  {result['shape']}  pool {result['pool_bytes'] / 2**30:.1f} GiB, host tier "
-          f"{result['host_bytes'] / 2**30:.1f} GiB; host->device {rates['host_to_device'] / 1e9:.1f} GB/s, "
-          f"device->host {rates['device_to_host'] / 1e9:.1f} GB/s (pinned)")
-    print(f"{'prompt':>10} {'MB':>7} {'pool ms':>8} {'host ms':>8} {'budget ms':>10} {'disk ms':>8} {'none ms':>8} "
-          f"{'host/none':>10}  target")
-    for name, t in result["ttft"]["prompts"].items():
-        ms = [t[tier] * 1e3 for tier in ("pool", "host", "host_budget", "disk", "none")]
-        columns = " ".join(f"{v:{w}.1f}" for v, w in zip(ms, (8, 8, 10, 8, 8)))
-        print(f"{name:>10} {t['entry_bytes'] / 1e6:7.0f} {columns} {t['host_over_none']:10.1%}  "
-              f"{'met' if t['target_met'] else 'MISSED'}")
-    qps = result["qps"]
-    corpus_gib = qps["documents"] * qps["entry_bytes"] / 2**30
-    print(f"corpus of {qps['documents']} documents ({corpus_gib:.1f} GiB of entries), "
-          f"{qps['requests_per_rate']} requests per rate:")
-    for label in ("host_tier", "pool_only"):
-        series = qps[label]["series"]
-        print(f"  {label:>9}: sustainable {series['sustainable']['rate']} req/s ({series['sustainable']['bound']}), "
-              f"saturated {series['saturated_rps']:.1f} req/s")
-    phases = result["phase_s"]
-    print(f"wall {sum(phases.values()):.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()))
+def run_parts(record: ResultFile, args: argparse.Namespace, disk_dir: str) -> None:
+    if "copy" in args.parts:
+        with record.part("copy", {"bytes_per_copy": COPY_BYTES[args.device]}) as saved:
+            saved["copy_bytes_per_s"] = copy_rates(torch.device(args.device), COPY_BYTES[args.device])
+    if args.parts == ("copy",):
+        return
+    with phase("weights"):
+        config, model = engine_config(args, disk_dir)
+    if {"ttft", "disk"} & set(args.parts):
+        ttft_and_disk(record, config, args)
+    if "qps" in args.parts:
+        with record.part("qps", qps_settings(args)) as saved:
+            saved.update(corpus_qps(config, args, model))
+
+
+def report(data: dict) -> None:
+    """Every part the file holds (this run's and earlier runs'), in one table."""
+    parts = data["parts"]
+    say(f"{data['device']}  {data['shape']}: " + ", ".join(f"{name} of {part['date'][:16]} ({part['commit'][:10]})"
+                                                          for name, part in parts.items()))
+    if "copy" in parts:
+        rates = parts["copy"]["copy_bytes_per_s"]
+        say(f"host->device {rates['host_to_device'] / 1e9:.1f} GB/s, device->host {rates['device_to_host'] / 1e9:.1f} "
+            f"GB/s (pinned)")
+    ttft, disk = parts.get("ttft", {}).get("prompts", {}), parts.get("disk", {}).get("prompts", {})
+    if ttft or disk:
+        say(f"{'prompt':>10} {'pool ms':>8} {'host ms':>8} {'budget ms':>10} {'disk ms':>8} {'none ms':>8}  target")
+    for name in dict.fromkeys([*ttft, *disk]):
+        t = {**ttft.get(name, {}), **disk.get(name, {})}
+        columns = " ".join(milliseconds(t.get(tier), width) for tier, width in
+                           (("pool", 8), ("host", 8), ("host_budget", 10), ("disk", 8), ("none", 8)))
+        target = "" if "target_met" not in t else "met" if t["target_met"] else "MISSED"
+        say(f"{name:>10} {columns}  {target}")
+    if "qps" in parts:
+        qps = parts["qps"]
+        say(f"corpus of {qps['documents']} documents, {qps['requests_per_rate']} requests per rate: "
+            + "; ".join(f"{label} {sustainable_line(qps[label]['series'])}" for label in ("host_tier", "pool_only")))
+
+
+def milliseconds(seconds: float | None, width: int) -> str:
+    return f"{'-':>{width}}" if seconds is None else f"{seconds * 1e3:{width}.1f}"
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
-"""scripts/bench_tiers.py end to end on the bundled model (CPU): every tier's TTFT is served from that
-tier, the target is computed from the figures beside it, and both corpus sweeps ran against their own
-server (no timings are asserted)."""
+"""scripts/bench_tiers.py end to end on the bundled model (CPU), in the two calls a short GPU lease
+takes: a run of every part killed in qps (simulated: qps raises) keeps the parts it finished, and a
+later run of disk and qps merges into that file. Every tier's TTFT is served from that tier, the
+target is computed from the figures beside it, and both corpus sweeps ran against their own server
+(no timings are asserted)."""
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import sys
@@ -13,33 +16,69 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from bench_tiers import main  # noqa: E402
+import bench_tiers  # noqa: E402
+
+from hypic.engine.llm_engine import LLMEngine  # noqa: E402
 
 RATES = [4.0, math.inf]
+OPTIONS = ["--device", "cpu", "--prompts", "2x64", "--repeats", "1", "--corpus-factor", "2",
+           "--qps-doc-tokens", "64", "--qps-rates", "4,inf", "--qps-requests", "3"]
+
+
+def killed(*args: object) -> None:
+    raise KeyboardInterrupt("the lead's timeout")
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, dict]:
+    """(the file after the killed run, the second run's result, the file after it)."""
     torch.set_num_threads(1)  # the bundled model is tiny: one thread beats two contending ones
     out = tmp_path_factory.mktemp("tiers") / "tiers_cpu.json"
-    result = main(["--device", "cpu", "--prompts", "2x64", "--repeats", "1", "--corpus-factor", "2",
-                   "--qps-rates", "4,inf", "--qps-requests", "3", "--out", str(out)])
-    return result, json.loads(out.read_text())
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.setattr(bench_tiers, "corpus_qps", killed)
+        bench_tiers.main([*OPTIONS, "--out", str(out)])
+    partial = json.loads(out.read_text())
+    result = bench_tiers.main([*OPTIONS, "--parts", "disk,qps", "--out", str(out)])
+    return partial, result, json.loads(out.read_text())
 
 
-def test_each_tier_figure_was_served_from_that_tier(run: tuple[dict, dict]) -> None:
-    _, saved = run
-    figures = saved["ttft"]["prompts"]["2x64"]
-    served = figures["served_from"]
-    assert set(served["pool"]) == {"pic"} and set(served["host"]) == {"pic_host"}
-    assert set(served["disk"]) == {"pic_disk"} and "pic" not in served["none"]
-    assert served["pool"]["pic"] == served["host"]["pic_host"] == served["disk"]["pic_disk"] > 0
-    assert saved["ttft"]["host_stats"]["hits"] > 0 and saved["ttft"]["disk_stats_after_restart"]["hits"] > 0
+def test_the_corpus_is_sized_from_the_layout_the_engine_has() -> None:
+    config, model = bench_tiers.engine_config(bench_tiers.parse_args(["--device", "cpu"]), None)
+    assert bench_tiers.segment_layout(config, model) == LLMEngine(config).store.layout
 
 
-def test_the_target_is_computed_from_the_figures_beside_it(run: tuple[dict, dict]) -> None:
-    _, saved = run
-    figures, rate = saved["ttft"]["prompts"]["2x64"], saved["copy_bytes_per_s"]["host_to_device"]
+def test_a_killed_run_keeps_the_parts_it_finished(runs: tuple[dict, dict, dict]) -> None:
+    partial, _, _ = runs
+    assert partial["parts_requested"] == ["copy", "ttft", "disk", "qps"]
+    assert partial["parts_run"] == ["copy", "ttft", "disk"] and set(partial["parts"]) == {"copy", "ttft", "disk"}
+    assert partial["parts"]["ttft"]["settings"]["disk_tier"]  # the disk part read what ttft's engine wrote
+
+
+def test_a_run_of_some_parts_replaces_those_and_keeps_the_others(runs: tuple[dict, dict, dict]) -> None:
+    partial, _, saved = runs
+    assert saved["parts_run"] == ["disk", "qps"] and set(saved["parts"]) == {"copy", "ttft", "disk", "qps"}
+    assert saved["parts"]["copy"] == partial["parts"]["copy"] and saved["parts"]["ttft"] == partial["parts"]["ttft"]
+    when = {name: datetime.datetime.fromisoformat(part["date"]) for name, part in saved["parts"].items()}
+    assert when["copy"] == when["ttft"] < when["disk"] == when["qps"]
+    assert saved["date"] == saved["parts"]["qps"]["date"] and saved["device"] == "cpu"
+    assert {"commit", "command", "wall_s"} <= set(saved["parts"]["disk"])
+
+
+def test_each_tier_figure_was_served_from_that_tier(runs: tuple[dict, dict, dict]) -> None:
+    partial, _, saved = runs
+    served = saved["parts"]["ttft"]["prompts"]["2x64"]["served_from"]
+    assert set(served["pool"]) == {"pic"} and set(served["host"]) == {"pic_host"} and "pic" not in served["none"]
+    assert served["pool"]["pic"] == served["host"]["pic_host"] > 0
+    assert saved["parts"]["ttft"]["host_stats"]["hits"] > 0
+    for disk in (partial["parts"]["disk"], saved["parts"]["disk"]):  # written by ttft's engine, by its own
+        assert disk["prompts"]["2x64"]["served_from"] == {"pic_disk": served["pool"]["pic"]}
+        assert disk["disk_stats_after_restart"]["hits"] > 0
+
+
+def test_the_target_is_computed_from_the_figures_beside_it(runs: tuple[dict, dict, dict]) -> None:
+    _, _, saved = runs
+    figures, rate = saved["parts"]["ttft"]["prompts"]["2x64"], saved["parts"]["ttft"]["host_to_device_bytes_per_s"]
+    assert rate == saved["parts"]["copy"]["copy_bytes_per_s"]["host_to_device"]  # measured by the same run
     budget = figures["pool"] + figures["entry_bytes"] / rate + 3e-3
     assert figures["host_budget"] == pytest.approx(budget)
     assert figures["host_within_budget"] == (figures["host"] <= budget)
@@ -48,15 +87,14 @@ def test_the_target_is_computed_from_the_figures_beside_it(run: tuple[dict, dict
     assert figures["target_met"] == figures["host_within_budget"]  # the 20 % applies at 4 x 4k only
 
 
-def test_both_corpus_sweeps_ran_every_rate_against_their_own_tiers(run: tuple[dict, dict]) -> None:
-    result, saved = run
-    qps = saved["qps"]
-    assert qps["documents"] == math.ceil(2 * saved["pool_bytes"] / qps["entry_bytes"])
+def test_both_corpus_sweeps_ran_every_rate_against_their_own_tiers(runs: tuple[dict, dict, dict]) -> None:
+    _, result, saved = runs
+    qps = saved["parts"]["qps"]
+    assert qps["documents"] == math.ceil(2 * qps["settings"]["pool_bytes"] / qps["entry_bytes"])
     for label in ("host_tier", "pool_only"):
         points = qps[label]["series"]["points"]
-        assert [p["request_rate"] for p in result["qps"][label]["series"]["points"]] == RATES
+        assert [p["request_rate"] for p in result["parts"]["qps"][label]["series"]["points"]] == RATES
         assert all(p["completed"] == 3 and p["errors"] == 0 for p in points)
         assert qps[label]["workload"]["documents"] == qps["documents"]
     assert qps["host_tier"]["admin_cache"]["segment_host"]["hits"] > 0
     assert qps["pool_only"]["admin_cache"]["segment_host"] is None
-    assert {"commit", "date", "command"} <= set(saved) and saved["device"] == "cpu"
