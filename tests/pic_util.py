@@ -157,9 +157,7 @@ def assert_gpu_engine_matches_cpu_engine(model_dir, mode: str) -> None:
         for c, g in zip(cpu_outs, gpu_outs):
             assert logprobs(g) == pytest.approx(logprobs(c), abs=2e-3)
             assert g.tokens == c.tokens
-    # Warm round (the cold one depends on step timing): both engines serve the document prompts from a
-    # cache. Which one (a prefix checkpoint of the whole prompt, or the segment pool) depends on how many
-    # checkpoints each memory plan keeps, so the GPU engine, with more memory, serves at least as much.
+    # cold round: whether the second request finds the first one's segments already stored depends on
+    # step timing (the H200 stored them first); the warm round is served alike on both devices
     by_kind = [[o.metrics.cached_tokens_by_kind for o in run[1]] for run in (gpu, cpu)]
-    hits = [[o.metrics.cached_tokens for o in run[1]] for run in (gpu, cpu)]
-    assert all(g >= c for g, c in zip(*hits)) and min(hits[1][:2]) > 0, by_kind
+    assert by_kind[0] == by_kind[1]

@@ -1,4 +1,4 @@
-"""plan_cache against numbers worked out by hand."""
+"""plan_cache and longest_context against numbers worked out by hand."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hypic.cache.memory_plan import CachePlan, plan_cache
+from hypic.cache.memory_plan import CachePlan, longest_context, plan_cache
 from hypic.cache.model_caches import CacheShape, LinearShape, ModelCaches
 from hypic.errors import OutOfMemoryError, UnsupportedModelError
 from hypic.kernels.linear_families import get_family
@@ -54,6 +54,18 @@ def test_too_small_a_budget_says_what_it_needs() -> None:
         plan(ONE_REQUEST - 1)
     message = str(err.value)
     assert str(ONE_REQUEST) in message and str(ONE_REQUEST - 1) in message and "max_model_len" in message
+
+
+def test_the_longest_context_leaves_each_sequence_a_slot_and_a_checkpoint() -> None:
+    """A budget too small for the model's own context: max_model_len is cut so that the plan still
+    holds max_num_seqs sequences and a checkpoint each (not the two slots a full context would leave)."""
+    longest = longest_context(SHAPE, budget_bytes=20_000, block_size=4, dtype=torch.bfloat16, max_num_seqs=4)
+    assert longest == (20_000 - 8 * 528) // 256 * 4  # 8 slots, 61 pages
+    p = plan_cache(SHAPE, budget_bytes=20_000, block_size=4, dtype=torch.bfloat16, max_model_len=longest,
+                   max_num_seqs=4)
+    assert (p.num_slots, p.num_blocks) == (8, 61)
+    half = longest_context(SHAPE, budget_bytes=5_000, block_size=4, dtype=torch.bfloat16, max_num_seqs=8)
+    assert half == (5_000 - 4 * 528) // 256 * 4  # slots take at most half the budget: 4 of them
 
 
 def test_model_without_full_layers() -> None:

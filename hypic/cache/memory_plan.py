@@ -37,14 +37,28 @@ def plan_cache(shape: CacheShape, *, budget_bytes: int, block_size: int, dtype: 
             f"{max_model_len}: that needs {_size(needed)} ({pages_per_seq} KV pages of {page} bytes + "
             f"one state slot of {slot} bytes); lower max_model_len or give the cache more memory "
             "(gpu_memory_utilization on GPU, cpu_cache_bytes on CPU)")
-    wanted = 2 * max_num_seqs
-    # Slots take at most half of the budget (but always two), so pages are never starved by them.
-    half = max(2, budget_bytes // 2 // slot) if page and slot else wanted
-    affordable = min(half, (budget_bytes - pages_per_seq * page) // slot) if slot else wanted
-    num_slots = min(wanted, affordable)
+    wanted = _slots_wanted(budget_bytes, slot, max_num_seqs) if page else 2 * max_num_seqs
+    num_slots = min(wanted, (budget_bytes - pages_per_seq * page) // slot) if slot else wanted
     # Without full-attention layers pages cost nothing: enough that blocks never run out first.
     num_blocks = (budget_bytes - num_slots * slot) // page if page else num_slots * pages_per_seq
     return CachePlan(num_blocks, num_slots, block_size)
+
+
+def longest_context(shape: CacheShape, *, budget_bytes: int, block_size: int, dtype: torch.dtype,
+                    max_num_seqs: int) -> int:
+    """The longest max_model_len whose pages fit the budget beside the state slots plan_cache wants,
+    so a budget too small for the model's own context still runs max_num_seqs sequences with checkpoints."""
+    page, slot = shape.page_bytes(block_size, dtype), shape.slot_bytes(dtype)
+    if not page:
+        return 1 << 30
+    left = budget_bytes - (_slots_wanted(budget_bytes, slot, max_num_seqs) * slot if slot else 0)
+    return max(block_size, left // page * block_size)
+
+
+def _slots_wanted(budget_bytes: int, slot: int, max_num_seqs: int) -> int:
+    """A slot per sequence and a checkpoint each, in at most half of the budget (but always two), so
+    pages are never starved by them."""
+    return min(2 * max_num_seqs, max(2, budget_bytes // 2 // slot)) if slot else 2 * max_num_seqs
 
 
 def _size(num_bytes: int) -> str:

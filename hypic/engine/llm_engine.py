@@ -12,7 +12,7 @@ import torch
 import xxhash
 
 from hypic.cache.block_pool import BlockPool
-from hypic.cache.memory_plan import CachePlan, plan_cache
+from hypic.cache.memory_plan import CachePlan, longest_context, plan_cache
 from hypic.cache.model_caches import ModelCaches
 from hypic.cache.prefix_cache import PrefixCache, PrefixCacheStats
 from hypic.cache.disk_tier import DiskStats
@@ -369,7 +369,7 @@ class LLMEngine:
         plan_args = dict(budget_bytes=budget, block_size=self.config.block_size, dtype=self.dtype,
                          max_num_seqs=self.config.max_num_seqs)
         if self.config.max_model_len is None:
-            wanted = min(wanted, _tokens_that_fit(shape, budget, self.config.block_size, self.dtype))
+            wanted = min(wanted, longest_context(shape, **plan_args))
         return plan_cache(shape, max_model_len=wanted, **plan_args), wanted, pool
 
     def _build_caches(self, plan: CachePlan, pool_bytes: int) -> None:
@@ -464,10 +464,3 @@ def _check_resume(resume: Mapping[int, list[int]], params: SamplingParams) -> No
         if params.max_tokens is not None and len(output_ids) >= params.max_tokens:
             raise InvalidRequestError(f"resume: completion {index} has {len(output_ids)} tokens, "
                                       f"max_tokens={params.max_tokens} already")
-
-
-def _tokens_that_fit(shape, budget: int, block_size: int, dtype: torch.dtype) -> int:
-    """Context length whose pages fit the budget beside two state slots (a CPU default)."""
-    page = shape.page_bytes(block_size, dtype)
-    left = budget - 2 * shape.slot_bytes(dtype)
-    return max(block_size, left // page * block_size) if page else 1 << 30
