@@ -24,14 +24,14 @@ The result is written after each part (a timeout keeps what was measured). Each 
 the date, commit and command of the run that measured them; a run of some parts replaces those in an
 existing result file and keeps the others, so runs in several sessions build one file.
 
-What each part costs on the H200, estimated from the code, not yet measured (the printed phase
-lines give the real figures). Before any part but copy: the weights, ~10 s (the shape's config
-through transformers, 70 GB of random bf16 made on the GPU, once per process). The first engine of a
-process starts in ~30 s (its CUDA graphs' warm-ups compile the decode kernels) and its first prefill
-takes ~1-2 min (flash-linear-attention's chunk kernels compile and autotune); a later engine starts
-in ~15 s, ~7 s more with a disk tier (it hashes the 70 GB of weights for the directory's identity).
-  copy  ~3 s (five 1 GiB copies each way).
-  ttft  ~2-2.5 min: one engine (no disk tier unless disk runs too), then per prompt shape a cold
+What each part costs on the H200: copy and ttft measured (`--parts copy,ttft`: 90 s with a warm
+Triton cache), the rest estimated from the code. Before any part but copy: the weights, 8 s (the
+shape's config through transformers, 70 GB of random bf16 made on the GPU, once per process). The
+first engine of a process started in 14 s and its first prefill took 34 s (flash-linear-attention's
+chunk kernels autotune); a later engine starts in ~15 s, ~7 s more with a disk tier (it hashes the
+70 GB of weights for the directory's identity).
+  copy  1 s (five 1 GiB copies each way).
+  ttft  77 s: one engine (no disk tier unless disk runs too), then per prompt shape a cold
         prompt and 4 rounds (--repeats 3 + one unmeasured) of a pool hit, ~30 filler imports pushing
         the documents to the host tier, a host hit and a recompute: ~1 s a round.
   disk  ~1 min after ttft in the same process: ttft's engine (then with a disk tier) also prefills 4
