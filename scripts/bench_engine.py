@@ -3,14 +3,20 @@
 Both run the same random bf16 weights (built on the GPU from a seed, in the checkpoint's own
 naming) of a released shape (default: the Qwen3.5-35B-A3B text model; nemotron3_nano is Nemotron 3
 Nano 30B-A3B, granite4_h_small Granite-4.0-H-Small, kimi_linear_48b Kimi-Linear-48B-A3B: ~96 GB of
-weights, so --skip-transformers). Prints a table and writes JSON under bench/results/.
+weights, so --skip-transformers). Prints each figure as it is measured and a table at the end; writes
+JSON under bench/results/ after each figure (scripts/results.py's ResultFile): a run of some lengths
+or batches (`--lengths ''` measures no prefill, `--batches ''` no decode) merges into an existing file
+of the same shape and setup, so the figures of a large shape can be measured in several short calls
+(docs/benchmarks.md has the plan for kimi_linear_48b).
 
     python scripts/bench_engine.py
     python scripts/bench_engine.py --shape nemotron3_nano --skip-transformers
+    python scripts/bench_engine.py --shape kimi_linear_48b --skip-transformers --lengths 4096 --batches ''
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import shutil
@@ -28,10 +34,11 @@ from hypic.models.kimi_config import KIMI_MODEL_TYPES, KimiLinearConfig
 from hypic.models.mamba2_config import MAMBA2_MODEL_TYPES, Mamba2HybridConfig
 from hypic.models.random_weights import random_state_dict
 from hypic.models.registry import architecture
-from results import device_label, result_path, run_record
+from results import ResultFile, by_number, device_label, int_list, phase, result_path, say
 
 H200_BF16_FLOPS = 790e12  # measured dense bf16 matmul rate on this workplace's H200 (KINDS.md)
 H200_HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak bandwidth (NVIDIA's figure)
+WARM_UP_TOKENS = 2048  # an unmeasured prefill first: kernels compile and autotune
 SHAPES = ("qwen3_5_moe", "qwen3_5", "qwen3_next", "nemotron3_nano", "granite4_h_small", "kimi_linear_48b")
 
 # Released configs' fields, built through transformers' config classes (their defaults fill the rest).
@@ -193,33 +200,38 @@ def hypic_decode(engine: LLMEngine, batch: int, steps: int) -> float:
     return batch * steps / elapsed
 
 
-def bench_hypic(path: Path, weights: dict, args: argparse.Namespace) -> dict:
-    config = EngineConfig(model=str(path), device="cuda", state_dict=weights, max_model_len=max(args.lengths) + 64,
-                          max_num_seqs=max(args.batches), max_num_batched_tokens=args.chunk,
-                          gpu_memory_utilization=0.92, cache_mode="none", enforce_eager=args.enforce_eager)
-    start = time.perf_counter()
-    engine = LLMEngine(config)
-    graphs = engine.runner.graphs
-    print(f"hypic engine ready in {time.perf_counter() - start:.0f} s, {engine.plan}, "
-          f"decode graphs for {graphs.sizes if graphs else None}", flush=True)
-    hypic_prefill(engine, 2048)
-    out = {"prefill": {}, "decode": {}}
+def bench_hypic(record: ResultFile, path: Path, weights: dict, args: argparse.Namespace) -> None:
+    """hypic's prefill figure of each length and decode figure (with its bandwidth floor) of each batch."""
+    engine = started_engine(path, weights, args)
     for n in args.lengths:
-        hypic_prefill(engine, n)
-        out["prefill"][n] = n / min(hypic_prefill(engine, n) for _ in range(2))
-        print(f"hypic prefill {n}: {out['prefill'][n]:.0f} tok/s", flush=True)
+        with record.group(f"hypic prefill {n}") as saved:
+            hypic_prefill(engine, n)
+            saved[("hypic", "prefill", str(n))] = tps = n / min(hypic_prefill(engine, n) for _ in range(2))
+            say(f"hypic prefill {n}: {tps:.0f} tok/s")
     shape = engine.model.cache_shape()
     state_bytes, kv_bytes = shape.slot_bytes(engine.dtype), shape.page_bytes(1, engine.dtype) * (128 + args.steps)
-    out["decode_floor"] = {}
     for b in args.batches:
-        out["decode"][b] = hypic_decode(engine, b, args.steps)
-        out["decode_floor"][b] = decode_floor(weights, args.config, b, state_bytes, kv_bytes)
-        print(f"hypic decode batch {b}: {out['decode'][b]:.0f} tok/s "
-              f"(bandwidth floor {out['decode_floor'][b]:.0f} tok/s)", flush=True)
+        with record.group(f"hypic decode {b}") as saved:
+            tps, floor = hypic_decode(engine, b, args.steps), decode_floor(weights, args.config, b, state_bytes, kv_bytes)
+            saved[("hypic", "decode", str(b))], saved[("hypic", "decode_floor", str(b))] = tps, floor
+            say(f"hypic decode batch {b}: {tps:.0f} tok/s (bandwidth floor {floor:.0f} tok/s)")
     if args.profile:
         profile_hypic(engine, args)
-    del engine
-    return out
+
+
+def started_engine(path: Path, weights: dict, args: argparse.Namespace) -> LLMEngine:
+    """The engine, sized for this run's lengths and batches, after an unmeasured prefill."""
+    config = EngineConfig(model=str(path), device="cuda", state_dict=weights,
+                          max_model_len=max([*args.lengths, WARM_UP_TOKENS]) + 64,
+                          max_num_seqs=max(args.batches, default=1), max_num_batched_tokens=args.chunk,
+                          gpu_memory_utilization=0.92, cache_mode="none", enforce_eager=args.enforce_eager)
+    with phase("engine start"):
+        engine = LLMEngine(config)
+    graphs = engine.runner.graphs
+    say(f"hypic engine: {engine.plan}, decode graphs for {graphs.sizes if graphs else None}")
+    with phase("warm-up"):
+        hypic_prefill(engine, WARM_UP_TOKENS)
+    return engine
 
 
 def profile_hypic(engine: LLMEngine, args: argparse.Namespace) -> None:
@@ -234,24 +246,25 @@ def profile_hypic(engine: LLMEngine, args: argparse.Namespace) -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70), flush=True)
 
 
-def bench_transformers(config: dict, weights: dict, args: argparse.Namespace) -> dict:
+def bench_transformers(record: ResultFile, config: dict, weights: dict, args: argparse.Namespace) -> None:
     import transformers as tf
     with torch.device("meta"):
         model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(**config), dtype=torch.bfloat16)
-    model.load_state_dict(weights, strict=True, assign=True)
+    model.load_state_dict(weights, strict=True, assign=True)  # the same tensors as hypic's: no second copy
     _rebuild_rotary(model)
     model = model.cuda().eval()
-    out = {"prefill": {}, "decode": {}}
     with torch.inference_mode():
-        _hf_prefill(model, 2048)
+        with phase("transformers warm-up"):
+            _hf_prefill(model, WARM_UP_TOKENS)
         for n in args.hf_lengths:
-            out["prefill"][n] = n / min(_hf_prefill(model, n) for _ in range(2))
-            print(f"transformers prefill {n}: {out['prefill'][n]:.0f} tok/s", flush=True)
+            with record.group(f"transformers prefill {n}") as saved:
+                saved[("transformers", "prefill", str(n))] = tps = n / min(_hf_prefill(model, n) for _ in range(2))
+                say(f"transformers prefill {n}: {tps:.0f} tok/s")
         for b in args.batches:
-            out["decode"][b] = _hf_decode(model, b, max(4, args.steps // 4))
-            print(f"transformers decode batch {b}: {out['decode'][b]:.0f} tok/s", flush=True)
+            with record.group(f"transformers decode {b}") as saved:
+                saved[("transformers", "decode", str(b))] = tps = _hf_decode(model, b, max(4, args.steps // 4))
+                say(f"transformers decode batch {b}: {tps:.0f} tok/s")
     del model
-    return out
 
 
 def _rebuild_rotary(model) -> None:
@@ -292,12 +305,12 @@ def _hf_step(model, cache, token: torch.Tensor):
     return out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3_5_moe", choices=SHAPES)
-    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384, 65536])
-    parser.add_argument("--hf-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384, 32768])
-    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32, 128])
+    parser.add_argument("--lengths", type=int_list, default=[4096, 16384, 65536], help="hypic prefill lengths")
+    parser.add_argument("--hf-lengths", type=int_list, default=[4096, 16384, 32768])
+    parser.add_argument("--batches", type=int_list, default=[1, 32, 128], help="decode batches (both engines)")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--chunk", type=int, default=16384, help="max_num_batched_tokens")
     parser.add_argument("--skip-transformers", action="store_true")
@@ -307,43 +320,58 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="default: bench/results/engine_<device>_<shape>.json")
     args = parser.parse_args()
     args.out = args.out or result_path("engine", device_label(torch.cuda.get_device_name()), args.shape)
-    config = shape_config(args.shape, max(max(args.lengths) + 64, 32768))
+    return args
+
+
+def requested_groups(args: argparse.Namespace) -> list[str]:
+    hypic = [f"hypic prefill {n}" for n in args.lengths] + [f"hypic decode {b}" for b in args.batches]
+    hf = [f"transformers prefill {n}" for n in args.hf_lengths] + [f"transformers decode {b}" for b in args.batches]
+    return ["weights", *hypic, *([] if args.skip_transformers else hf)]
+
+
+def main() -> None:
+    args = parse_args()
+    config = shape_config(args.shape, max(max(args.lengths, default=0) + 64, 32768))
     args.config = config
-    weights = random_weights(config, args.seed)
-    path = model_dir(config)
-    result = {**run_record(),
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
-              "params_b": sum(w.numel() for w in weights.values()) / 1e9, "chunk": args.chunk,
-              "cuda_graphs": not args.enforce_eager,
-              "hypic": bench_hypic(path, weights, args)}
-    result["prefill_fraction_of_bf16_peak"] = {
-        n: tps * flops_per_token(config, n) / H200_BF16_FLOPS for n, tps in result["hypic"]["prefill"].items()}
-    save(result, args.out)  # hypic's numbers survive a failure of the transformers half
+    header = {"benchmark": "engine", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "shape": args.shape, "chunk": args.chunk, "cuda_graphs": not args.enforce_eager, "steps": args.steps}
+    record = ResultFile(args.out, header, requested_groups(args), finish=functools.partial(derive, config))
+    with record.group("weights") as saved:
+        weights = random_weights(config, args.seed)
+        saved[("params_b",)] = sum(w.numel() for w in weights.values()) / 1e9
+    bench_hypic(record, model_dir(config), weights, args)  # saved figure by figure: they survive a later failure
     gc.collect()
     torch.cuda.empty_cache()
     if not args.skip_transformers:
-        result["transformers"] = bench_transformers(config, weights, args)
-        save(result, args.out)
-    report(result)
+        bench_transformers(record, config, weights, args)
+    report(record.data)
 
 
-def save(result: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+def derive(config: dict, data: dict) -> None:
+    """From the merged raw figures: each prefill's fraction of the bf16 peak, hypic over transformers."""
+    hypic, hf = data.setdefault("hypic", {}), data.get("transformers", {})
+    for kind in ("prefill", "decode", "decode_floor"):
+        hypic[kind] = by_number(hypic.get(kind, {}))
+    data["prefill_fraction_of_bf16_peak"] = {
+        n: tps * flops_per_token(config, int(n)) / H200_BF16_FLOPS for n, tps in hypic["prefill"].items()}
+    if hf:
+        data["speedup_over_transformers"] = {kind: {k: hypic[kind][k] / v for k, v in by_number(hf.get(kind, {})).items()
+                                                    if k in hypic[kind]} for kind in ("prefill", "decode")}
 
 
 def report(result: dict) -> None:
-    hf = result.get("transformers", {"prefill": {}, "decode": {}})
-    print(f"{result['device']}  {result['shape']}  {result['params_b']:.1f} B params")
-    for n, tps in result["hypic"]["prefill"].items():
-        base = hf["prefill"].get(n)
-        ratio = f"{tps / base:.2f}x" if base else "-"
-        print(f"prefill {n:>6}: hypic {tps:>9.0f} tok/s  transformers {base or 0:>9.0f}  {ratio}  "
-              f"({result['prefill_fraction_of_bf16_peak'][n]:.1%} of bf16 peak)")
-    for b, tps in result["hypic"]["decode"].items():
-        base = hf["decode"].get(b)
-        ratio = f"{tps / base:.1f}x" if base else "-"
-        print(f"decode batch {b:>3}: hypic {tps:>8.0f} tok/s  transformers {base or 0:>8.0f}  {ratio}")
+    """Every figure the file holds (this run's and earlier runs')."""
+    hf = result.get("transformers", {})
+    hypic, speedup = result["hypic"], result.get("speedup_over_transformers", {})
+    say(f"{result['device']}  {result['shape']}  {result['params_b']:.1f} B params")
+    for n, tps in hypic["prefill"].items():
+        ratio = f"{speedup['prefill'][n]:.2f}x" if n in speedup.get("prefill", {}) else "-"
+        say(f"prefill {n:>6}: hypic {tps:>9.0f} tok/s  transformers {hf.get('prefill', {}).get(n, 0):>9.0f}  {ratio}  "
+            f"({result['prefill_fraction_of_bf16_peak'][n]:.1%} of bf16 peak)")
+    for b, tps in hypic["decode"].items():
+        ratio = f"{speedup['decode'][b]:.1f}x" if b in speedup.get("decode", {}) else "-"
+        say(f"decode batch {b:>3}: hypic {tps:>8.0f} tok/s  transformers {hf.get('decode', {}).get(b, 0):>8.0f}  "
+            f"{ratio}  ({tps / hypic['decode_floor'][b]:.0%} of the bandwidth floor)")
 
 
 if __name__ == "__main__":

@@ -2,13 +2,15 @@
 linear-layer state after a PIC prefill against full recompute, at the first and the deepest linear
 layer, for hypic and naive, with 2 and 4 segments.
 
+Each segment count's figures are printed and written (scripts/results.py's ResultFile) as soon as they
+are measured; a run of some counts (--segments) merges into an existing file of the same setup.
+
     python scripts/bench_fidelity.py                       # the bundled model, on CPU
     python scripts/bench_fidelity.py --shape qwen3_5_moe   # a released shape, random weights, on GPU
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 from pathlib import Path
@@ -19,8 +21,10 @@ from hypic import EngineConfig, SamplingParams
 from hypic.config import SEGMENT_STATE_DTYPES
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
+from hypic.engine.setup import BUNDLED_MODEL
 from hypic.models.random_weights import slow_decay
-from results import device_label, result_path, run_record, variant
+from results import (ResultFile, device_label, int_list, phase, result_path, say, segment_state_dtype_name,
+                     variant)
 
 
 def state_after_prefill(engine: LLMEngine, prompt: SegmentedPrompt, mode: str, layers: list[int]) -> list[torch.Tensor]:
@@ -56,21 +60,23 @@ def measure(engine: LLMEngine, num_segments: int, segment_len: int, rng: random.
     return result
 
 
-def build_engine(args: argparse.Namespace) -> LLMEngine:
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The bundled model (or --model) on CPU, or a released shape with random bf16 weights on the GPU."""
     common = dict(seam_width=args.seam_width, segment_state_dtype=args.segment_state_dtype, max_model_len=16384,
                   max_num_batched_tokens=16384)
     if args.shape is None:
-        return LLMEngine(EngineConfig(model=args.model, device="cpu", cpu_cache_bytes=1 << 30, **common))
+        return EngineConfig(model=args.model, device="cpu", cpu_cache_bytes=1 << 30, **common)
     from bench_engine import model_dir, random_weights, shape_config
     config = shape_config(args.shape, 32768)
-    return LLMEngine(EngineConfig(model=str(model_dir(config)), device="cuda", state_dict=random_weights(config, 0),
-                                  gpu_memory_utilization=0.9, **common))
+    return EngineConfig(model=str(model_dir(config)), device="cuda", state_dict=random_weights(config, 0),
+                        gpu_memory_utilization=0.9, **common)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory (default: the bundled model)")
     parser.add_argument("--shape", default=None, help="a released shape with random weights (GPU)")
+    parser.add_argument("--segments", type=int_list, default=[2, 4], help="segment counts")
     parser.add_argument("--segment-len", type=int, default=512)
     parser.add_argument("--seam-width", type=int, default=8)
     parser.add_argument("--segment-state-dtype", choices=SEGMENT_STATE_DTYPES,
@@ -79,26 +85,38 @@ def main() -> None:
                         help="set every linear layer's decay slow (A_log=-4, dt_bias=-2): random weights "
                              "otherwise forget within a few tokens, which hides composition errors")
     parser.add_argument("--out", type=Path, help="default: bench/results/fidelity_<device>_<model>[_<dtype>][_slow_decay].json")
-    args = parser.parse_args()
-    engine = build_engine(args)
+    return parser.parse_args()
+
+
+def result_file(args: argparse.Namespace) -> ResultFile:
+    """This run's segment counts, in the file of its model and setup (refused before the engine is
+    built if the file holds another setup)."""
+    device = torch.cuda.get_device_name() if args.shape else "cpu"
+    model = args.shape or Path(args.model or BUNDLED_MODEL).name
+    header = {"benchmark": "fidelity", "device": device, "model": model, "segment_len": args.segment_len,
+              "seam_width": args.seam_width, "slow_decay": args.slow_decay,
+              "segment_state_dtype": segment_state_dtype_name(args.segment_state_dtype, "cuda" if args.shape else "cpu")}
+    args.out = args.out or result_path("fidelity", device_label(device), variant(
+        model, args.segment_state_dtype, "slow_decay" if args.slow_decay else None))
+    return ResultFile(args.out, header, [f"segments {n}" for n in args.segments])
+
+
+def main() -> None:
+    args = parse_args()
+    record = result_file(args)
+    with phase("weights"):
+        config = engine_config(args)
+    with phase("engine start"):
+        engine = LLMEngine(config)
     if args.slow_decay:
         slow_decay(engine.model)
     rng = random.Random(0)
-    result = {**run_record(),
-              "device": torch.cuda.get_device_name() if args.shape else "cpu",
-              "model": args.shape or engine.model_dir.name, "segment_len": args.segment_len,
-              "seam_width": args.seam_width,
-              "segment_state_dtype": str(engine.store.layout.state_dtype).removeprefix("torch."),
-              "slow_decay": args.slow_decay,
-              "segments": {n: measure(engine, n, args.segment_len, rng) for n in (2, 4)}}
-    for n, modes in result["segments"].items():
-        for mode, layers in modes.items():
-            print(f"{n} segments {mode:>6}: " + "  ".join(
-                f"{name} rel L2 {v['rel_l2']:.4f} angle {v['angle_deg']:.2f} deg" for name, v in layers.items()))
-    args.out = args.out or result_path("fidelity", device_label(result["device"]), variant(
-        result["model"], args.segment_state_dtype, "slow_decay" if args.slow_decay else None))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    for n in args.segments:
+        with record.group(f"segments {n}") as saved:
+            saved[("segments", str(n))] = modes = measure(engine, n, args.segment_len, rng)
+            for mode, layers in modes.items():
+                say(f"{n} segments {mode:>6}: " + "  ".join(
+                    f"{name} rel L2 {v['rel_l2']:.4f} angle {v['angle_deg']:.2f} deg" for name, v in layers.items()))
 
 
 if __name__ == "__main__":

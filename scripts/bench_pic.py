@@ -5,15 +5,20 @@ bf16 weights (default: Qwen3.5-35B-A3B text). Each measured request puts the doc
 never seen before, so the prefix cache can only reuse the system prompt, while hypic reuses every
 document. Also: the same hypic prompt once more (`repeat`: it resumes from its last-token
 checkpoint, past every document), the marginal TTFT of one more cached segment, and the
-tuple-building overhead of a cold segment prefill. Prints a table, writes JSON under bench/results/.
+tuple-building overhead of a cold segment prefill. Prints each figure as it is measured and a table
+at the end; writes JSON under bench/results/ after each figure (scripts/results.py's ResultFile): a
+run of some lengths, counts or the overhead merges into an existing file of the same shape and setup
+(`--lengths ''`, `--counts ''`, `--overhead ''` measure none of that kind), so a large shape's figures
+can be measured in several short calls (docs/benchmarks.md has the plan for kimi_linear_48b).
 
     python scripts/bench_pic.py
+    python scripts/bench_pic.py --model hypic/assets/default_model --lengths 64 --counts 2,4 --count-len 64 \
+        --overhead 2x64 --repeats 1 --out /tmp/pic.json       # CPU smoke run, seconds
 """
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import random
 import time
 from pathlib import Path
@@ -26,9 +31,11 @@ from hypic.config import SEGMENT_STATE_DTYPES
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.kernels.host_copy import sync_sites
-from results import device_label, result_path, run_record, variant
+from results import (ResultFile, by_number, device_label, int_list, phase, result_path, say,
+                     segment_state_dtype_name, variant)
 
 SYSTEM_TOKENS, QUERY_TOKENS = 64, 64
+KINDS = ("by_length", "by_count")  # 4 documents of each length; documents of one length, by count
 
 
 def rag_prompt(docs: list[tuple[int, ...]], system: tuple[int, ...], query: tuple[int, ...]) -> SegmentedPrompt:
@@ -104,46 +111,89 @@ def _timed(submit, engine: LLMEngine) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3_5_moe")
     parser.add_argument("--model", help="a model directory (CPU smoke runs) instead of a random shape")
-    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096])
-    parser.add_argument("--counts", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16])
+    parser.add_argument("--lengths", type=int_list, default=[1024, 2048, 4096], help="by length: 4 documents of each")
+    parser.add_argument("--counts", type=int_list, default=[4, 8, 16], help="by count: documents of --count-len")
+    parser.add_argument("--count-len", type=int, default=1024)
+    parser.add_argument("--overhead", type=prompt_shape, default=(8, 2048), metavar="NxLEN",
+                        help="the cold segments of the tuple overhead ('' for none)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seam-width", type=int, default=8)
     parser.add_argument("--segment-state-dtype", choices=SEGMENT_STATE_DTYPES,
                         help="storage of cached T and S0 (default: EngineConfig.segment_state_dtype's; bfloat16 "
                              "halves what each compose reads)")
-    parser.add_argument("--profile", type=lambda s: [tuple(map(int, x.split("x"))) for x in s.split(",")], default=[],
+    parser.add_argument("--profile", type=lambda s: [prompt_shape(x) for x in s.split(",")], default=[],
                         metavar="NxLEN,...", help="print profiles of a warm request of each prompt shape (and a "
                         "cold one of the first), e.g. 4x1024,16x1024")
     parser.add_argument("--out", type=Path, help="default: bench/results/pic_<device>_<shape>[_<dtype>].json")
-    args = parser.parse_args()
-    engine = LLMEngine(engine_config(args))
+    return parser.parse_args()
+
+
+def prompt_shape(text: str) -> tuple[int, int] | None:
+    """"8x2048" -> (8, 2048); "" -> None."""
+    return tuple(map(int, text.split("x"))) if text else None
+
+
+def result_file(args: argparse.Namespace) -> ResultFile:
+    """This run's groups, in the file of its shape and setup (refused before any weights are made if
+    the file holds another setup)."""
+    device = torch.cuda.get_device_name() if not args.model else "cpu"
+    shape = Path(args.model).name if args.model else args.shape
+    header = {"benchmark": "pic", "device": device, "shape": shape, "seam_width": args.seam_width,
+              "segment_state_dtype": segment_state_dtype_name(args.segment_state_dtype, "cpu" if args.model else "cuda"),
+              "count_len": args.count_len}
+    args.out = args.out or result_path("pic", device_label(device), variant(shape, args.segment_state_dtype))
+    requested = ([f"by_length 4x{n}" for n in args.lengths] + [f"by_count {c}x{args.count_len}" for c in args.counts]
+                 + (["tuple overhead"] if args.overhead else []))
+    return ResultFile(args.out, header, requested, finish=derive)
+
+
+def main() -> None:
+    args = parse_args()
+    record = result_file(args)
+    with phase("weights"):
+        config = engine_config(args)
+    with phase("engine start"):
+        engine = LLMEngine(config)
     rng = random.Random(0)
-    measure(engine, 2, 512, rng, 1)  # warm-up: compile and autotune every kernel
+    with phase("warm-up"):
+        measure(engine, 2, 512, rng, 1)  # compiles and autotunes every kernel
     for i, (num_docs, doc_len) in enumerate(args.profile):
         profile(engine, rng, num_docs, doc_len, cold=i == 0)
-    result = {**run_record(),
-              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "shape": Path(args.model).name if args.model else args.shape, "seam_width": args.seam_width,
-              "segment_state_dtype": str(engine.store.layout.state_dtype).removeprefix("torch."),
-              "by_length": {}, "by_count": {}}
-    for doc_len in args.lengths:
-        result["by_length"][f"4x{doc_len}"] = measure(engine, 4, doc_len, rng, args.repeats)
-    for count in args.counts:
-        result["by_count"][f"{count}x1024"] = measure(engine, count, 1024, rng, args.repeats)
-    low, high = result["by_count"][f"{args.counts[0]}x1024"], result["by_count"][f"{args.counts[-1]}x1024"]
-    for mode in ("none", "hypic"):
-        slope = (high[mode] - low[mode]) / (args.counts[-1] - args.counts[0])
-        result[f"marginal_ms_per_segment_{mode}"] = slope * 1e3
-    result["tuple_overhead_fraction"] = tuple_overhead(engine, 8, 2048, rng, args.repeats)
-    report(result)
-    args.out = args.out or result_path(
-        "pic", device_label(result["device"]), variant(result["shape"], args.segment_state_dtype))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    measure_groups(record, engine, args, rng)
+    report(record.data)
+
+
+def measure_groups(record: ResultFile, engine: LLMEngine, args: argparse.Namespace, rng: random.Random) -> None:
+    """Each prompt shape's TTFTs, then the tuple overhead, each saved as soon as it is measured."""
+    for kind, num_docs, doc_len in ([("by_length", 4, n) for n in args.lengths]
+                                    + [("by_count", c, args.count_len) for c in args.counts]):
+        name = f"{num_docs}x{doc_len}"
+        with record.group(f"{kind} {name}") as saved:
+            saved[(kind, name)] = figures = measure(engine, num_docs, doc_len, rng, args.repeats)
+            say(row(kind, name, figures))
+    if args.overhead:
+        with record.group("tuple overhead") as saved:
+            saved[("tuple_overhead_fraction",)] = fraction = tuple_overhead(engine, *args.overhead, rng, args.repeats)
+            saved[("tuple_overhead_prompt",)] = "x".join(map(str, args.overhead))
+            say(f"tuple-building overhead: {fraction:.1%} of the cold forward")
+
+
+def derive(data: dict) -> None:
+    """From the merged raw figures: each shape's warm speedup over recompute, and the marginal cost of a
+    segment (the slope of TTFT from the smallest to the largest count in the file)."""
+    for kind in KINDS:
+        data[kind] = by_number(data.get(kind, {}))
+    data["speedup_hypic_over_none"] = {kind: {name: t["none"] / t["hypic"] for name, t in data[kind].items()}
+                                       for kind in KINDS}
+    counts = {int(name.split("x")[0]): t for name, t in data["by_count"].items()}
+    if len(counts) > 1:
+        low, high = min(counts), max(counts)
+        for mode in ("none", "hypic"):
+            data[f"marginal_ms_per_segment_{mode}"] = (counts[high][mode] - counts[low][mode]) / (high - low) * 1e3
 
 
 def profile(engine: LLMEngine, rng: random.Random, num_docs: int, doc_len: int, *, cold: bool) -> None:
@@ -206,15 +256,23 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def report(result: dict) -> None:
-    print(f"{result['device']}  {result['shape']}  w={result['seam_width']}")
-    print(f"{'prompt':>10} {'none ms':>9} {'prefix ms':>10} {'hypic ms':>9} {'cold ms':>9} {'repeat ms':>10} "
-          f"{'speedup':>8}")
-    for name, t in {**result["by_length"], **result["by_count"]}.items():
-        print(f"{name:>10} {t['none'] * 1e3:9.1f} {t['prefix'] * 1e3:10.1f} {t['hypic'] * 1e3:9.1f} "
-              f"{t['hypic_cold'] * 1e3:9.1f} {t['hypic_repeat'] * 1e3:10.1f} {t['none'] / t['hypic']:7.2f}x")
-    print(f"marginal cost per extra segment: hypic {result['marginal_ms_per_segment_hypic']:.2f} ms, "
-          f"recompute {result['marginal_ms_per_segment_none']:.2f} ms")
-    print(f"tuple-building overhead: {result['tuple_overhead_fraction']:.1%} of the cold forward")
+    """Every figure the file holds (this run's and earlier runs')."""
+    say(f"{result['device']}  {result['shape']}  w={result['seam_width']}")
+    say(f"{'prompt':>18} {'none ms':>9} {'prefix ms':>10} {'hypic ms':>9} {'cold ms':>9} {'repeat ms':>10} "
+        f"{'speedup':>8}")
+    for kind in KINDS:
+        for name, t in result[kind].items():
+            say(row(kind, name, t))
+    if "marginal_ms_per_segment_hypic" in result:
+        say(f"marginal cost per extra segment: hypic {result['marginal_ms_per_segment_hypic']:.2f} ms, "
+            f"recompute {result['marginal_ms_per_segment_none']:.2f} ms")
+    if "tuple_overhead_fraction" in result:
+        say(f"tuple-building overhead: {result['tuple_overhead_fraction']:.1%} of the cold forward")
+
+
+def row(kind: str, name: str, t: dict[str, float]) -> str:
+    return (f"{kind:>9} {name:>8} {t['none'] * 1e3:9.1f} {t['prefix'] * 1e3:10.1f} {t['hypic'] * 1e3:9.1f} "
+            f"{t['hypic_cold'] * 1e3:9.1f} {t['hypic_repeat'] * 1e3:10.1f} {t['none'] / t['hypic']:7.2f}x")
 
 
 if __name__ == "__main__":

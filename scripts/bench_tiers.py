@@ -20,9 +20,10 @@ event loop), one engine with the host tier and one without (same pool, same seed
 preheated with every document).
 
 Each figure is printed as soon as it is measured, each phase's start and end with its wall seconds.
-The result is written after each part (a timeout keeps what was measured). Each part's figures carry
-the date, commit and command of the run that measured them; a run of some parts replaces those in an
-existing result file and keeps the others, so runs in several sessions build one file.
+The result is written after each part (a timeout keeps what was measured; scripts/results.py's
+ResultFile). The file lists each run (date, commit, command, the parts asked for and the wall seconds
+of those measured) and each part under the run that measured it; a run of some parts replaces those
+in an existing result file and keeps the others, so runs in several sessions build one file.
 
 What each part costs on the H200: copy and ttft measured (`--parts copy,ttft`: 90 s with a warm
 Triton cache), the rest estimated from the code. Before any part but copy: the weights, 8 s (the
@@ -53,13 +54,12 @@ import contextlib
 import dataclasses
 import gc
 import itertools
-import json
 import math
 import os
 import random
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -67,10 +67,9 @@ import torch
 from aiohttp import web
 from bench_engine import model_dir, random_weights, shape_config
 from bench_pic import QUERY_TOKENS, SYSTEM_TOKENS, rag_prompt, random_tokens, timed_request
-from results import device_label, result_path, run_record
+from results import ResultFile, device_label, measured_by, phase, result_path, say
 
 from hypic import EngineConfig
-from hypic.bench import report as bench_report
 from hypic.bench.serve import add_bench_arguments, build_workload, run_sweeps
 from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentTuple
 from hypic.engine.client import InProcessEngineClient
@@ -127,51 +126,18 @@ def parts_list(text: str) -> tuple[str, ...]:
     return tuple(part for part in PARTS if part in named or (part == "copy" and "ttft" in named))
 
 
-def say(line: str) -> None:
-    print(line, flush=True)
-
-
 @contextlib.contextmanager
-def phase(name: str) -> Iterator[Callable[[], float]]:
-    """Prints the start and (when it succeeds) the end of a phase with its wall seconds; yields the clock."""
-    start = time.perf_counter()
-    say(f"== {name}: start")
-    yield lambda: time.perf_counter() - start
-    say(f"== {name}: done in {time.perf_counter() - start:.1f} s")
-
-
-class ResultFile:
-    """The benchmark's one result per device and shape: each part's figures under parts[name], with
-    the date, commit and command of the run that measured them. A run writes after each of its
-    parts, replacing those and keeping the others."""
-
-    def __init__(self, path: Path, header: dict, parts: tuple[str, ...]) -> None:
-        self.path, self.run = path, run_record()
-        self.data = {"benchmark": "tiers", **header, **self.run, "parts_requested": list(parts), "parts_run": [],
-                     "parts": self._kept(header)}
-
-    def _kept(self, header: dict) -> dict:
-        """The parts of an earlier run of the same device and shape."""
-        if not self.path.exists():
-            return {}
-        previous = json.loads(self.path.read_text())
-        theirs = {key: previous.get(key) for key in header}
-        if previous.get("benchmark") != "tiers" or theirs != header:
-            raise SystemExit(f"{self.path} holds another benchmark or setup ({theirs}, not {header}): "
-                             f"give another --out")
-        return previous["parts"]
-
-    @contextlib.contextmanager
-    def part(self, name: str, settings: dict) -> Iterator[dict]:
-        """A phase whose figures (filled into the dict yielded) are saved when it ends."""
+def part(record: ResultFile, name: str, settings: dict) -> Iterator[dict]:
+    """A part: its figures (filled into the dict yielded) and settings, saved under parts[name] when it ends."""
+    with record.group(name) as saved:
         figures: dict = {}
-        with phase(name) as clock:
-            yield figures
-            done = {**self.data["parts"], name: {**self.run, "wall_s": clock(), "settings": settings, **figures}}
-            self.data["parts"] = {part: done[part] for part in PARTS if part in done}
-            self.data["parts_run"].append(name)
-            bench_report.write_json(self.path, self.data)
-            say(f"wrote {self.path} ({', '.join(self.data['parts_run'])} of this run)")
+        yield figures
+        saved[("parts", name)] = {"settings": settings, **figures}
+
+
+def in_run_order(data: dict) -> None:
+    """The file keeps its parts in run order whatever order the runs wrote them."""
+    data["parts"] = {name: data["parts"][name] for name in PARTS if name in data.get("parts", {})}
 
 
 # -- copy -----------------------------------------------------------------------------------------
@@ -395,7 +361,7 @@ def ttft_part(record: ResultFile, config: EngineConfig, parts: tuple[str, ...], 
               rng: random.Random, settings: dict) -> None:
     first_config = config if "disk" in parts else dataclasses.replace(config, segment_disk_dir=None)
     rate = record.data["parts"]["copy"]["copy_bytes_per_s"]["host_to_device"]  # this run's: ttft brings copy
-    with record.part("ttft", {**settings, "disk_tier": "disk" in parts}) as saved:
+    with part(record, "ttft", {**settings, "disk_tier": "disk" in parts}) as saved:
         saved.update(first_engine(first_config, shapes, rng, parts, settings["repeats"]))
         saved["host_to_device_bytes_per_s"] = rate  # beside the targets it made (a copy-only run replaces copy's)
         for name, figures in saved["prompts"].items():
@@ -405,7 +371,7 @@ def ttft_part(record: ResultFile, config: EngineConfig, parts: tuple[str, ...], 
 
 def disk_part(record: ResultFile, config: EngineConfig, args: argparse.Namespace, shapes: list[PromptShape],
               rng: random.Random, settings: dict) -> None:
-    with record.part("disk", {**settings, "disk_bytes": args.disk_bytes}) as saved:
+    with part(record, "disk", {**settings, "disk_bytes": args.disk_bytes}) as saved:
         if "ttft" not in args.parts:  # ttft's engine wrote the disk sets when it ran
             first_engine(config, shapes, rng, args.parts, args.repeats)
             free_memory()
@@ -507,8 +473,9 @@ def engine_config(args: argparse.Namespace, disk_dir: str | None) -> tuple[Engin
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    header = {"device": device, "shape": args.shape if args.device == "cuda" else BUNDLED_MODEL.name}
-    record = ResultFile(args.out or result_path("tiers", device_label(device), header["shape"]), header, args.parts)
+    header = {"benchmark": "tiers", "device": device, "shape": args.shape if args.device == "cuda" else BUNDLED_MODEL.name}
+    record = ResultFile(args.out or result_path("tiers", device_label(device), header["shape"]), header, list(args.parts),
+                        finish=in_run_order)
     say(f"bench_tiers on {device}, {header['shape']}: parts {','.join(args.parts)}")
     with tempfile.TemporaryDirectory(prefix="hypic-tiers-", dir=args.disk_dir) as disk_dir:
         run_parts(record, args, disk_dir)
@@ -518,7 +485,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def run_parts(record: ResultFile, args: argparse.Namespace, disk_dir: str) -> None:
     if "copy" in args.parts:
-        with record.part("copy", {"bytes_per_copy": COPY_BYTES[args.device]}) as saved:
+        with part(record, "copy", {"bytes_per_copy": COPY_BYTES[args.device]}) as saved:
             saved["copy_bytes_per_s"] = copy_rates(torch.device(args.device), COPY_BYTES[args.device])
     if args.parts == ("copy",):
         return
@@ -527,15 +494,16 @@ def run_parts(record: ResultFile, args: argparse.Namespace, disk_dir: str) -> No
     if {"ttft", "disk"} & set(args.parts):
         ttft_and_disk(record, config, args)
     if "qps" in args.parts:
-        with record.part("qps", qps_settings(args)) as saved:
+        with part(record, "qps", qps_settings(args)) as saved:
             saved.update(corpus_qps(config, args, model))
 
 
 def report(data: dict) -> None:
     """Every part the file holds (this run's and earlier runs'), in one table."""
     parts = data["parts"]
-    say(f"{data['device']}  {data['shape']}: " + ", ".join(f"{name} of {part['date'][:16]} ({part['commit'][:10]})"
-                                                          for name, part in parts.items()))
+    runs = {name: measured_by(data, name) for name in parts}
+    say(f"{data['device']}  {data['shape']}: " + ", ".join(f"{name} of {run['date'][:16]} ({run['commit'][:10]})"
+                                                          for name, run in runs.items()))
     if "copy" in parts:
         rates = parts["copy"]["copy_bytes_per_s"]
         say(f"host->device {rates['host_to_device'] / 1e9:.1f} GB/s, device->host {rates['device_to_host'] / 1e9:.1f} "

@@ -3,20 +3,31 @@
 A result is bench/results/<benchmark>_<device>_<shape>.json (e.g. pic_h200_qwen3_5_moe.json): one per
 benchmark, device and shape, so a new run replaces the figure it supersedes (git keeps the old one).
 Each holds the date, the commit and the command of its run; bench/RESULTS.md indexes them.
+
+A benchmark too long for one GPU call builds its file across runs with ResultFile: each figure group
+is written as soon as it is measured, and a run of some groups replaces those in the file and keeps
+the others, each listed under the run that measured it.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import os
+import re
 import shlex
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from hypic.bench.report import jsonable
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "bench" / "results"
+_START = time.perf_counter()  # "since start" in progress lines: a call's time limit counts from about here
 
 
 def device_label(device_name: str, count: int = 1) -> str:
@@ -85,3 +96,113 @@ def tree_commit(tree: Path) -> str:
         return stamp.read_text().strip()
     done = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True)
     return done.stdout.strip() or "unknown"
+
+
+# -- results built across runs ---------------------------------------------------------------------
+
+class MismatchedResult(SystemExit):
+    """An existing result file of another benchmark or setup: merging would mix figures of two setups
+    (a SystemExit: the script stops with this message, before it builds anything)."""
+
+    def __init__(self, path: Path, differing: dict[str, tuple[object, object]]) -> None:
+        self.path, self.differing = path, differing
+        fields = ", ".join(f"{name}: {theirs!r} in the file, {ours!r} in this run"
+                           for name, (theirs, ours) in differing.items())
+        super().__init__(f"{path} holds another benchmark or setup ({fields}): give another --out, or move it aside")
+
+
+class ResultFile:
+    """One benchmark's result for a setup (`header`: the benchmark's name and every field whose figures
+    must not be mixed), built across runs. Figures are saved by group (a name, and the JSON paths it
+    fills) as soon as each group is measured; the file lists each run (date, commit, command, the
+    groups it was asked for, and the wall seconds of those it measured), and each group under the last
+    run that measured it. `finish` recomputes derived figures (and key order) from the merged raw ones
+    before each write. Writes replace the file whole (written beside it, then renamed), so a run killed
+    at any point leaves a readable file."""
+
+    def __init__(self, path: Path, header: dict, requested: list[str],
+                 finish: Callable[[dict], None] | None = None) -> None:
+        self.path, self.finish = path, finish or (lambda data: None)
+        record = run_record()
+        self.run = {**record, "requested": requested, "measured": {}}
+        previous = self._previous(header)
+        self.data = {**header, **record, "runs": [*previous.pop("runs", []), self.run], **previous}
+        self.data.update(record)  # the file's date, commit and command are its latest run's
+
+    def _previous(self, header: dict) -> dict:
+        """An earlier file of the same setup, without its header; refused if its setup differs."""
+        if not self.path.exists():
+            return {}
+        previous = json.loads(self.path.read_text())
+        differing = {key: (previous.get(key), value) for key, value in header.items() if previous.get(key) != value}
+        if "runs" not in previous:  # written whole by one run, before results could merge
+            differing["runs"] = (None, "a list of the runs that measured each group")
+        if differing:
+            raise MismatchedResult(self.path, differing)
+        return {key: value for key, value in previous.items() if key not in header}
+
+    @contextlib.contextmanager
+    def group(self, name: str) -> Iterator[dict[tuple[str, ...], object]]:
+        """A figure group: fill the dict yielded ({JSON path: value}); saved with its wall seconds when
+        the block ends (not when it raises)."""
+        figures: dict[tuple[str, ...], object] = {}
+        with phase(name) as clock:
+            yield figures
+            self.save(name, figures, clock())
+
+    def save(self, name: str, figures: dict[tuple[str, ...], object], wall_s: float) -> None:
+        for path, value in figures.items():
+            parent = self.data
+            for key in path[:-1]:
+                parent = parent.setdefault(key, {})
+            parent[path[-1]] = value
+        for run in self.data["runs"]:
+            run["measured"].pop(name, None)
+        self.run["measured"][name] = round(wall_s, 2)
+        self.data["runs"] = [run for run in self.data["runs"] if run["measured"] or run is self.run]
+        self.finish(self.data)
+        partial = self.path.with_name(self.path.name + ".partial")
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(jsonable(self.data), indent=2, allow_nan=False) + "\n")
+        os.replace(partial, self.path)
+        say(f"wrote {self.path} ({len(self.run['measured'])} of {len(self.run['requested'])} groups of this run)")
+
+
+def measured_by(data: dict, group: str) -> dict | None:
+    """The run of a result file that measured `group` (None: no run did)."""
+    return next((run for run in data["runs"] if group in run["measured"]), None)
+
+
+def by_number(figures: dict) -> dict:
+    """Figures keyed "4096", "4x1024", ... in the order of the numbers in their keys (runs merge in any order)."""
+    return dict(sorted(figures.items(), key=lambda item: [int(n) for n in re.findall(r"\d+", item[0])]))
+
+
+def int_list(text: str) -> list[int]:
+    """A comma list of integers; "" is none (a run that measures none of that kind)."""
+    return [int(x) for x in text.split(",") if x]
+
+
+def segment_state_dtype_name(requested: str | None, device_type: str) -> str:
+    """The storage dtype of cached T and S0 an engine on `device_type` will use (EngineConfig's rule)."""
+    import torch
+
+    from hypic.engine.setup import resolve_dtype, resolve_segment_state_dtype
+    dtype = resolve_segment_state_dtype(requested, resolve_dtype(None, torch.device(device_type)))
+    return str(dtype).removeprefix("torch.")
+
+
+# -- progress ---------------------------------------------------------------------------------------
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[Callable[[], float]]:
+    """Prints the start and (when it succeeds) the end of a phase with its wall seconds, and the seconds
+    since the process started; yields the phase's clock."""
+    start = time.perf_counter()
+    say(f"== {name}: start")
+    yield lambda: time.perf_counter() - start
+    say(f"== {name}: done in {time.perf_counter() - start:.1f} s ({time.perf_counter() - _START:.0f} s since start)")
