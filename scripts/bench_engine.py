@@ -305,7 +305,7 @@ def _hf_step(model, cache, token: torch.Tensor):
     return out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3_5_moe", choices=SHAPES)
     parser.add_argument("--lengths", type=int_list, default=[4096, 16384, 65536], help="hypic prefill lengths")
@@ -318,7 +318,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for hypic's decode")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="default: bench/results/engine_<device>_<shape>.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.out = args.out or result_path("engine", device_label(torch.cuda.get_device_name()), args.shape)
     return args
 
@@ -329,8 +329,8 @@ def requested_groups(args: argparse.Namespace) -> list[str]:
     return ["weights", *hypic, *([] if args.skip_transformers else hf)]
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     config = shape_config(args.shape, max(max(args.lengths, default=0) + 64, 32768))
     args.config = config
     header = {"benchmark": "engine", "device": torch.cuda.get_device_name(), "torch": torch.__version__,

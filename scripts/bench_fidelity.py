@@ -72,7 +72,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         gpu_memory_utilization=0.9, **common)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory (default: the bundled model)")
     parser.add_argument("--shape", default=None, help="a released shape with random weights (GPU)")
@@ -85,7 +85,7 @@ def parse_args() -> argparse.Namespace:
                         help="set every linear layer's decay slow (A_log=-4, dt_bias=-2): random weights "
                              "otherwise forget within a few tokens, which hides composition errors")
     parser.add_argument("--out", type=Path, help="default: bench/results/fidelity_<device>_<model>[_<dtype>][_slow_decay].json")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def result_file(args: argparse.Namespace) -> ResultFile:
@@ -101,8 +101,8 @@ def result_file(args: argparse.Namespace) -> ResultFile:
     return ResultFile(args.out, header, [f"segments {n}" for n in args.segments])
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     record = result_file(args)
     with phase("weights"):
         config = engine_config(args)
