@@ -370,8 +370,9 @@ def report(result: dict) -> None:
             f"({result['prefill_fraction_of_bf16_peak'][n]:.1%} of bf16 peak)")
     for b, tps in hypic["decode"].items():
         ratio = f"{speedup['decode'][b]:.1f}x" if b in speedup.get("decode", {}) else "-"
+        floor = f"  ({tps / hypic['decode_floor'][b]:.0%} of the bandwidth floor)" if b in hypic["decode_floor"] else ""
         say(f"decode batch {b:>3}: hypic {tps:>8.0f} tok/s  transformers {hf.get('decode', {}).get(b, 0):>8.0f}  "
-            f"{ratio}  ({tps / hypic['decode_floor'][b]:.0%} of the bandwidth floor)")
+            f"{ratio}{floor}")
 
 
 if __name__ == "__main__":
