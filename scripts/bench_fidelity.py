@@ -23,7 +23,7 @@ from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.setup import BUNDLED_MODEL
 from hypic.models.random_weights import slow_decay
-from results import (ResultFile, device_label, int_list, phase, result_path, say, segment_state_dtype_name,
+from results import (ResultFile, device_label, int_list, result_path, say, segment_state_dtype_name, started_engine,
                      variant)
 
 
@@ -104,10 +104,7 @@ def result_file(args: argparse.Namespace) -> ResultFile:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     record = result_file(args)
-    with phase("weights"):
-        config = engine_config(args)
-    with phase("engine start"):
-        engine = LLMEngine(config)
+    engine = started_engine(lambda: engine_config(args))
     if args.slow_decay:
         slow_decay(engine.model)
     rng = random.Random(0)

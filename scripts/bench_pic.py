@@ -32,7 +32,7 @@ from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.kernels.host_copy import sync_sites
 from results import (ResultFile, by_number, device_label, int_list, phase, result_path, say,
-                     segment_state_dtype_name, variant)
+                     segment_state_dtype_name, started_engine, variant)
 
 SYSTEM_TOKENS, QUERY_TOKENS = 64, 64
 KINDS = ("by_length", "by_count")  # 4 documents of each length; documents of one length, by count
@@ -154,10 +154,7 @@ def result_file(args: argparse.Namespace) -> ResultFile:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     record = result_file(args)
-    with phase("weights"):
-        config = engine_config(args)
-    with phase("engine start"):
-        engine = LLMEngine(config)
+    engine = started_engine(lambda: engine_config(args))
     rng = random.Random(0)
     with phase("warm-up"):  # every mode once: kernels compile and autotune before anything is timed
         measure(engine, 2, min(512, *args.lengths, args.count_len), rng, 1)

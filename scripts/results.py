@@ -192,6 +192,16 @@ def segment_state_dtype_name(requested: str | None, device_type: str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def started_engine(engine_config: Callable[[], object]):
+    """The LLMEngine of engine_config() (which makes any random weights), the wall seconds of the weights
+    and of the engine start printed."""
+    from hypic.engine.llm_engine import LLMEngine
+    with phase("weights"):
+        config = engine_config()
+    with phase("engine start"):
+        return LLMEngine(config)
+
+
 # -- progress ---------------------------------------------------------------------------------------
 
 def say(line: str) -> None:
