@@ -151,6 +151,7 @@ class ResultFile:
             self.save(name, figures, clock())
 
     def save(self, name: str, figures: dict[tuple[str, ...], object], wall_s: float) -> None:
+        """Puts a group's figures at their paths, under this run (no longer under an earlier one), and writes."""
         for path, value in figures.items():
             parent = self.data
             for key in path[:-1]:
@@ -160,11 +161,14 @@ class ResultFile:
             run["measured"].pop(name, None)
         self.run["measured"][name] = round(wall_s, 2)
         self.data["runs"] = [run for run in self.data["runs"] if run["measured"] or run is self.run]
+        self._write()
+
+    def _write(self) -> None:
         self.finish(self.data)
         partial = self.path.with_name(self.path.name + ".partial")
         partial.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps(jsonable(self.data), indent=2, allow_nan=False) + "\n")
-        os.replace(partial, self.path)
+        os.replace(partial, self.path)  # atomic: a reader (or a kill) never sees half a file
         say(f"wrote {self.path} ({len(self.run['measured'])} of {len(self.run['requested'])} groups of this run)")
 
 
@@ -211,7 +215,7 @@ def say(line: str) -> None:
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[Callable[[], float]]:
     """Prints the start and (when it succeeds) the end of a phase with its wall seconds, and the seconds
-    since the process started; yields the phase's clock."""
+    since this module was imported (about when the script started); yields the phase's clock."""
     start = time.perf_counter()
     say(f"== {name}: start")
     yield lambda: time.perf_counter() - start
