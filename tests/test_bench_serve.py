@@ -39,8 +39,8 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.from_dir(BUNDLED_MODEL)
 
 
-def take(workload: RagWorkload | ChatWorkload, count: int) -> list[BenchRequest]:
-    stream = workload.requests()
+def take(workload: RagWorkload | ChatWorkload, count: int, key: str = "test") -> list[BenchRequest]:
+    stream = workload.requests(key)
     return [next(stream) for _ in range(count)]
 
 
@@ -109,7 +109,7 @@ def test_both_prompt_forms_carry_the_same_tokens(tokenizer) -> None:
 
 
 def test_trace_lines_keep_their_order_and_forms(tokenizer) -> None:
-    items = list(TraceWorkload(tokenizer, TRACE).requests())
+    items = list(TraceWorkload(tokenizer, TRACE).requests("any"))
     assert [r.arrival_s for r in items] == [10.0, 10.25, 10.5, 11.0]
     assert items[0].segments == tuple(tuple(s) for s in SegmentedPrompt.build(
         tokenizer, ["You answer briefly.", "The old market opened at dawn.", "Where is the market?"],
@@ -396,9 +396,9 @@ def test_a_chat_run_sends_each_turn_after_the_previous_one(server, tokenizer, tm
                      "8", "--user-tokens", "8", "--answer-tokens", "8", "--max-tokens", "3", "--warmup", "2",
                      "--num-requests", "6", "--no-plot", "--out", str(out)) == 0
     samples = json.loads(out.read_text())["series"][0]["points"][0]["samples"]
-    stream = take(ChatWorkload(tokenizer, ChatSpec(2, 3, 8, 8, 8, 3)), 8)  # the run's: 2 warm-up turns, then 6
-    assert [s["prompt_tokens"] for s in samples] == [len(r.token_ids) for r in stream[2:]]
-    waits = [(s, samples[r.after - 2]) for s, r in zip(samples, stream[2:]) if r.after is not None and r.after >= 2]
+    stream = take(ChatWorkload(tokenizer, ChatSpec(2, 3, 8, 8, 8, 3)), 6, key="inf")  # the point's own stream
+    assert [s["prompt_tokens"] for s in samples] == [len(r.token_ids) for r in stream]
+    waits = [(s, samples[r.after]) for s, r in zip(samples, stream) if r.after is not None]
     assert waits and all(s["sent_s"] >= before["sent_s"] + before["e2e_s"] for s, before in waits)
 
 
