@@ -21,6 +21,7 @@ from hypic.bench import stats
 from hypic.errors import HypicError
 
 SETTINGS = ("server", "workload", "slo")  # what runs merged into one file must share
+RATES = ("request_rate", "offered_rps")  # a point's fields that may be infinite
 
 
 class MissingBenchDependency(HypicError):
@@ -90,10 +91,10 @@ def jsonable(value: object) -> object:
 
 
 def read_result(path: Path) -> dict:
-    """A result file with its rates back as floats ("inf" included)."""
+    """A result file with its rates back as floats (jsonable wrote an infinite one as "inf")."""
     result = json.loads(path.read_text())
     for one in result["series"]:
-        one["points"] = [{**point, "request_rate": float(point["request_rate"])} for point in one["points"]]
+        one["points"] = [{**point, **{key: float(point[key]) for key in RATES}} for point in one["points"]]
     return result
 
 
