@@ -3,6 +3,7 @@ statistics against hand-computed cases, arrival scheduling on an injected clock,
 against the bundled model whose latency counts agree with the server's /metrics histograms."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -18,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_server_http import LoopThread
 
 from hypic.bench import arrivals, client, report, stats
+from hypic.bench.serve import add_bench_arguments
 from hypic.bench.arrivals import Clock, Dispatched, Planned
 from hypic.bench.client import Outcome, Target
 from hypic.bench.workloads import BenchRequest, ChatSpec, ChatWorkload, RagSpec, RagWorkload, TraceWorkload, zipf_weights
@@ -39,8 +41,8 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.from_dir(BUNDLED_MODEL)
 
 
-def take(workload: RagWorkload | ChatWorkload, count: int) -> list[BenchRequest]:
-    stream = workload.requests()
+def take(workload: RagWorkload | ChatWorkload, count: int, key: str = "test") -> list[BenchRequest]:
+    stream = workload.requests(key)
     return [next(stream) for _ in range(count)]
 
 
@@ -109,7 +111,7 @@ def test_both_prompt_forms_carry_the_same_tokens(tokenizer) -> None:
 
 
 def test_trace_lines_keep_their_order_and_forms(tokenizer) -> None:
-    items = list(TraceWorkload(tokenizer, TRACE).requests())
+    items = list(TraceWorkload(tokenizer, TRACE).requests("any"))
     assert [r.arrival_s for r in items] == [10.0, 10.25, 10.5, 11.0]
     assert items[0].segments == tuple(tuple(s) for s in SegmentedPrompt.build(
         tokenizer, ["You answer briefly.", "The old market opened at dawn.", "Where is the market?"],
@@ -396,9 +398,9 @@ def test_a_chat_run_sends_each_turn_after_the_previous_one(server, tokenizer, tm
                      "8", "--user-tokens", "8", "--answer-tokens", "8", "--max-tokens", "3", "--warmup", "2",
                      "--num-requests", "6", "--no-plot", "--out", str(out)) == 0
     samples = json.loads(out.read_text())["series"][0]["points"][0]["samples"]
-    stream = take(ChatWorkload(tokenizer, ChatSpec(2, 3, 8, 8, 8, 3)), 8)  # the run's: 2 warm-up turns, then 6
-    assert [s["prompt_tokens"] for s in samples] == [len(r.token_ids) for r in stream[2:]]
-    waits = [(s, samples[r.after - 2]) for s, r in zip(samples, stream[2:]) if r.after is not None and r.after >= 2]
+    stream = take(ChatWorkload(tokenizer, ChatSpec(2, 3, 8, 8, 8, 3)), 6, key="inf")  # the point's own stream
+    assert [s["prompt_tokens"] for s in samples] == [len(r.token_ids) for r in stream]
+    waits = [(s, samples[r.after]) for s, r in zip(samples, stream) if r.after is not None]
     assert waits and all(s["sent_s"] >= before["sent_s"] + before["e2e_s"] for s, before in waits)
 
 
@@ -407,3 +409,110 @@ def test_a_missing_bench_extra_is_named_before_any_request(monkeypatch, capsys) 
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--no-plot"]) == 2  # nothing listens there
     error = capsys.readouterr().err
     assert "the progress bar needs tqdm" in error and "pip install 'hypic[bench]'" in error and "--no-progress" in error
+
+
+# ---- results built by several runs (--merge) ---------------------------------------------------
+
+SMALL_RUN = ("--documents", "8", "--doc-tokens", "48", "--docs-per-request", "3", "--system-tokens", "16",
+             "--question-tokens", "8", "--max-tokens", "4", "--num-requests", "4")
+
+
+@pytest.fixture(scope="module")
+def merged_runs(server, tmp_path_factory) -> tuple[Path, list[dict], list[list[str]]]:
+    """Three runs into one file: prefix at 8 and inf killed after its first point, hypic at both
+    rates merged in, then prefix's inf point merged in (drawn with real matplotlib only there).
+    The file after each run, and the labels of the series each PNG drew."""
+    out, snapshots, drawn = tmp_path_factory.mktemp("merge") / "fig11.json", [], []
+    summarize = stats.summarize
+    with pytest.MonkeyPatch.context() as patch:
+        calls = iter(range(2))
+        patch.setattr(stats, "summarize", lambda *a: summarize(*a) if next(calls) == 0 else _killed())
+        with pytest.raises(KeyboardInterrupt):
+            run_bench("--url", server, *SMALL_RUN, "--cache-modes", "prefix", "--request-rate", "8,inf",
+                      "--no-plot", "--out", str(out))
+    snapshots.append(json.loads(out.read_text()))
+    assert run_bench("--url", server, *SMALL_RUN, "--cache-modes", "hypic", "--request-rate", "8,inf", "--merge",
+                     "--no-plot", "--out", str(out)) == 0
+    snapshots.append(json.loads(out.read_text()))
+    with pytest.MonkeyPatch.context() as patch:
+        plot = report.plot
+        patch.setattr(report, "plot", lambda path, series, *rest: (drawn.append([s["label"] for s in series]),
+                                                                      plot(path, series, *rest)))
+        assert run_bench("--url", server, *SMALL_RUN, "--cache-modes", "prefix", "--request-rate", "inf", "--merge",
+                         "--out", str(out)) == 0
+    snapshots.append(json.loads(out.read_text()))
+    return out, snapshots, drawn
+
+
+def _killed() -> None:
+    raise KeyboardInterrupt("the device call's time limit")
+
+
+def test_a_killed_run_leaves_the_points_it_finished(merged_runs) -> None:
+    _, (partial, _, _), _ = merged_runs
+    series, = partial["series"]
+    point, = series["points"]
+    assert series["label"] == "prefix" and point["request_rate"] == 8.0 and point["completed"] == 4
+    assert point["run"]["command"] == partial["command"] and "--request-rate 8,inf" in partial["command"]
+    assert series["saturated_rps"] == point["achieved_rps"]
+    assert series["sustainable"] == stats.sustainable_rate(series["points"], stats.Slo(**partial["slo"]))
+
+
+def test_merged_runs_keep_every_series_with_its_own_runs(merged_runs) -> None:
+    out, (partial, second, final), drawn = merged_runs
+    assert [s["label"] for s in second["series"]] == [s["label"] for s in final["series"]] == ["prefix", "hypic"]
+    prefix, hypic = final["series"]
+    assert prefix["points"][0] == partial["series"][0]["points"][0]  # kept as the killed run measured it
+    assert hypic == second["series"][1]  # untouched by the third run
+    assert [p["request_rate"] for p in prefix["points"]] == [8.0, "inf"] and prefix["points"][1]["completed"] == 4
+    commands = [p["run"]["command"] for s in final["series"] for p in s["points"]]
+    assert commands == [partial["command"], final["command"], second["command"], second["command"]]
+    assert len(set(commands)) == 3 and final["command"].endswith(f"--merge --out {out}")
+    points = report.read_result(out)["series"][0]["points"]
+    assert prefix["sustainable"] == stats.sustainable_rate(points, stats.Slo(**final["slo"]))
+    assert prefix["saturated_rps"] == max(p["achieved_rps"] for p in points)
+    assert drawn and all(labels == ["prefix", "hypic"] for labels in drawn)
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_a_rate_sends_its_own_stream_in_every_series_and_run(merged_runs, tokenizer) -> None:
+    _, (_, _, final), _ = merged_runs
+    workload = RagWorkload(tokenizer, RagSpec(documents=8, doc_tokens=48, docs_per_request=3, system_tokens=16,
+                                              question_tokens=8, max_tokens=4))
+    for series in final["series"]:  # prefix's points measured by two runs, hypic's by a third
+        for point, key in zip(series["points"], ("8", "inf")):
+            sent = [len(request.token_ids) for request in take(workload, 4, key=key)]
+            assert [sample["prompt_tokens"] for sample in point["samples"]] == sent
+    assert take(workload, 4, key="8") != take(workload, 4, key="inf")
+
+
+def test_a_merge_into_other_settings_is_refused_before_anything_is_sent(merged_runs, server, capsys) -> None:
+    out = merged_runs[0]
+    before = out.read_bytes()
+    capsys.readouterr()
+    # nothing listens at port 9: a request would fail with a connection error, not this refusal
+    assert run_bench("--url", "http://127.0.0.1:9", *SMALL_RUN, "--max-tokens", "5", "--slo-ttft", "2",
+                     "--cache-modes", "none", "--merge", "--no-plot", "--out", str(out)) == 2
+    error = capsys.readouterr().err
+    assert "workload.max_tokens: 4 in the file, 5 now" in error and "slo.ttft_s: 1.0 in the file, 2.0 now" in error
+    assert "--out" in error and "workload.documents" not in error
+    assert run_bench("--url", server, *SMALL_RUN, "--model", "another", "--cache-modes", "none", "--merge",
+                     "--no-plot", "--out", str(out)) == 2
+    assert "server.model: 'default_model' in the file, 'another' now" in capsys.readouterr().err
+    assert out.read_bytes() == before
+
+
+def test_the_fig11_parts_of_one_file_differ_only_in_mode_and_rates(tmp_path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_fig11
+
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    parsed = {part: vars(parser.parse_args(bench_fig11.bench_argv(part, None, tmp_path / "r.json", True)[2:]))
+              for part in bench_fig11.PARTS}
+    varying = {"cache_modes", "request_rate"}
+    settings = {part: {k: v for k, v in args.items() if k not in varying} for part, args in parsed.items()}
+    assert settings["hypic"] == settings["none"] == settings["prefix"]
+    assert {k for k in settings["hypic"] if settings["hypic"][k] != settings["pool5x"][k]} == {"server_command"}
+    assert [parsed[part]["cache_modes"] for part in ("hypic", "none", "prefix")] == [["hypic"], ["none"], ["prefix"]]
+    assert all(parsed[part]["request_rate"][-1] == math.inf and parsed[part]["merge"] for part in parsed)

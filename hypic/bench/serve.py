@@ -5,12 +5,14 @@ sweep of request rates; print and save per-rate statistics, the sustainable rate
     hypic bench serve --url http://127.0.0.1:8000 --cache-modes none,prefix,hypic --preheat ...
     hypic bench serve --url http://vllm:8000 --backend openai --tokenizer MODEL_DIR ...
     hypic bench serve --url ... --trace requests.jsonl
+    hypic bench serve ... --cache-modes hypic --out R.json; hypic bench serve ... --cache-modes none --merge --out R.json
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import math
 import os
@@ -21,7 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -45,6 +47,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("output")
     group.add_argument("--out", type=Path, help="JSON path; the PNG goes beside it "
                        "(default: bench/results/bench_serve_<device>_<model>.json)")
+    group.add_argument("--merge", action="store_true",
+                       help="add this run's series (or its rates of a series) to --out and keep the others; "
+                            "refused when the file's workload, SLO or server differ")
     group.add_argument("--label", help="series name when --cache-modes is not given (default: the backend)")
     group.add_argument("--no-plot", action="store_true", help="no PNG (matplotlib not needed)")
     group.add_argument("--no-progress", action="store_true", help="no progress bar (tqdm not needed)")
@@ -125,21 +130,35 @@ def _rates(text: str) -> list[float]:
 def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
     """`argv` is recorded in the results (an --api-key value masked)."""
     try:
-        if args.cache_modes and args.backend != "hypic":
-            raise HypicError("--cache-modes needs --backend hypic (other servers have no per-request cache mode)")
-        if not args.no_progress:
-            report.require("tqdm", "the progress bar", "--no-progress")
-        if not args.no_plot:
-            report.require("matplotlib", "the PNG plots", "--no-plot")
-        workload = build_workload(Tokenizer.from_dir(args.tokenizer), args)
+        workload, results = checked_setup(args)
+        with started_server(args) as (url, startup):
+            run = {**report.provenance(["hypic", *argv]), "startup_line": startup}
+            asyncio.run(run_sweeps(url, workload, args, run, results.update))
     except HypicError as error:
         print(f"hypic bench serve: {error}", file=sys.stderr)
         return 2
-    with started_server(args) as (url, startup):
-        result = asyncio.run(run_sweeps(url, workload, args, report.provenance(["hypic", *argv])))
-    result["server"]["startup_line"] = startup
-    save(result, args)
+    for one in results.written["series"]:
+        print(report.summary_line(one, args.slo_ttft))
+    print(f"wrote {results.path}")
     return 0
+
+
+def checked_setup(args: argparse.Namespace) -> tuple[Workload, report.ResultFile]:
+    """The workload and the result file, once every check that needs no server has passed (a
+    merge's settings included: the model is checked once the server names it)."""
+    if args.cache_modes and args.backend != "hypic":
+        raise HypicError("--cache-modes needs --backend hypic (other servers have no per-request cache mode)")
+    if args.merge and args.out is None:
+        raise HypicError("--merge needs --out, the result file to merge into")
+    if not args.no_progress:
+        report.require("tqdm", "the progress bar", "--no-progress")
+    if not args.no_plot:
+        report.require("matplotlib", "the PNG plots", "--no-plot")
+    workload = build_workload(Tokenizer.from_dir(args.tokenizer), args)
+    results = report.ResultFile(args.out, args.merge, plot=not args.no_plot)
+    results.check({"server": server_record(args, None), "workload": workload_record(workload, args),
+                   "slo": asdict(slo_of(args))})
+    return workload, results
 
 
 def build_workload(tokenizer: Tokenizer, args: argparse.Namespace) -> Workload:
@@ -174,30 +193,40 @@ def started_server(args: argparse.Namespace) -> Iterator[tuple[str, str | None]]
         process.wait(timeout=120)
 
 
-async def run_sweeps(url: str, workload: Workload, args: argparse.Namespace, provenance: dict) -> dict:
-    """Warm-up, then for each series (cache mode): flush, preheat and the rate sweep."""
-    slo = stats.Slo(args.slo_ttft, args.slo_tpot, args.keep_up)
+def slo_of(args: argparse.Namespace) -> stats.Slo:
+    return stats.Slo(args.slo_ttft, args.slo_tpot, args.keep_up)
+
+
+async def run_sweeps(url: str, workload: Workload, args: argparse.Namespace, run: dict,
+                     on_update: Callable[[dict], object] = lambda result: None) -> dict:
+    """Warm-up, then for each series (cache mode): flush, preheat and the rate sweep. `run` (date,
+    commit, command, ...) goes into every point; `on_update` gets the result once the server has
+    named its model, before anything is measured, and again after every point."""
+    slo = slo_of(args)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0), headers=headers) as session:
         base = client.Target(url, args.model or await first_model(session, url), args.backend, args.prompt_form,
                              ignore_eos=not args.no_ignore_eos)
+        result = {"benchmark": "bench_serve", **run, "server": server_record(args, base.model),
+                  "workload": workload_record(workload, args), "slo": asdict(slo), "series": []}
+        on_update(result)
         if args.warmup:
-            warm = [arrivals.Planned(i, 0.0, r) for i, r in enumerate(itertools.islice(workload.requests(), args.warmup))]
+            warm = [arrivals.Planned(i, 0.0, r) for i, r in enumerate(itertools.islice(workload.requests("warmup"), args.warmup))]
             await arrivals.dispatch(warm, lambda r: client.send(session, base, r), max_concurrency=args.max_concurrency)
-        series = []
         for mode in args.cache_modes or [None]:
             target = replace(base, cache_mode=mode)
             if mode is not None:
                 await flush(session, url)
             if args.preheat:
                 await preheat(session, target, workload)
-            points = await sweep(session, target, workload, args, slo)
-            series.append({"label": mode or args.label or args.backend, "cache_mode": mode, "points": points,
-                           "sustainable": stats.sustainable_rate(points, slo), **stats.saturation(points)})
-    return {"benchmark": "bench_serve", **provenance,
-            "server": {"url": url, "model": base.model, "backend": args.backend, "prompt_form": args.prompt_form},
-            "workload": workload_record(workload, args), "slo": asdict(slo), "series": series}
+            series = {"label": mode or args.label or args.backend, "cache_mode": mode, "points": []}
+            result["series"].append(series)
+            async for point in sweep(session, target, workload, args, slo):
+                series["points"].append({**point, "run": {**run, "url": url}})
+                series.update(report.series_figures(series["points"], slo))
+                on_update(result)
+    return result
 
 
 async def first_model(session: aiohttp.ClientSession, url: str) -> str:
@@ -221,18 +250,18 @@ async def preheat(session: aiohttp.ClientSession, target: client.Target, workloa
 
 
 async def sweep(session: aiohttp.ClientSession, target: client.Target, workload: Workload,
-                args: argparse.Namespace, slo: stats.Slo) -> list[dict]:
-    """One point per rate, each with fresh requests of the same seeded stream (every series alike)."""
-    stream = enumerate(itertools.islice(workload.requests(), args.warmup, None), start=args.warmup)  # `after` counts from 0
-    rates = args.request_rate or [None if isinstance(workload, TraceWorkload) else float("inf")]
-    rng, points = random.Random(args.seed), []
-    for rate in rates:
-        plan = planned(stream, rate, args, rng)
-        dispatched = await dispatch_with_progress(session, target, plan, args, f"{target.cache_mode or args.backend} @ {rate}")
+                args: argparse.Namespace, slo: stats.Slo) -> AsyncIterator[dict]:
+    """One point per rate, each printed as it finishes. A rate's requests and arrival times are
+    drawn from a stream of its own (seeded by --seed and the rate): every series, and a sweep split
+    over several runs, sends the same requests at the same rate."""
+    label = target.cache_mode or args.label or args.backend
+    for rate in args.request_rate or [None if isinstance(workload, TraceWorkload) else float("inf")]:
+        key = "trace" if rate is None else f"{rate:g}"
+        plan = planned(enumerate(workload.requests(key)), rate, args, random.Random(f"{args.seed}/{key}"))
+        dispatched = await dispatch_with_progress(session, target, plan, args, f"{label} @ {key}")
         point = stats.summarize(rate, dispatched, slo)
-        print(one_line(point), file=sys.stderr, flush=True)
-        points.append(point)
-    return points
+        print(f"{label}: {one_line(point)}", file=sys.stderr, flush=True)
+        yield point
 
 
 def planned(stream: Iterator[tuple[int, BenchRequest]], rate: float | None, args: argparse.Namespace,
@@ -275,24 +304,24 @@ def one_line(point: dict) -> str:
 
 
 def workload_record(workload: Workload, args: argparse.Namespace) -> dict:
+    """What the requests were: runs merged into one file must agree on all of it."""
     kind = "trace" if isinstance(workload, TraceWorkload) else args.workload
     record = {"kind": kind, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
               "num_requests": args.num_requests, "duration_s": args.duration, "warmup": args.warmup,
-              "preheat": args.preheat, "tokenizer": str(args.tokenizer)}
+              "preheat": args.preheat, "tokenizer_sha256": tokenizer_digest(args.tokenizer)}
     return {**record, **({"trace": str(args.trace)} if kind == "trace" else asdict(workload.spec))}
 
 
-def save(result: dict, args: argparse.Namespace) -> None:
-    device = re.search(r" on (\S+):", result["server"].get("startup_line") or "")
-    label = device.group(1).replace(":", "") if device else "remote"
-    out = args.out or Path("bench") / "results" / f"bench_serve_{label}_{result['server']['model']}.json"
-    report.write_json(out, result)
-    if not args.no_plot:
-        report.plot(out.with_suffix(".png"), result["series"], f"{result['server']['model']}: {result['workload']['kind']}",
-                    args.slo_ttft)
-    for one in result["series"]:
-        print(report.summary_line(one, args.slo_ttft))
-    print(f"wrote {out}")
+def tokenizer_digest(directory: Path) -> str:
+    """The tokenizer's identity, wherever its directory is on this machine."""
+    return hashlib.sha256((directory / "tokenizer.json").read_bytes()).hexdigest()[:16]
+
+
+def server_record(args: argparse.Namespace, model: str | None) -> dict:
+    """What served the requests (the model once known): the command that started it, or None for --url."""
+    record = {"backend": args.backend, "prompt_form": args.prompt_form,
+              "command": args.server_command if args.url is None else None}
+    return record if model is None else {**record, "model": model}
 
 
 def add_plot_arguments(parser: argparse.ArgumentParser) -> None:

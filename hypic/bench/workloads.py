@@ -84,7 +84,7 @@ class ChatSpec:
 class TextSource:
     """Seeded filler text of about a given number of tokens (counted with the model's tokenizer)."""
 
-    def __init__(self, tokenizer: Tokenizer, seed: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, seed: int | str) -> None:
         self.tokenizer = tokenizer
         self.rng = random.Random(seed)
 
@@ -102,6 +102,12 @@ def request_from_texts(tokenizer: Tokenizer, texts: Sequence[str], max_tokens: i
                        after: int | None = None) -> BenchRequest:
     segments = tuple(tuple(ids) for ids in encode_segments(tokenizer, texts))
     return BenchRequest(segments, tuple(texts), max_tokens, after=after)
+
+
+def stream_seed(seed: int, key: str, role: int) -> str:
+    """The seed of one random source (`role`) of the request stream `key` (a rate point, the warm-up):
+    each stream draws on its own, so a point's requests do not depend on the points before it."""
+    return f"{seed}/{key}/{role}"
 
 
 def zipf_weights(count: int, s: float) -> list[float]:
@@ -136,10 +142,12 @@ class RagWorkload:
         spread = self.spec.doc_tokens * self.spec.doc_tokens_range
         return source.text(max(1, round(lengths.uniform(self.spec.doc_tokens - spread, self.spec.doc_tokens + spread))))
 
-    def requests(self) -> Iterator[BenchRequest]:
-        spec = self.spec
-        rng, questions = random.Random(spec.seed + 2), TextSource(self.tokenizer, spec.seed + 3)
-        cold, cold_source = random.Random(spec.seed + 4), TextSource(self.tokenizer, spec.seed + 5)
+    def requests(self, key: str) -> Iterator[BenchRequest]:
+        """The endless stream `key` (every stream over the same corpus)."""
+        spec, tokenizer = self.spec, self.tokenizer
+        rng, questions = random.Random(stream_seed(spec.seed, key, 2)), TextSource(tokenizer, stream_seed(spec.seed, key, 3))
+        cold = random.Random(stream_seed(spec.seed, key, 4))
+        cold_source = TextSource(tokenizer, stream_seed(spec.seed, key, 5))
         cumulative = list(itertools.accumulate(zipf_weights(spec.documents, spec.zipf_s)))
         while True:
             docs = [self.documents[i] for i in pick_documents(rng, cumulative, spec.docs_per_request)]
@@ -162,9 +170,10 @@ class ChatWorkload:
         self.tokenizer, self.spec = tokenizer, spec
         self.system = TextSource(tokenizer, spec.seed).text(spec.system_tokens)
 
-    def requests(self) -> Iterator[BenchRequest]:
-        spec, rng = self.spec, random.Random(self.spec.seed + 1)
-        source = TextSource(self.tokenizer, spec.seed + 2)
+    def requests(self, key: str) -> Iterator[BenchRequest]:
+        """The endless stream `key`: its conversations start with it, `after` counts in it."""
+        spec, rng = self.spec, random.Random(stream_seed(self.spec.seed, key, 1))
+        source = TextSource(self.tokenizer, stream_seed(spec.seed, key, 2))
         active: list[tuple[list[str], int | None]] = [([], None) for _ in range(spec.conversations)]
         for index in itertools.count():
             slot = rng.randrange(len(active))
@@ -190,7 +199,8 @@ class TraceWorkload:
         if not self.items:
             raise InvalidRequestError(f"the trace {path} has no requests")
 
-    def requests(self) -> Iterator[BenchRequest]:
+    def requests(self, key: str) -> Iterator[BenchRequest]:
+        """The whole trace, whatever the stream."""
         return iter(self.items)
 
     def preheat(self) -> list[BenchRequest]:
