@@ -150,19 +150,21 @@ def test_the_bitmask_is_one_buffer_reused_every_step(engine, monkeypatch) -> Non
 
 
 
-def test_a_grammar_compiles_once_per_mask_thread_and_completions_take_copies_in_turn(engine, monkeypatch) -> None:
+def test_a_grammar_compiles_a_matcher_per_busy_mask_thread(engine, monkeypatch) -> None:
     """Copies of one llguidance matcher share its lexer behind a lock, so their masks are computed one at
-    a time: five completions of one grammar with two mask threads copy two compiled matchers, and every
-    reply holds to the grammar."""
-    monkeypatch.setattr(structured, "MASK_THREADS", 2)
+    a time. With three mask threads: requests one at a time copy one compiled matcher; five at once copy
+    three; every reply holds to the grammar."""
+    monkeypatch.setattr(structured, "MASK_THREADS", 3)
     compiled, compile_one = [], engine.structured._new_matcher
     monkeypatch.setattr(engine.structured, "_new_matcher",
                         lambda grammar: compiled.append(grammar) or compile_one(grammar))
     constraint = StructuredOutputs("regex", "[a-c]{3}x[0-9]{2}")  # a grammar no other test compiled
+    replies = [_run(engine, [SamplingParams(max_tokens=12, seed=s, structured=constraint)])["r0"] for s in (7, 8)]
+    assert compiled == [constraint.grammar()]
     tokens = _run(engine, [SamplingParams(max_tokens=12, seed=s, structured=constraint) for s in range(5)])
-    assert compiled == [constraint.grammar()] * 2
+    assert compiled == [constraint.grammar()] * 3
     tokenizer = llguidance.LLTokenizer((engine.model_dir / "tokenizer.json").read_text(),
                                        n_vocab=engine.tokenizer.vocab_size, eos_token=sorted(engine.eos_ids))
-    for ids in tokens.values():
+    for ids in [*replies, *tokens.values()]:
         matcher = llguidance.LLMatcher(tokenizer, constraint.grammar())
         assert matcher.consume_tokens(ids) and matcher.is_accepting(), matcher.get_error()

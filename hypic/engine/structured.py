@@ -4,8 +4,9 @@
   their own, started when the request is added; its prefill runs meanwhile.
 - Each constrained completion has its own matcher, a copy of one of the grammar's compiled matchers.
   Copies of one matcher share its lexer state behind a lock (llguidance's `deep_copy` leaves it
-  shared), so their masks are computed one at a time: a grammar is compiled up to once per mask
-  thread (a compile is ~1 ms for a JSON schema) and completions take copies of each in turn. Forks
+  shared), so their masks are computed one at a time: while every compiled matcher of a grammar is
+  copied by a live completion, another is compiled (~1 ms for a JSON schema), up to one per mask
+  thread, and a completion copies the least used. Forks
   happen before the first token, so a fork starts from the initial state like its parent.
 - Masks are filled by llguidance's parallel executor on a thread of their own, into rows of one
   bitmask buffer reused every step (pinned on CUDA): no host tensor op on the engine thread, where a
@@ -46,6 +47,7 @@ class _Constrained:
     """One completion's matcher; with `after`, the constraint starts once that text was generated."""
 
     compiled: Future
+    base: int  # which of the grammar's compiled matchers `compiled` is
     after: bytes | None
     matcher: llguidance.LLMatcher | None = None
     tail: bytes = b""  # the last bytes generated while waiting for `after`
@@ -62,18 +64,24 @@ class _Constrained:
 
 
 class _Grammar:
-    """One grammar's compiled matchers: the first compiled at once (beside the request's prefill), up to
-    `width` as completions need them; the i-th completion copies matcher i mod width."""
+    """One grammar's compiled matchers: the first compiled at once (beside the request's prefill), another
+    only while every one is copied by a live completion, up to `width`; a completion copies the least used."""
 
     def __init__(self, compile_one: Callable[[], Future], width: int) -> None:
         self._compile_one, self._width = compile_one, width
-        self._compiled, self._taken = [compile_one()], 0
+        self._compiled, self._users = [compile_one()], [0]
 
-    def take(self) -> Future:
-        if self._taken == len(self._compiled) < self._width and not self._failed():
+    def take(self) -> tuple[int, Future]:
+        base = min(range(len(self._users)), key=self._users.__getitem__)
+        if self._users[base] and len(self._compiled) < self._width and not self._failed():
+            base = len(self._compiled)
             self._compiled.append(self._compile_one())
-        compiled, self._taken = self._compiled[self._taken % len(self._compiled)], self._taken + 1
-        return compiled
+            self._users.append(0)
+        self._users[base] += 1
+        return base, self._compiled[base]
+
+    def give_back(self, base: int) -> None:
+        self._users[base] -= 1
 
     def _failed(self) -> bool:
         """The grammar is known not to compile for this tokenizer: no point compiling it again."""
@@ -117,7 +125,9 @@ class StructuredDecoding:
             self._requests[request_id] = (self._compile(structured.grammar()), {})
 
     def release(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+        grammar, states = self._requests.pop(request_id, (None, {}))
+        for state in states.values():
+            grammar.give_back(state.base)
 
     def fill(self, batch: ScheduledBatch) -> PendingMasks | None:
         """The masks of the batch's constrained rows (prefetched or started now); None when it has none."""
@@ -192,7 +202,8 @@ class StructuredDecoding:
         grammar, states = self._requests[seq.info.request_id]
         if seq.index not in states:
             after = seq.info.params.structured.after
-            states[seq.index] = _Constrained(grammar.take(), after.encode() if after else None)
+            base, compiled = grammar.take()
+            states[seq.index] = _Constrained(compiled, base, after.encode() if after else None)
         return states[seq.index]
 
     def _watch_for_start(self, state: _Constrained, token: int) -> None:
