@@ -6,7 +6,7 @@ never seen before, so the prefix cache can only reuse the system prompt, while h
 document. Also: the same hypic prompt once more (`repeat`: it resumes from its last-token
 checkpoint, past every document), the marginal TTFT of one more cached segment, and the
 tuple-building overhead of a cold segment prefill. Prints each figure as it is measured and a table
-at the end; writes JSON under bench/results/ after each figure (scripts/results.py's ResultFile): a
+at the end; writes JSON under bench/results/ after each figure (hypic.bench.report's ResultFile): a
 run of some lengths, counts or the overhead merges into an existing file of the same shape and setup
 (`--lengths ''`, `--counts ''`, `--overhead ''` measure none of that kind), so a large shape's figures
 can be measured in several short calls (docs/benchmarks.md has the plan for kimi_linear_48b).
@@ -27,11 +27,12 @@ import torch
 from bench_engine import model_dir, random_weights, shape_config
 
 from hypic import EngineConfig, SamplingParams
+from hypic.bench.report import ResultFile
 from hypic.config import SEGMENT_STATE_DTYPES
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.kernels.host_copy import sync_sites
-from results import (ResultFile, by_number, device_label, int_list, phase, result_path, say,
+from results import (by_number, device_label, group, grouped_result, int_list, phase, result_path, say,
                      segment_state_dtype_name, started_engine, variant)
 
 SYSTEM_TOKENS, QUERY_TOKENS = 64, 64
@@ -148,7 +149,7 @@ def result_file(args: argparse.Namespace) -> ResultFile:
     args.out = args.out or result_path("pic", device_label(device), variant(shape, args.segment_state_dtype))
     requested = ([f"by_length 4x{n}" for n in args.lengths] + [f"by_count {c}x{args.count_len}" for c in args.counts]
                  + (["tuple overhead"] if args.overhead else []))
-    return ResultFile(args.out, header, requested, finish=derive)
+    return grouped_result(args.out, header, requested, finish=derive)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -169,11 +170,11 @@ def measure_groups(record: ResultFile, engine: LLMEngine, args: argparse.Namespa
     for kind, num_docs, doc_len in ([("by_length", 4, n) for n in args.lengths]
                                     + [("by_count", c, args.count_len) for c in args.counts]):
         name = f"{num_docs}x{doc_len}"
-        with record.group(f"{kind} {name}") as saved:
+        with group(record, f"{kind} {name}") as saved:
             saved[(kind, name)] = figures = measure(engine, num_docs, doc_len, rng, args.repeats)
             say(row(kind, name, figures))
     if args.overhead:
-        with record.group("tuple overhead") as saved:
+        with group(record, "tuple overhead") as saved:
             saved[("tuple_overhead_fraction",)] = fraction = tuple_overhead(engine, *args.overhead, rng, args.repeats)
             saved[("tuple_overhead_prompt",)] = "x".join(map(str, args.overhead))
             say(f"tuple-building overhead: {fraction:.1%} of the cold forward")
