@@ -99,6 +99,13 @@ def test_a_file_written_before_results_could_merge_is_refused(tmp_path: Path) ->
     assert set(refused.value.differing) == {"runs"}
 
 
+def test_pic_draws_token_ids_inside_a_small_vocabulary(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "pic_cpu.json"  # the tiny checkpoint has 300 ids, far below the 3000 of a shape's prompts
+    bench_pic.main(["--model", str(tiny_model_dir), "--count-len", "16", "--repeats", "1", "--lengths", "",
+                    "--counts", "2", "--overhead", "", "--out", str(out)])
+    assert set(json.loads(out.read_text())["by_count"]["2x16"]) == {"none", "prefix", "hypic", "hypic_cold", "hypic_repeat"}
+
+
 def test_fidelity_segment_counts_merge(tmp_path: Path) -> None:
     out, options = tmp_path / "fidelity_cpu.json", ["--segment-len", "32", "--out"]
     bench_fidelity.main(["--segments", "2", *options, str(out)])

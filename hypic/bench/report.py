@@ -82,7 +82,8 @@ class MismatchedResults(HypicError):
 
     def __init__(self, path: Path, differing: dict[str, tuple[object, object]]) -> None:
         self.path, self.differing = path, differing
-        fields = "; ".join(f"{name}: {theirs!r} in the file, {ours!r} now" for name, (theirs, ours) in differing.items())
+        fields = "; ".join(f"{name}: {theirs!r} in the file, {ours!r} now"
+                           for name, (theirs, ours) in differing.items())
         super().__init__(f"{path} was measured with other settings, so this run cannot merge into it: {fields}. "
                          f"Give another --out, or move the file aside to start a new one")
 
