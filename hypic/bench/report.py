@@ -161,7 +161,7 @@ class ResultFile:
         return self.data
 
 
-# -- figure groups: a script's figures saved group by group, each under the run that measured it ---------
+# -- figure groups: a script's figures saved group by group, each under the run that measured it -----
 
 def group_part(header: dict, requested: Sequence[str]) -> dict:
     """A script run's part: its header (the benchmark and every setting whose figures must not be mixed),
@@ -183,17 +183,20 @@ def merged_groups(previous: dict, part: dict, finish: Callable[[dict], None] = l
     `finish` then recomputes the derived figures (and key order) from the merged raw ones."""
     run, header = part["run"], part["header"]
     kept = copy.deepcopy({key: value for key, value in previous.items() if key not in header})
-    data = {**header, **_record_of(run), "runs": [], **kept, **_record_of(run)}
+    data = {**header, **_record_of(run), "runs": [], **kept, **_record_of(run)}  # the file's key order
     for path, value in part["figures"].items():
-        parent = data
-        for key in path[:-1]:
-            parent = parent.setdefault(key, {})
-        parent[path[-1]] = value
+        _put(data, path, value)
     earlier = [{**one, "measured": {name: s for name, s in one["measured"].items() if name not in run["measured"]}}
                for one in previous.get("runs", [])]
     data["runs"] = [one for one in earlier if one["measured"]] + [run]
     finish(data)
     return data
+
+
+def _put(data: dict, path: tuple[str, ...], value: object) -> None:
+    for key in path[:-1]:
+        data = data.setdefault(key, {})
+    data[path[-1]] = value
 
 
 def _record_of(run: dict) -> dict:
