@@ -4,7 +4,7 @@ Both run the same random bf16 weights (built on the GPU from a seed, in the chec
 naming) of a released shape (default: the Qwen3.5-35B-A3B text model; nemotron3_nano is Nemotron 3
 Nano 30B-A3B, granite4_h_small Granite-4.0-H-Small, kimi_linear_48b Kimi-Linear-48B-A3B: ~96 GB of
 weights, so --skip-transformers). Prints each figure as it is measured and a table at the end; writes
-JSON under bench/results/ after each figure (scripts/results.py's ResultFile): a run of some lengths
+JSON under bench/results/ after each figure (hypic.bench.report's ResultFile): a run of some lengths
 or batches (`--lengths ''` measures no prefill, `--batches ''` no decode) merges into an existing file
 of the same shape and setup, so the figures of a large shape can be measured in several short calls
 (docs/benchmarks.md has the plan for kimi_linear_48b).
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from hypic import EngineConfig, SamplingParams
+from hypic.bench.report import ResultFile
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.setup import BUNDLED_MODEL
@@ -34,7 +35,7 @@ from hypic.models.kimi_config import KIMI_MODEL_TYPES, KimiLinearConfig
 from hypic.models.mamba2_config import MAMBA2_MODEL_TYPES, Mamba2HybridConfig
 from hypic.models.random_weights import random_state_dict
 from hypic.models.registry import architecture
-from results import ResultFile, by_number, device_label, int_list, phase, result_path, say
+from results import by_number, device_label, group, grouped_result, int_list, phase, result_path, say
 
 H200_BF16_FLOPS = 790e12  # measured dense bf16 matmul rate on this workplace's H200 (KINDS.md)
 H200_HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak bandwidth (NVIDIA's figure)
@@ -204,14 +205,14 @@ def bench_hypic(record: ResultFile, path: Path, weights: dict, args: argparse.Na
     """hypic's prefill figure of each length and decode figure (with its bandwidth floor) of each batch."""
     engine = started_engine(path, weights, args)
     for n in args.lengths:
-        with record.group(f"hypic prefill {n}") as saved:
+        with group(record, f"hypic prefill {n}") as saved:
             hypic_prefill(engine, n)
             saved[("hypic", "prefill", str(n))] = tps = n / min(hypic_prefill(engine, n) for _ in range(2))
             say(f"hypic prefill {n}: {tps:.0f} tok/s")
     shape = engine.model.cache_shape()
     state_bytes, kv_bytes = shape.slot_bytes(engine.dtype), shape.page_bytes(1, engine.dtype) * (128 + args.steps)
     for b in args.batches:
-        with record.group(f"hypic decode {b}") as saved:
+        with group(record, f"hypic decode {b}") as saved:
             tps, floor = hypic_decode(engine, b, args.steps), decode_floor(weights, args.config, b, state_bytes, kv_bytes)
             saved[("hypic", "decode", str(b))], saved[("hypic", "decode_floor", str(b))] = tps, floor
             say(f"hypic decode batch {b}: {tps:.0f} tok/s (bandwidth floor {floor:.0f} tok/s)")
@@ -257,11 +258,11 @@ def bench_transformers(record: ResultFile, config: dict, weights: dict, args: ar
         with phase("transformers warm-up"):
             _hf_prefill(model, WARM_UP_TOKENS)
         for n in args.hf_lengths:
-            with record.group(f"transformers prefill {n}") as saved:
+            with group(record, f"transformers prefill {n}") as saved:
                 saved[("transformers", "prefill", str(n))] = tps = n / min(_hf_prefill(model, n) for _ in range(2))
                 say(f"transformers prefill {n}: {tps:.0f} tok/s")
         for b in args.batches:
-            with record.group(f"transformers decode {b}") as saved:
+            with group(record, f"transformers decode {b}") as saved:
                 saved[("transformers", "decode", str(b))] = tps = _hf_decode(model, b, max(4, args.steps // 4))
                 say(f"transformers decode batch {b}: {tps:.0f} tok/s")
     del model
@@ -335,8 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     args.config = config
     header = {"benchmark": "engine", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "shape": args.shape, "chunk": args.chunk, "cuda_graphs": not args.enforce_eager, "steps": args.steps}
-    record = ResultFile(args.out, header, requested_groups(args), finish=functools.partial(derive, config))
-    with record.group("weights") as saved:
+    record = grouped_result(args.out, header, requested_groups(args), finish=functools.partial(derive, config))
+    with group(record, "weights") as saved:
         weights = random_weights(config, args.seed)
         saved[("params_b",)] = sum(w.numel() for w in weights.values()) / 1e9
     bench_hypic(record, model_dir(config), weights, args)  # saved figure by figure: they survive a later failure

@@ -2,7 +2,7 @@
 linear-layer state after a PIC prefill against full recompute, at the first and the deepest linear
 layer, for hypic and naive, with 2 and 4 segments.
 
-Each segment count's figures are printed and written (scripts/results.py's ResultFile) as soon as they
+Each segment count's figures are printed and written (hypic.bench.report's ResultFile) as soon as they
 are measured; a run of some counts (--segments) merges into an existing file of the same setup.
 
     python scripts/bench_fidelity.py                       # the bundled model, on CPU
@@ -18,13 +18,14 @@ from pathlib import Path
 import torch
 
 from hypic import EngineConfig, SamplingParams
+from hypic.bench.report import ResultFile
 from hypic.config import SEGMENT_STATE_DTYPES
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.setup import BUNDLED_MODEL
 from hypic.models.random_weights import slow_decay
-from results import (ResultFile, device_label, int_list, result_path, say, segment_state_dtype_name, started_engine,
-                     variant)
+from results import (device_label, group, grouped_result, int_list, result_path, say, segment_state_dtype_name,
+                     started_engine, variant)
 
 
 def state_after_prefill(engine: LLMEngine, prompt: SegmentedPrompt, mode: str, layers: list[int]) -> list[torch.Tensor]:
@@ -98,7 +99,7 @@ def result_file(args: argparse.Namespace) -> ResultFile:
               "segment_state_dtype": segment_state_dtype_name(args.segment_state_dtype, "cuda" if args.shape else "cpu")}
     args.out = args.out or result_path("fidelity", device_label(device), variant(
         model, args.segment_state_dtype, "slow_decay" if args.slow_decay else None))
-    return ResultFile(args.out, header, [f"segments {n}" for n in args.segments])
+    return grouped_result(args.out, header, [f"segments {n}" for n in args.segments])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         slow_decay(engine.model)
     rng = random.Random(0)
     for n in args.segments:
-        with record.group(f"segments {n}") as saved:
+        with group(record, f"segments {n}") as saved:
             saved[("segments", str(n))] = modes = measure(engine, n, args.segment_len, rng)
             for mode, layers in modes.items():
                 say(f"{n} segments {mode:>6}: " + "  ".join(

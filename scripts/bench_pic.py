@@ -6,7 +6,7 @@ never seen before, so the prefix cache can only reuse the system prompt, while h
 document. Also: the same hypic prompt once more (`repeat`: it resumes from its last-token
 checkpoint, past every document), the marginal TTFT of one more cached segment, and the
 tuple-building overhead of a cold segment prefill. Prints each figure as it is measured and a table
-at the end; writes JSON under bench/results/ after each figure (scripts/results.py's ResultFile): a
+at the end; writes JSON under bench/results/ after each figure (hypic.bench.report's ResultFile): a
 run of some lengths, counts or the overhead merges into an existing file of the same shape and setup
 (`--lengths ''`, `--counts ''`, `--overhead ''` measure none of that kind), so a large shape's figures
 can be measured in several short calls (docs/benchmarks.md has the plan for kimi_linear_48b).
@@ -27,11 +27,12 @@ import torch
 from bench_engine import model_dir, random_weights, shape_config
 
 from hypic import EngineConfig, SamplingParams
+from hypic.bench.report import ResultFile
 from hypic.config import SEGMENT_STATE_DTYPES
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.kernels.host_copy import sync_sites
-from results import (ResultFile, by_number, device_label, int_list, phase, result_path, say,
+from results import (by_number, device_label, group, grouped_result, int_list, phase, result_path, say,
                      segment_state_dtype_name, started_engine, variant)
 
 SYSTEM_TOKENS, QUERY_TOKENS = 64, 64
@@ -43,6 +44,8 @@ def rag_prompt(docs: list[tuple[int, ...]], system: tuple[int, ...], query: tupl
 
 
 def random_tokens(n: int, rng: random.Random, vocab: int = 3000) -> tuple[int, ...]:
+    """Ids in [3, vocab): an engine's served_vocab_size, or 3000 (below every shape's vocabulary) for
+    prompts drawn before the engine starts."""
     return tuple(rng.randrange(3, vocab) for _ in range(n))
 
 
@@ -70,18 +73,19 @@ def measure(engine: LLMEngine, num_docs: int, doc_len: int, rng: random.Random, 
     """Median TTFT (s) per mode. Cold: documents never seen, after one unmeasured cold prompt of the
     same shape (kernels compile and autotune for it). Warm: the last cold documents in new orders.
     Repeat: the warm hypic prompt once more (it resumes from its own last-token checkpoint)."""
-    system = random_tokens(SYSTEM_TOKENS, rng)
+    vocab = engine.served_vocab_size
+    system = random_tokens(SYSTEM_TOKENS, rng, vocab)
     times: dict[str, list[float]] = {"none": [], "prefix": [], "hypic": [], "hypic_cold": [], "hypic_repeat": []}
     for round_ in range(repeats + 1):
-        docs = [random_tokens(doc_len, rng) for _ in range(num_docs)]
-        warm = rag_prompt(docs, system, random_tokens(QUERY_TOKENS, rng))
+        docs = [random_tokens(doc_len, rng, vocab) for _ in range(num_docs)]
+        warm = rag_prompt(docs, system, random_tokens(QUERY_TOKENS, rng, vocab))
         cold = ttft(engine, warm, "hypic")
         times["hypic_cold"] += [cold] if round_ else []
     ttft(engine, warm, "prefix")
     for _ in range(repeats):
         order = rng.sample(docs, len(docs))
         for mode in ("none", "prefix", "hypic"):  # a query of its own: no mode reuses another's prompt
-            prompt = rag_prompt(order, system, random_tokens(QUERY_TOKENS, rng))
+            prompt = rag_prompt(order, system, random_tokens(QUERY_TOKENS, rng, vocab))
             times[mode].append(ttft(engine, prompt, mode))
         times["hypic_repeat"].append(ttft(engine, prompt, "hypic"))
     return {mode: sorted(t)[len(t) // 2] for mode, t in times.items()}
@@ -91,9 +95,9 @@ def tuple_overhead(engine: LLMEngine, num_docs: int, doc_len: int, rng: random.R
     """Extra time of a cold segment prefill that also builds its tuple, over a plain prefill of the
     same isolated segments (both as one batch): the median over `repeats` new sets of segments, after
     an unmeasured one (kernels compile and autotune for the shape)."""
-    ratios = []
+    ratios, vocab = [], engine.served_vocab_size
     for _ in range(repeats + 1):
-        docs = [random_tokens(doc_len, rng) for _ in range(num_docs)]
+        docs = [random_tokens(doc_len, rng, vocab) for _ in range(num_docs)]
         plain = _timed(lambda: [engine.add_request(SegmentedPrompt((d,)), SamplingParams(max_tokens=0),
                                                    cache_mode="none") for d in docs], engine)
         jobs = engine.segment_jobs(SegmentedPrompt(((0,), *docs, (0,))))
@@ -148,7 +152,7 @@ def result_file(args: argparse.Namespace) -> ResultFile:
     args.out = args.out or result_path("pic", device_label(device), variant(shape, args.segment_state_dtype))
     requested = ([f"by_length 4x{n}" for n in args.lengths] + [f"by_count {c}x{args.count_len}" for c in args.counts]
                  + (["tuple overhead"] if args.overhead else []))
-    return ResultFile(args.out, header, requested, finish=derive)
+    return grouped_result(args.out, header, requested, finish=derive)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -169,11 +173,11 @@ def measure_groups(record: ResultFile, engine: LLMEngine, args: argparse.Namespa
     for kind, num_docs, doc_len in ([("by_length", 4, n) for n in args.lengths]
                                     + [("by_count", c, args.count_len) for c in args.counts]):
         name = f"{num_docs}x{doc_len}"
-        with record.group(f"{kind} {name}") as saved:
+        with group(record, f"{kind} {name}") as saved:
             saved[(kind, name)] = figures = measure(engine, num_docs, doc_len, rng, args.repeats)
             say(row(kind, name, figures))
     if args.overhead:
-        with record.group("tuple overhead") as saved:
+        with group(record, "tuple overhead") as saved:
             saved[("tuple_overhead_fraction",)] = fraction = tuple_overhead(engine, *args.overhead, rng, args.repeats)
             saved[("tuple_overhead_prompt",)] = "x".join(map(str, args.overhead))
             say(f"tuple-building overhead: {fraction:.1%} of the cold forward")
@@ -199,11 +203,13 @@ def profile(engine: LLMEngine, rng: random.Random, num_docs: int, doc_len: int, 
     cached by an unmeasured request first."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
-    system, docs = random_tokens(SYSTEM_TOKENS, rng), [random_tokens(doc_len, rng) for _ in range(num_docs)]
+    vocab = engine.served_vocab_size
+    system = random_tokens(SYSTEM_TOKENS, rng, vocab)
+    docs = [random_tokens(doc_len, rng, vocab) for _ in range(num_docs)]
     if not cold:
-        ttft(engine, rag_prompt(docs, system, random_tokens(QUERY_TOKENS, rng)), "hypic")
+        ttft(engine, rag_prompt(docs, system, random_tokens(QUERY_TOKENS, rng, vocab)), "hypic")
     for label in ("cold", "warm")[0 if cold else 1:]:
-        prompt = rag_prompt(rng.sample(docs, num_docs), system, random_tokens(QUERY_TOKENS, rng))
+        prompt = rag_prompt(rng.sample(docs, num_docs), system, random_tokens(QUERY_TOKENS, rng, vocab))
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             elapsed = ttft(engine, prompt, "hypic")
         print(f"--- {label} hypic request, {num_docs}x{doc_len}: {elapsed * 1e3:.1f} ms")
@@ -211,7 +217,7 @@ def profile(engine: LLMEngine, rng: random.Random, num_docs: int, doc_len: int, 
         print(table.table(sort_by="cpu_time_total", row_limit=20, max_name_column_width=60))
         print(table.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
         for check in (print_sync_sites, functools.partial(print_host_time, label)):
-            prompt = rag_prompt(rng.sample(docs, num_docs), system, random_tokens(QUERY_TOKENS, rng))
+            prompt = rag_prompt(rng.sample(docs, num_docs), system, random_tokens(QUERY_TOKENS, rng, vocab))
             if label == "cold":
                 engine.flush_segments()
             check(functools.partial(ttft, engine, prompt, "hypic"))
@@ -245,8 +251,8 @@ def print_sync_sites(run) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     common = dict(max_num_seqs=32, seam_width=args.seam_width, segment_state_dtype=args.segment_state_dtype)
     if args.model:
-        return EngineConfig(model=args.model, device="cpu", cpu_cache_bytes=2 << 30, max_model_len=16384,
-                            max_num_batched_tokens=16384, **common)
+        return EngineConfig(model=args.model, device="cpu", cpu_cache_bytes=2 << 30, max_num_batched_tokens=16384,
+                            **common)  # max_model_len: the checkpoint's own
     config = shape_config(args.shape, 32768)
     return EngineConfig(model=str(model_dir(config)), device="cuda", state_dict=random_weights(config, 0),
                         gpu_memory_utilization=0.9, max_model_len=20480, max_num_batched_tokens=20480, **common)

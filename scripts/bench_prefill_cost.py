@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from hypic import EngineConfig, SamplingParams
-from hypic.bench.report import provenance, write_json
+from hypic.bench.report import run_record, write_json
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
 
@@ -79,7 +79,7 @@ def main() -> int:
     while not long.finished:
         engine.step()
     cost = engine.scheduler.cost
-    result = {"benchmark": "prefill_cost", **provenance(["python", *sys.argv]), "device": str(engine.device),
+    result = {"benchmark": "prefill_cost", **run_record(), "device": str(engine.device),
               "decoders": args.decoders, "points": points,
               "fitted_attention_context": cost.attention_context, "fit_measured": cost.measured}
     write_json(args.out, result)

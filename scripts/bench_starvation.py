@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hypic.bench.report import provenance, write_json
+from hypic.bench.report import run_record, write_json
 from hypic.bench.serve import started_server
 from hypic.bench.stats import percentile
 from hypic.cli import main as hypic
@@ -99,7 +99,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as directory, started_server(
             argparse.Namespace(url=None, server_command=args.server_command)) as (url, startup):
         work = Path(directory)
-        result = {"benchmark": "starvation", **provenance(["python", *sys.argv]), "startup_line": startup,
+        result = {"benchmark": "starvation", **run_record(), "startup_line": startup,
                   "decode_stall": decode_stall(url, args, work), "warm_ttft": warm_ttft(url, args, work)}
     write_json(args.out, result)
     print(json.dumps(result, indent=2))

@@ -20,7 +20,7 @@ event loop), one engine with the host tier and one without (same pool, same seed
 preheated with every document).
 
 Each figure is printed as soon as it is measured, each phase's start and end with its wall seconds.
-The result is written after each part (a timeout keeps what was measured; scripts/results.py's
+The result is written after each part (a timeout keeps what was measured; hypic.bench.report's
 ResultFile). The file lists each run (date, commit, command, the parts asked for and the wall seconds
 of those measured) and each part under the run that measured it; a run of some parts replaces those
 in an existing result file and keeps the others, so runs in several sessions build one file.
@@ -67,9 +67,10 @@ import torch
 from aiohttp import web
 from bench_engine import model_dir, random_weights, shape_config
 from bench_pic import QUERY_TOKENS, SYSTEM_TOKENS, rag_prompt, random_tokens, timed_request
-from results import ResultFile, device_label, measured_by, phase, result_path, say
+from results import device_label, group, grouped_result, phase, result_path, say
 
 from hypic import EngineConfig
+from hypic.bench.report import ResultFile, measured_by
 from hypic.bench.serve import add_bench_arguments, build_workload, run_sweeps
 from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentTuple
 from hypic.engine.client import InProcessEngineClient
@@ -129,7 +130,7 @@ def parts_list(text: str) -> tuple[str, ...]:
 @contextlib.contextmanager
 def part(record: ResultFile, name: str, settings: dict) -> Iterator[dict]:
     """A part: its figures (filled into the dict yielded) and settings, saved under parts[name] when it ends."""
-    with record.group(name) as saved:
+    with group(record, name) as saved:
         figures: dict = {}
         yield figures
         saved[("parts", name)] = {"settings": settings, **figures}
@@ -474,8 +475,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     header = {"benchmark": "tiers", "device": device, "shape": args.shape if args.device == "cuda" else BUNDLED_MODEL.name}
-    record = ResultFile(args.out or result_path("tiers", device_label(device), header["shape"]), header, list(args.parts),
-                        finish=in_run_order)
+    out = args.out or result_path("tiers", device_label(device), header["shape"])
+    record = grouped_result(out, header, list(args.parts), finish=in_run_order)
     say(f"bench_tiers on {device}, {header['shape']}: parts {','.join(args.parts)}")
     with tempfile.TemporaryDirectory(prefix="hypic-tiers-", dir=args.disk_dir) as disk_dir:
         run_parts(record, args, disk_dir)

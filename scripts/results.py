@@ -4,26 +4,23 @@ A result is bench/results/<benchmark>_<device>_<shape>.json (e.g. pic_h200_qwen3
 benchmark, device and shape, so a new run replaces the figure it supersedes (git keeps the old one).
 Each holds the date, the commit and the command of its run; bench/RESULTS.md indexes them.
 
-A benchmark too long for one GPU call builds its file across runs with ResultFile: each figure group
-is written as soon as it is measured, and a run of some groups replaces those in the file and keeps
-the others, each listed under the run that measured it.
+A benchmark too long for one GPU call builds its file across runs (hypic.bench.report's ResultFile,
+made here by grouped_result): each figure group is written as soon as it is measured, and a run of
+some groups replaces those in the file and keeps the others, each listed under the run that measured it.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
+import functools
 import json
-import os
 import re
-import shlex
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from hypic.bench.report import jsonable
+from hypic.bench.report import ResultFile, group_part, merged_groups, run_record, with_group, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "bench" / "results"
@@ -47,22 +44,6 @@ def variant(shape: str, *parts: str | None) -> str:
     return "_".join([shape, *(part for part in parts if part)])
 
 
-def run_record() -> dict[str, str]:
-    """Date, commit ("+dirty" when tracked files differ from it) and command line of this run."""
-    dirty = _git("status", "--porcelain", "--untracked-files=no") not in ("", "unknown")
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "commit": _git("rev-parse", "HEAD") + ("+dirty" if dirty else ""),
-            "command": shlex.join(["python", *sys.argv])}
-
-
-def _git(*args: str) -> str:
-    try:
-        done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30)
-    except OSError:  # no git on this machine
-        return "unknown"
-    return done.stdout.strip() if done.returncode == 0 else "unknown"
-
-
 def before_after_arguments(description: str, out: Path | None,
                            options: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
     """The command line of a benchmark that measures one tree under a label ("before" a fix on an
@@ -80,12 +61,9 @@ def before_after_arguments(description: str, out: Path | None,
 def write_labelled_run(args: argparse.Namespace, benchmark: str, server_options: list[str], results: dict) -> None:
     """Merges this run's figures under its label into args.out, with the date, commit and command."""
     record = json.loads(args.out.read_text()) if args.out.exists() else {"benchmark": benchmark, "runs": {}}
-    record["runs"][args.label] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": tree_commit(args.tree), "command": shlex.join(["python", *sys.argv]),
-        "server_options": server_options, "results": results,
-    }
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    record["runs"][args.label] = {**run_record(), "commit": tree_commit(args.tree), "server_options": server_options,
+                                  "results": results}
+    write_json(args.out, record)
     print(f"wrote {args.out}")
 
 
@@ -100,81 +78,26 @@ def tree_commit(tree: Path) -> str:
 
 # -- results built across runs ---------------------------------------------------------------------
 
-class MismatchedResult(SystemExit):
-    """An existing result file of another benchmark or setup: merging would mix figures of two setups
-    (a SystemExit: the script stops with this message, before it builds anything)."""
-
-    def __init__(self, path: Path, differing: dict[str, tuple[object, object]]) -> None:
-        self.path, self.differing = path, differing
-        fields = ", ".join(f"{name}: {theirs!r} in the file, {ours!r} in this run"
-                           for name, (theirs, ours) in differing.items())
-        super().__init__(f"{path} holds another benchmark or setup ({fields}): give another --out, or move it aside")
-
-
-class ResultFile:
-    """One benchmark's result for a setup (`header`: the benchmark's name and every field whose figures
-    must not be mixed), built across runs. Figures are saved by group (a name, and the JSON paths it
-    fills) as soon as each group is measured; the file lists each run (date, commit, command, the
-    groups it was asked for, and the wall seconds of those it measured), and each group under the last
-    run that measured it. `finish` recomputes derived figures (and key order) from the merged raw ones
-    before each write. Writes replace the file whole (written beside it, then renamed), so a run killed
-    at any point leaves a readable file."""
-
-    def __init__(self, path: Path, header: dict, requested: list[str],
-                 finish: Callable[[dict], None] | None = None) -> None:
-        self.path, self.finish = path, finish or (lambda data: None)
-        record = run_record()
-        self.run = {**record, "requested": requested, "measured": {}}
-        previous = self._previous(header)
-        self.data = {**header, **record, "runs": [*previous.pop("runs", []), self.run], **previous}
-        self.data.update(record)  # the file's date, commit and command are its latest run's
-
-    def _previous(self, header: dict) -> dict:
-        """An earlier file of the same setup, without its header; refused if its setup differs."""
-        if not self.path.exists():
-            return {}
-        previous = json.loads(self.path.read_text())
-        differing = {key: (previous.get(key), value) for key, value in header.items() if previous.get(key) != value}
-        if "runs" not in previous:  # written whole by one run, before results could merge
-            differing["runs"] = (None, "a list of the runs that measured each group")
-        if differing:
-            raise MismatchedResult(self.path, differing)
-        return {key: value for key, value in previous.items() if key not in header}
-
-    @contextlib.contextmanager
-    def group(self, name: str) -> Iterator[dict[tuple[str, ...], object]]:
-        """A figure group: fill the dict yielded ({JSON path: value}); saved with its wall seconds when
-        the block ends (not when it raises)."""
-        figures: dict[tuple[str, ...], object] = {}
-        with phase(name) as clock:
-            yield figures
-            self.save(name, figures, clock())
-
-    def save(self, name: str, figures: dict[tuple[str, ...], object], wall_s: float) -> None:
-        """Puts a group's figures at their paths, under this run (no longer under an earlier one), and writes."""
-        for path, value in figures.items():
-            parent = self.data
-            for key in path[:-1]:
-                parent = parent.setdefault(key, {})
-            parent[path[-1]] = value
-        for run in self.data["runs"]:
-            run["measured"].pop(name, None)
-        self.run["measured"][name] = round(wall_s, 2)
-        self.data["runs"] = [run for run in self.data["runs"] if run["measured"] or run is self.run]
-        self._write()
-
-    def _write(self) -> None:
-        self.finish(self.data)
-        partial = self.path.with_name(self.path.name + ".partial")
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps(jsonable(self.data), indent=2, allow_nan=False) + "\n")
-        os.replace(partial, self.path)  # atomic: a reader (or a kill) never sees half a file
-        say(f"wrote {self.path} ({len(self.run['measured'])} of {len(self.run['requested'])} groups of this run)")
+def grouped_result(path: Path, header: dict, requested: list[str],
+                   finish: Callable[[dict], None] | None = None) -> ResultFile:
+    """The result file of a benchmark saved group by group (`header`: the benchmark's name and every
+    field whose figures must not be mixed; `requested`: this run's groups; `finish` recomputes derived
+    figures from the merged raw ones before each write). Refuses, before anything is measured, a file
+    of another header or one written whole before results could merge (no `runs`)."""
+    merge = merged_groups if finish is None else functools.partial(merged_groups, finish=finish)
+    return ResultFile(path, header, merge, group_part(header, requested), needs=("runs",))
 
 
-def measured_by(data: dict, group: str) -> dict | None:
-    """The run of a result file that measured `group` (None: no run did)."""
-    return next((run for run in data["runs"] if group in run["measured"]), None)
+@contextlib.contextmanager
+def group(record: ResultFile, name: str) -> Iterator[dict[tuple[str, ...], object]]:
+    """A figure group: fill the dict yielded ({JSON path: value}); written with its wall seconds when the
+    block ends (not when it raises)."""
+    figures: dict[tuple[str, ...], object] = {}
+    with phase(name) as clock:
+        yield figures
+        record.write(with_group(record.part, name, figures, clock()))
+        run = record.part["run"]
+        say(f"wrote {record.path} ({len(run['measured'])} of {len(run['requested'])} groups of this run)")
 
 
 def by_number(figures: dict) -> dict:

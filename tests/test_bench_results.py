@@ -1,5 +1,5 @@
-"""Result files built across short GPU calls (scripts/results.py's ResultFile), through the scripts'
-CPU smoke paths on the bundled model: bench_pic killed mid-run leaves a readable file of what it
+"""Result files built across short GPU calls (hypic.bench.report's ResultFile, made by scripts/results.py's
+grouped_result), through the scripts' CPU smoke paths on the bundled model: bench_pic killed mid-run leaves a readable file of what it
 measured, a later run of other groups merges into it (derived figures recomputed from both runs'),
 a run of another setup is refused before it builds anything; bench_fidelity's segment counts merge
 the same way; bench_engine's derived figures follow the merged raw ones. No timings are asserted."""
@@ -17,8 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_engine  # noqa: E402
 import bench_fidelity  # noqa: E402
 import bench_pic  # noqa: E402
-from results import MismatchedResult, ResultFile, measured_by  # noqa: E402
+import results  # noqa: E402
 
+from hypic.bench.report import MismatchedResults, measured_by, with_group  # noqa: E402
 from hypic.engine.setup import BUNDLED_MODEL  # noqa: E402
 
 PIC = ["--model", str(BUNDLED_MODEL), "--count-len", "32", "--repeats", "1"]
@@ -84,7 +85,7 @@ def test_derived_figures_come_from_both_runs(pic_runs: tuple[dict, dict, Path]) 
 def test_a_run_of_another_setup_is_refused_and_changes_nothing(pic_runs: tuple[dict, dict, Path]) -> None:
     _, _, out = pic_runs
     before = out.read_bytes()
-    with pytest.raises(MismatchedResult) as refused:
+    with pytest.raises(MismatchedResults) as refused:
         bench_pic.main([*PIC, "--seam-width", "4", "--out", str(out)])
     assert refused.value.differing == {"seam_width": (8, 4)} and "seam_width" in str(refused.value)
     assert out.read_bytes() == before
@@ -93,9 +94,16 @@ def test_a_run_of_another_setup_is_refused_and_changes_nothing(pic_runs: tuple[d
 def test_a_file_written_before_results_could_merge_is_refused(tmp_path: Path) -> None:
     old = tmp_path / "pic_cpu.json"
     old.write_text(json.dumps({"benchmark": "pic", "by_length": {}}))
-    with pytest.raises(MismatchedResult) as refused:
-        ResultFile(old, {"benchmark": "pic"}, ["by_length 4x32"])
+    with pytest.raises(MismatchedResults) as refused:
+        results.grouped_result(old, {"benchmark": "pic"}, ["by_length 4x32"])
     assert set(refused.value.differing) == {"runs"}
+
+
+def test_pic_draws_token_ids_inside_a_small_vocabulary(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "pic_cpu.json"  # the tiny checkpoint has 300 ids, far below the 3000 of a shape's prompts
+    bench_pic.main(["--model", str(tiny_model_dir), "--count-len", "16", "--repeats", "1", "--lengths", "",
+                    "--counts", "2", "--overhead", "", "--out", str(out)])
+    assert set(json.loads(out.read_text())["by_count"]["2x16"]) == {"none", "prefix", "hypic", "hypic_cold", "hypic_repeat"}
 
 
 def test_fidelity_segment_counts_merge(tmp_path: Path) -> None:
@@ -115,8 +123,8 @@ def test_engine_fractions_of_peak_follow_the_merged_prefill_figures(tmp_path: Pa
     runs = [{("hypic", "prefill", "16384"): 2.0e4, ("transformers", "decode", "1"): 10.0},
             {("hypic", "prefill", "4096"): 3.0e4, ("hypic", "decode", "1"): 100.0, ("hypic", "decode_floor", "1"): 400.0}]
     for i, figures in enumerate(runs):
-        ResultFile(out, header, [f"run {i}"], finish=lambda data: bench_engine.derive(config, data)).save(
-            f"run {i}", figures, 1.0)
+        record = results.grouped_result(out, header, [f"run {i}"], finish=lambda data: bench_engine.derive(config, data))
+        record.write(with_group(record.part, f"run {i}", figures, 1.0))
     saved = json.loads(out.read_text())
     assert list(saved["hypic"]["prefill"]) == ["4096", "16384"]
     assert saved["prefill_fraction_of_bf16_peak"] == {

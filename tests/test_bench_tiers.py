@@ -17,8 +17,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import bench_tiers  # noqa: E402
-from results import measured_by  # noqa: E402
 
+from hypic.bench.report import measured_by  # noqa: E402
 from hypic.engine.llm_engine import LLMEngine  # noqa: E402
 
 RATES = [4.0, math.inf]

@@ -1,12 +1,17 @@
-"""Results of a sweep: the JSON file and its PNG (TTFT and throughput against the offered rate, a
-line per series: a server or a cache mode). `hypic bench plot` draws several result files together.
+"""Benchmark results: the one way a result file is written and built across runs (`ResultFile`, with
+the date, commit and command of each run: `run_record`), and bench serve's sweep results with their PNG
+(TTFT and throughput against the offered rate, a line per series: a server or a cache mode; `hypic
+bench plot` draws several result files together).
 
-A result file can be built by several runs (a GPU lease too short for the whole sweep): a run with
---merge adds its series, or its rate points of a series, to the file and keeps the rest, each point
-with the date, commit and command of the run that measured it (`run`). Runs merge only when they
-measured the same workload, SLO and server (`SETTINGS`)."""
+A result file can be built by several runs (a GPU lease too short for the whole benchmark): a run
+merges what it measured into the file and keeps the rest, each part listed with the run that measured
+it. bench serve --merge adds its series, or its rate points of a series, each point with its run
+(`run`); a script's figure groups are listed under the run that measured them (`runs`). Runs merge
+only when they measured the same settings (`differing`).
+"""
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import math
@@ -14,8 +19,10 @@ import os
 import re
 import shlex
 import subprocess
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from hypic.bench import stats
 from hypic.errors import HypicError
@@ -40,16 +47,22 @@ def require(package: str, needed_for: str, flag: str | None = None) -> None:
         raise MissingBenchDependency(package, needed_for, flag) from None
 
 
-def provenance(command: Sequence[str]) -> dict:
-    """Date, commit and command line of this run."""
-    root = Path(__file__).resolve().parent
+def run_record(command: Sequence[str] | None = None) -> dict[str, str]:
+    """Date, commit ("+dirty" when tracked files differ from it) and command line of this run (default:
+    this Python process's, as `python script ...`)."""
+    dirty = _git("status", "--porcelain", "--untracked-files=no") not in ("", "unknown")
+    shown = _without_secrets(["python", *sys.argv] if command is None else command)
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": _git("rev-parse", "HEAD") + ("+dirty" if dirty else ""), "command": shlex.join(shown)}
+
+
+def _git(*args: str) -> str:
     try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-    except OSError:
-        commit = None
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
-            "command": shlex.join(_without_secrets(command))}
+        done = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), *args], capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):  # no git on this machine
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
 def _without_secrets(argv: Sequence[str]) -> list[str]:
@@ -64,11 +77,15 @@ def _without_secrets(argv: Sequence[str]) -> list[str]:
 
 
 class MismatchedResults(HypicError):
-    """A run asked to merge into a result file measured with other settings."""
+    """A run asked to merge into a result file of another benchmark, setup or layout (`differing`:
+    each such field's value in the file and in this run)."""
 
-    def __init__(self, path: Path, fields: Sequence[str]) -> None:
-        super().__init__(f"{path} was measured with other settings, so this run cannot merge into it: "
-                         f"{'; '.join(fields)}. Give another --out, or run without --merge to replace it")
+    def __init__(self, path: Path, differing: dict[str, tuple[object, object]]) -> None:
+        self.path, self.differing = path, differing
+        fields = "; ".join(f"{name}: {theirs!r} in the file, {ours!r} now"
+                           for name, (theirs, ours) in differing.items())
+        super().__init__(f"{path} was measured with other settings, so this run cannot merge into it: {fields}. "
+                         f"Give another --out, or move the file aside to start a new one")
 
 
 def write_json(path: Path, result: dict) -> None:
@@ -90,12 +107,139 @@ def jsonable(value: object) -> object:
     return value
 
 
+def differing(previous: dict, settings: dict) -> dict[str, tuple[object, object]]:
+    """The settings this run gives that the file does not share, as {name: (file's value, this run's)}:
+    a dict-valued setting (a section) field by field ("section.field", the fields this run gives)."""
+    found = {}
+    for key, value in jsonable(settings).items():
+        theirs = previous.get(key)
+        if isinstance(value, dict):
+            theirs = theirs if isinstance(theirs, dict) else {}
+            found.update({f"{key}.{field}": (theirs.get(field), one) for field, one in value.items()
+                          if theirs.get(field) != one})
+        elif theirs != value:
+            found[key] = (theirs, value)
+    return found
+
+
+Merge = Callable[[dict, Any], dict]
+
+
+class ResultFile:
+    """A benchmark's result file, built across runs (a GPU call too short for the whole benchmark):
+    `part` is what this run measured so far, and each `write` replaces the file whole (atomically) by
+    `merge(file, part)`, the file as it was when this run started ({} when there was none or
+    `merging` is off). A file of other `settings` (see `differing`), or without the `needs` keys of
+    its layout, is refused before anything is measured. `written(path, data)` runs after each write
+    (a plot). How a part merges is the benchmark's: `merged_series` for bench serve's rate sweeps,
+    `merged_groups` for figure groups."""
+
+    def __init__(self, path: Path | None, settings: dict, merge: Merge, part: Any = None, *, merging: bool = True,
+                 needs: Sequence[str] = (), written: Callable[[Path, dict], None] | None = None) -> None:
+        """`path` None: the benchmark names it before the first write."""
+        self.path, self.merge, self.part, self.written = path, merge, part, written
+        self.previous = json.loads(path.read_text()) if merging and path is not None and path.exists() else {}
+        missing = {key: (None, "present") for key in needs if self.previous and key not in self.previous}
+        self._refuse(missing)
+        self.check(settings)
+        self.data = merge(self.previous, part) if part is not None else None  # the file's content
+
+    def check(self, settings: dict) -> None:
+        """Refuses a merge into a file of other settings (again when a setting becomes known)."""
+        self._refuse(differing(self.previous, settings) if self.previous else {})
+
+    def _refuse(self, found: dict[str, tuple[object, object]]) -> None:
+        if found:
+            raise MismatchedResults(self.path, found)
+
+    def write(self, part: Any) -> dict:
+        """The file merged with this run's part so far, written whole; returns the file's content."""
+        self.part, self.data = part, self.merge(self.previous, part)
+        write_json(self.path, self.data)
+        if self.written is not None:
+            self.written(self.path, self.data)
+        return self.data
+
+
+# -- figure groups: a script's figures saved group by group, each under the run that measured it -----
+
+def group_part(header: dict, requested: Sequence[str]) -> dict:
+    """A script run's part: its header (the benchmark and every setting whose figures must not be mixed),
+    its run (date, commit, command, the groups asked for, the wall seconds of those measured) and its
+    figures by JSON path."""
+    return {"header": header, "run": {**run_record(), "requested": list(requested), "measured": {}}, "figures": {}}
+
+
+def with_group(part: dict, name: str, figures: dict[tuple[str, ...], object], wall_s: float) -> dict:
+    """The part with a measured group's figures (replacing any it measured before under that name)."""
+    part["figures"].update(figures)
+    part["run"]["measured"][name] = round(wall_s, 2)
+    return part
+
+
+def merged_groups(previous: dict, part: dict, finish: Callable[[dict], None] = lambda data: None) -> dict:
+    """The file's figures with the part's put at their paths, each group listed under the last run that
+    measured it (a run left with none is dropped), the file's date, commit and command this run's;
+    `finish` then recomputes the derived figures (and key order) from the merged raw ones."""
+    run, header = part["run"], part["header"]
+    kept = copy.deepcopy({key: value for key, value in previous.items() if key not in header})
+    data = {**header, **_record_of(run), "runs": [], **kept, **_record_of(run)}  # the file's key order
+    for path, value in part["figures"].items():
+        _put(data, path, value)
+    earlier = [{**one, "measured": {name: s for name, s in one["measured"].items() if name not in run["measured"]}}
+               for one in previous.get("runs", [])]
+    data["runs"] = [one for one in earlier if one["measured"]] + [run]
+    finish(data)
+    return data
+
+
+def _put(data: dict, path: tuple[str, ...], value: object) -> None:
+    for key in path[:-1]:
+        data = data.setdefault(key, {})
+    data[path[-1]] = value
+
+
+def _record_of(run: dict) -> dict:
+    return {key: run[key] for key in ("date", "commit", "command")}
+
+
+def measured_by(data: dict, group: str) -> dict | None:
+    """The run of a result file that measured `group` (None: no run did)."""
+    return next((run for run in data["runs"] if group in run["measured"]), None)
+
+
+# -- bench serve: series keyed by label, points keyed by rate ---------------------------------------
+
+def sweep_settings(result: dict) -> dict:
+    """What runs merged into one bench serve file must share."""
+    return {"benchmark": result["benchmark"], **{section: result[section] for section in SETTINGS}}
+
+
+def sweep_update(results: ResultFile, result: dict) -> None:
+    """Writes bench serve's result so far once it has a point (checked again: the server has named its
+    model by now), at default_out unless --out named the file."""
+    results.check(sweep_settings(result))
+    if any(one["points"] for one in result["series"]):
+        results.path = results.path or default_out(result)
+        results.write(result)
+
+
+def plotted(path: Path, result: dict) -> None:
+    """The PNG beside a bench serve file: every series it holds."""
+    title = f"{result['server']['model']}: {result['workload']['kind']}"
+    plot(path.with_suffix(".png"), result["series"], title, result["slo"]["ttft_s"])
+
+
+def float_rates(result: dict) -> dict:
+    """A bench serve result with its rates as floats (jsonable writes an infinite one as "inf")."""
+    series = [{**one, "points": [{**point, **{key: float(point[key]) for key in RATES}} for point in one["points"]]}
+              for one in result.get("series", [])]
+    return {**result, "series": series}
+
+
 def read_result(path: Path) -> dict:
-    """A result file with its rates back as floats (jsonable wrote an infinite one as "inf")."""
-    result = json.loads(path.read_text())
-    for one in result["series"]:
-        one["points"] = [{**point, **{key: float(point[key]) for key in RATES}} for point in one["points"]]
-    return result
+    """A bench serve result file, its rates as floats."""
+    return float_rates(json.loads(path.read_text()))
 
 
 def read_series(paths: Sequence[Path]) -> list[dict]:
@@ -107,24 +251,13 @@ def read_series(paths: Sequence[Path]) -> list[dict]:
     return series
 
 
-def differing(previous: dict, current: dict) -> list[str]:
-    """The settings `current` gives that `previous` does not share, as "section.field: file's value,
-    this run's value" (sections of SETTINGS that `current` has; fields that it has)."""
-    found = []
-    for section in (name for name in SETTINGS if name in current):
-        theirs = previous.get(section) or {}
-        found += [f"{section}.{field}: {theirs.get(field)!r} in the file, {value!r} now"
-                  for field, value in jsonable(current[section]).items() if theirs.get(field) != value]
-    return found
-
-
-def merged(previous: dict, result: dict) -> dict:
-    """`result` with the series of `previous` it did not measure: a point of the same series and
-    rate is this run's, the others stay with their own runs; each series' SLO figures are computed
-    again from its points. Series in the file's order, then this run's new ones."""
+def merged_series(previous: dict, result: dict) -> dict:
+    """`result` with the series of the file it did not measure: a point of the same series and rate is
+    this run's, the others stay with their own runs; each series' SLO figures are computed again from
+    its points. Series in the file's order, then this run's new ones."""
     slo = stats.Slo(**result["slo"])
     mine = {one["label"]: one for one in result["series"]}
-    series = [_merged_series(one, mine.pop(one["label"], None), slo) for one in previous["series"]]
+    series = [_merged_series(one, mine.pop(one["label"], None), slo) for one in float_rates(previous)["series"]]
     return {**result, "series": series + list(mine.values())}
 
 
@@ -140,42 +273,6 @@ def _merged_series(kept: dict, new: dict | None, slo: stats.Slo) -> dict:
 def series_figures(points: Sequence[dict], slo: stats.Slo) -> dict:
     """A series' sustainable rate and saturated throughput."""
     return {"sustainable": stats.sustainable_rate(points, slo), **stats.saturation(points)}
-
-
-class ResultFile:
-    """Where a run's result goes: written whole after every point (a killed run keeps what it
-    measured), merged into the file there when `merge` (after a check of the settings), and drawn
-    (`plot`: every series of the file)."""
-
-    def __init__(self, path: Path | None, merge: bool, plot: bool) -> None:
-        """`path` None: default_out of the first result written."""
-        self.path, self.plot = path, plot
-        self.previous = read_result(path) if merge and path is not None and path.exists() else None
-        self.written: dict | None = None  # the file's content
-
-    def check(self, settings: dict) -> None:
-        """Refuses, before anything is measured, a merge into a file of other settings."""
-        if self.previous is None:
-            return
-        problems = differing(self.previous, settings)
-        if self.previous.get("benchmark") != "bench_serve":
-            problems.insert(0, f"benchmark: {self.previous.get('benchmark')!r} in the file, 'bench_serve' now")
-        if problems:
-            raise MismatchedResults(self.path, problems)
-
-    def update(self, result: dict) -> dict:
-        """Writes this run's result so far (merged) once it has a point; returns the file's content."""
-        self.check(result)
-        if not any(one["points"] for one in result["series"]):
-            return self.previous or result
-        whole = result if self.previous is None else merged(self.previous, result)
-        self.path = self.path or default_out(whole)
-        write_json(self.path, whole)
-        if self.plot:
-            title = f"{whole['server']['model']}: {whole['workload']['kind']}"
-            plot(self.path.with_suffix(".png"), whole["series"], title, whole["slo"]["ttft_s"])
-        self.written = whole
-        return whole
 
 
 def default_out(result: dict) -> Path:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hashlib
 import itertools
 import math
@@ -132,12 +133,12 @@ def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         workload, results = checked_setup(args)
         with started_server(args) as (url, startup):
-            run = {**report.provenance(["hypic", *argv]), "startup_line": startup}
-            asyncio.run(run_sweeps(url, workload, args, run, results.update))
+            run = {**report.run_record(["hypic", *argv]), "startup_line": startup}
+            asyncio.run(run_sweeps(url, workload, args, run, functools.partial(report.sweep_update, results)))
     except HypicError as error:
         print(f"hypic bench serve: {error}", file=sys.stderr)
         return 2
-    for one in results.written["series"]:
+    for one in results.data["series"]:
         print(report.summary_line(one, args.slo_ttft))
     print(f"wrote {results.path}")
     return 0
@@ -155,9 +156,10 @@ def checked_setup(args: argparse.Namespace) -> tuple[Workload, report.ResultFile
     if not args.no_plot:
         report.require("matplotlib", "the PNG plots", "--no-plot")
     workload = build_workload(Tokenizer.from_dir(args.tokenizer), args)
-    results = report.ResultFile(args.out, args.merge, plot=not args.no_plot)
-    results.check({"server": server_record(args, None), "workload": workload_record(workload, args),
-                   "slo": asdict(slo_of(args))})
+    settings = {"benchmark": "bench_serve", "server": server_record(args, None),
+                "workload": workload_record(workload, args), "slo": asdict(slo_of(args))}
+    results = report.ResultFile(args.out, settings, report.merged_series, merging=args.merge,
+                                written=None if args.no_plot else report.plotted)
     return workload, results
 
 

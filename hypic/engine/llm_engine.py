@@ -322,12 +322,12 @@ class LLMEngine:
         return SamplingRow(seq.info.params, seq.info.prompt_ids, seq.output_ids, completion.generator)
 
     @property
-    def _served_vocab_size(self) -> int:
+    def served_vocab_size(self) -> int:
         """Ids with a tokenizer entry and an embedding row: Kimi's tokenizer names 2 reserved ids past its model's."""
         return min(self.tokenizer.vocab_size, self.model_config.vocab_size)
 
     def _check_embedding_rows(self, tokens: tuple[int, ...]) -> None:
-        if self.tokenizer.vocab_size > self.model_config.vocab_size and max(tokens) >= self._served_vocab_size:
+        if self.tokenizer.vocab_size > self.model_config.vocab_size and max(tokens) >= self.served_vocab_size:
             raise InvalidRequestError(
                 f"prompt token id {max(tokens)} has no embedding row: the model has {self.model_config.vocab_size} "
                 f"(the tokenizer knows {self.tokenizer.vocab_size} ids)")
@@ -341,7 +341,7 @@ class LLMEngine:
             mode = "none"  # no prefix checkpoint or cached interior carries the hidden states it scores
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-        validate_for_vocab(params, self._served_vocab_size)
+        validate_for_vocab(params, self.served_vocab_size)
         tokens = prompt.token_ids
         if not tokens:
             raise InvalidRequestError("the prompt is empty: give at least one token")
