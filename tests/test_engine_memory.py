@@ -109,3 +109,19 @@ def test_prompt_longer_than_context_is_rejected(tiny_model_dir):
     with pytest.raises(PromptTooLongError) as info:
         run_engine(cpu_config(tiny_model_dir, max_model_len=32), [(ids(40, 0), greedy(1))])
     assert info.value.prompt_tokens == 40 and info.value.max_model_len == 32
+
+
+@pytest.mark.parametrize("bad", [-1, "vocab"])
+def test_a_prompt_id_without_an_embedding_row_is_refused_and_the_engine_serves_on(tiny_model_dir, bad):
+    """Through the Python API (no server to check ids), an id outside the vocabulary is a typed error
+    naming the range, not an IndexError in the forward; the next request is served."""
+    from hypic import InvalidRequestError
+    engine = LLMEngine(cpu_config(tiny_model_dir))
+    bad_id = engine.served_vocab_size if bad == "vocab" else bad
+    with pytest.raises(InvalidRequestError, match=f"prompt token id {bad_id} has no embedding row: ids run from 0 to "
+                       f"{engine.served_vocab_size - 1}"):
+        engine.add_request(SegmentedPrompt(((5, bad_id, 7),)), greedy(2), request_id="bad")
+    engine.add_request(SegmentedPrompt(((5, 6, 7),)), greedy(2), request_id="good")
+    while engine.has_work():
+        engine.step()
+    assert not engine.requests

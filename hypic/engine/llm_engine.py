@@ -327,10 +327,11 @@ class LLMEngine:
         return min(self.tokenizer.vocab_size, self.model_config.vocab_size)
 
     def _check_embedding_rows(self, tokens: tuple[int, ...]) -> None:
-        if self.tokenizer.vocab_size > self.model_config.vocab_size and max(tokens) >= self.served_vocab_size:
+        bad = next((t for t in (min(tokens), max(tokens)) if not 0 <= t < self.served_vocab_size), None)
+        if bad is not None:
             raise InvalidRequestError(
-                f"prompt token id {max(tokens)} has no embedding row: the model has {self.model_config.vocab_size} "
-                f"(the tokenizer knows {self.tokenizer.vocab_size} ids)")
+                f"prompt token id {bad} has no embedding row: ids run from 0 to {self.served_vocab_size - 1} (the "
+                f"model has {self.model_config.vocab_size} rows, the tokenizer knows {self.tokenizer.vocab_size} ids)")
 
     def _request_info(self, prompt: SegmentedPrompt, params: SamplingParams, request_id: str,
                       cache_salt: str | None, cache_mode: str | None, group: str | None) -> RequestInfo:
