@@ -156,10 +156,9 @@ def checked_setup(args: argparse.Namespace) -> tuple[Workload, report.ResultFile
     if not args.no_plot:
         report.require("matplotlib", "the PNG plots", "--no-plot")
     workload = build_workload(Tokenizer.from_dir(args.tokenizer), args)
-    settings = {"benchmark": "bench_serve", "server": server_record(args, None),
-                "workload": workload_record(workload, args), "slo": asdict(slo_of(args))}
-    results = report.ResultFile(args.out, settings, report.merged_series, merging=args.merge,
-                                written=None if args.no_plot else report.plotted)
+    written = None if args.no_plot else report.plotted
+    results = report.ResultFile(args.out, sweep_header(workload, args, None), report.merged_series,
+                                merging=args.merge, written=written)
     return workload, results
 
 
@@ -210,8 +209,7 @@ async def run_sweeps(url: str, workload: Workload, args: argparse.Namespace, run
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0), headers=headers) as session:
         base = client.Target(url, args.model or await first_model(session, url), args.backend, args.prompt_form,
                              ignore_eos=not args.no_ignore_eos)
-        result = {"benchmark": "bench_serve", **run, "server": server_record(args, base.model),
-                  "workload": workload_record(workload, args), "slo": asdict(slo), "series": []}
+        result = {**sweep_header(workload, args, base.model), **run, "series": []}
         on_update(result)
         if args.warmup:
             warm = [arrivals.Planned(i, 0.0, r) for i, r in enumerate(itertools.islice(workload.requests("warmup"), args.warmup))]
@@ -303,6 +301,12 @@ def one_line(point: dict) -> str:
             f"{ms(point['ttft_p50_s'])}/{ms(point['ttft_p99_s'])} ms, TPOT p50 {ms(point['tpot_p50_s'])} ms, "
             f"out {point['output_tokens_per_s']:.0f} tok/s, cached {point['cached_token_fraction'] or 0:.0%}, "
             f"errors {point['errors']}")
+
+
+def sweep_header(workload: Workload, args: argparse.Namespace, model: str | None) -> dict:
+    """The benchmark and its settings (report.SETTINGS): what runs merged into one file must share."""
+    return {"benchmark": "bench_serve", "server": server_record(args, model),
+            "workload": workload_record(workload, args), "slo": asdict(slo_of(args))}
 
 
 def workload_record(workload: Workload, args: argparse.Namespace) -> dict:
