@@ -279,18 +279,12 @@ def cache_disk_sets(engine: LLMEngine, shape: PromptShape, rng: random.Random) -
     return keys
 
 
-def started_engine(config: EngineConfig, label: str) -> LLMEngine:
-    start = time.perf_counter()
-    engine = LLMEngine(config)
-    say(f"{label}: engine started in {time.perf_counter() - start:.1f} s")
-    return engine
-
-
 def first_engine(config: EngineConfig, shapes: list[PromptShape], rng: random.Random, parts: tuple[str, ...],
                  repeats: int) -> dict:
     """ttft's figures and the host tier's counters (when ttft runs); with disk among the parts, the
     disk sets cached on the way and written down to disk."""
-    engine = started_engine(config, "first engine")
+    with phase("first engine start"):
+        engine = LLMEngine(config)
     filler = fillers(engine, max(len(shape.warm[0]) for shape in shapes), rng)
     figures, disk_keys = {}, []
     for shape in shapes:
@@ -315,7 +309,8 @@ def measure_disk(engine: LLMEngine, shape: PromptShape, rng: random.Random) -> d
 
 def restarted_engine(config: EngineConfig, shapes: list[PromptShape], rng: random.Random) -> dict:
     """Disk figures of an engine restarted on the first one's directory; its disk counters."""
-    engine = started_engine(config, "restarted engine")
+    with phase("restarted engine start"):
+        engine = LLMEngine(config)
     figures = {shape.name: measure_disk(engine, shape, rng) for shape in shapes}
     return {"prompts": figures, "disk_stats_after_restart": dataclasses.asdict(engine.stats().segment_disk)}
 
