@@ -17,7 +17,7 @@ import json
 import re
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from hypic.bench.report import ResultFile, group_part, merged_groups, run_record, with_group, write_json
@@ -103,6 +103,12 @@ def group(record: ResultFile, name: str) -> Iterator[dict[tuple[str, ...], objec
 def by_number(figures: dict) -> dict:
     """Figures keyed "4096", "4x1024", ... in the order of the numbers in their keys (runs merge in any order)."""
     return dict(sorted(figures.items(), key=lambda item: [int(n) for n in re.findall(r"\d+", item[0])]))
+
+
+def median(values: Iterable[float]) -> float:
+    """The middle value (the upper one of an even count): a time some request actually took."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
 
 def int_list(text: str) -> list[int]:
