@@ -222,7 +222,7 @@ async def run_sweeps(url: str, workload: Workload, args: argparse.Namespace, run
                 await preheat(session, target, workload)
             series = {"label": mode or args.label or args.backend, "cache_mode": mode, "points": []}
             result["series"].append(series)
-            async for point in sweep(session, target, workload, args, slo):
+            async for point in sweep(session, target, workload, args, slo, series["label"]):
                 series["points"].append({**point, "run": {**run, "url": url}})
                 series.update(report.series_figures(series["points"], slo))
                 on_update(result)
@@ -250,11 +250,10 @@ async def preheat(session: aiohttp.ClientSession, target: client.Target, workloa
 
 
 async def sweep(session: aiohttp.ClientSession, target: client.Target, workload: Workload,
-                args: argparse.Namespace, slo: stats.Slo) -> AsyncIterator[dict]:
-    """One point per rate, each printed as it finishes. A rate's requests and arrival times are
-    drawn from a stream of its own (seeded by --seed and the rate): every series, and a sweep split
-    over several runs, sends the same requests at the same rate."""
-    label = target.cache_mode or args.label or args.backend
+                args: argparse.Namespace, slo: stats.Slo, label: str) -> AsyncIterator[dict]:
+    """One point per rate, each printed (under the series' `label`) as it finishes. A rate's requests
+    and arrival times are drawn from a stream of its own (seeded by --seed and the rate): every
+    series, and a sweep split over several runs, sends the same requests at the same rate."""
     for rate in args.request_rate or [None if isinstance(workload, TraceWorkload) else float("inf")]:
         key = "trace" if rate is None else f"{rate:g}"
         plan = planned(enumerate(workload.requests(key)), rate, args, random.Random(f"{args.seed}/{key}"))
