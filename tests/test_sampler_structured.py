@@ -77,6 +77,12 @@ def _run(engine: LLMEngine, params: list[SamplingParams]) -> dict[str, list[int]
     return tokens
 
 
+def _lltokenizer(engine: LLMEngine) -> llguidance.LLTokenizer:
+    """llguidance's own view of the engine's vocabulary, for fresh matchers that replay a reply."""
+    return llguidance.LLTokenizer((engine.model_dir / "tokenizer.json").read_text(),
+                                  n_vocab=engine.tokenizer.vocab_size, eos_token=sorted(engine.eos_ids))
+
+
 def test_engine_tokens_are_those_llguidance_allows(engine) -> None:
     """Replaying each reply through a fresh llguidance matcher accepts every token and ends accepting."""
     schema = {"type": "object", "properties": {"k": {"enum": ["x", "y"]}, "n": {"type": "integer", "maximum": 99,
@@ -86,8 +92,7 @@ def test_engine_tokens_are_those_llguidance_allows(engine) -> None:
     params = [SamplingParams(max_tokens=60, seed=s, structured=constraint) for s in range(3)]
     params.append(SamplingParams(max_tokens=5, ignore_eos=True, seed=9))  # an unconstrained neighbour
     tokens = _run(engine, params)
-    tokenizer = llguidance.LLTokenizer((engine.model_dir / "tokenizer.json").read_text(),
-                                       n_vocab=engine.tokenizer.vocab_size, eos_token=sorted(engine.eos_ids))
+    tokenizer = _lltokenizer(engine)
     for request in ("r0", "r1", "r2"):
         matcher = llguidance.LLMatcher(tokenizer, constraint.grammar())
         assert matcher.consume_tokens(tokens[request]), matcher.get_error()
@@ -126,8 +131,7 @@ def test_prefetched_and_step_filled_masks_both_hold(engine) -> None:
     engine.add_request(_prompt(engine), SamplingParams(max_tokens=40, n=2, seed=2, structured=constraint), request_id="c")
     while engine.has_work():
         _collect(engine.step(), tokens, reasons)
-    tokenizer = llguidance.LLTokenizer((engine.model_dir / "tokenizer.json").read_text(),
-                                       n_vocab=engine.tokenizer.vocab_size, eos_token=sorted(engine.eos_ids))
+    tokenizer = _lltokenizer(engine)
     assert set(tokens) == {("a", 0), ("b", 0), ("c", 0), ("c", 1)}
     for key, ids in tokens.items():
         matcher = llguidance.LLMatcher(tokenizer, constraint.grammar())
@@ -149,7 +153,6 @@ def test_the_bitmask_is_one_buffer_reused_every_step(engine, monkeypatch) -> Non
     assert len(buffers) == 1
 
 
-
 def test_a_grammar_compiles_a_matcher_per_busy_mask_thread(engine, monkeypatch) -> None:
     """Copies of one llguidance matcher share its lexer behind a lock, so their masks are computed one at
     a time. With three mask threads: requests one at a time copy one compiled matcher; five at once copy
@@ -163,8 +166,7 @@ def test_a_grammar_compiles_a_matcher_per_busy_mask_thread(engine, monkeypatch) 
     assert compiled == [constraint.grammar()]
     tokens = _run(engine, [SamplingParams(max_tokens=12, seed=s, structured=constraint) for s in range(5)])
     assert compiled == [constraint.grammar()] * 3
-    tokenizer = llguidance.LLTokenizer((engine.model_dir / "tokenizer.json").read_text(),
-                                       n_vocab=engine.tokenizer.vocab_size, eos_token=sorted(engine.eos_ids))
+    tokenizer = _lltokenizer(engine)
     for ids in [*replies, *tokens.values()]:
         matcher = llguidance.LLMatcher(tokenizer, constraint.grammar())
         assert matcher.consume_tokens(ids) and matcher.is_accepting(), matcher.get_error()
