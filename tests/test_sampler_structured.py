@@ -17,15 +17,7 @@ from hypic.engine.sampler import Sampler, SamplingRow, TokenMask
 from hypic.errors import InvalidRequestError
 from hypic.sampling_params import SamplingParams
 from hypic.structured_outputs import StructuredOutputs
-
-
-def _reference_mask(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-    out = logits.clone()
-    for row in range(logits.shape[0]):
-        for token in range(logits.shape[1]):
-            if not (int(words[row, token // 32]) >> (token % 32)) & 1:
-                out[row, token] = float("-inf")
-    return out
+from test_kernels_token_mask import bit_by_bit
 
 
 def test_sampled_tokens_are_allowed_and_logprobs_are_of_the_constrained_distribution() -> None:
@@ -35,7 +27,7 @@ def test_sampled_tokens_are_allowed_and_logprobs_are_of_the_constrained_distribu
     rows = [SamplingRow(SamplingParams(temperature=t, logprobs=1, seed=i)) for i, t in enumerate((0.0, 1.0, 1.0, 5.0))]
     result = Sampler(64, str).sample(logits.clone(), rows, TokenMask([(0, 0), (1, 0), (2, 0), (3, 0)], words[:1]))
     assert set(result.token_ids) <= {32, 33, 35}
-    expected = torch.log_softmax(_reference_mask(logits, words), dim=-1)
+    expected = torch.log_softmax(bit_by_bit(logits, range(4), range(4), words), dim=-1)
     for row, (token, logprob) in enumerate(zip(result.token_ids, result.logprobs)):
         assert logprob.logprob == pytest.approx(float(expected[row, token]), abs=1e-5)
 
