@@ -6,7 +6,7 @@ prompt is held there and the step budget set so that each step holds the decodes
 tokens, for each n of `--tokens` (0: decodes alone). Reported per (context, n): the median step time.
 Then the long prompt runs to its end in 1024-token chunks and the engine's fitted L is read.
 
-    python scripts/bench_prefill_cost.py --out bench/results/prefill_cost_cpu_default_model.json
+    python scripts/bench_prefill_cost.py   # -> bench/results/prefill_cost_cpu_default_model.json
 """
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from results import device_label, result_path, run_record, write_json
+
 from hypic import EngineConfig, SamplingParams
-from hypic.bench.report import run_record, write_json
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
 
@@ -32,7 +34,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", default="0,8,32,64,128", help="prefill tokens a step (default: %(default)s)")
     parser.add_argument("--decoders", type=int, default=4, help="(default: %(default)s)")
     parser.add_argument("--steps", type=int, default=15, help="steps a point, median taken (default: %(default)s)")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/prefill_cost_cpu_default_model.json"))
+    parser.add_argument("--out", type=Path, help="default: bench/results/prefill_cost_<device>_default_model.json")
     return parser.parse_args()
 
 
@@ -82,7 +84,8 @@ def main() -> int:
     result = {"benchmark": "prefill_cost", **run_record(), "device": str(engine.device),
               "decoders": args.decoders, "points": points,
               "fitted_attention_context": cost.attention_context, "fit_measured": cost.measured}
-    write_json(args.out, result)
+    device = "cpu" if engine.device.type == "cpu" else device_label(torch.cuda.get_device_name())
+    write_json(args.out or result_path("prefill_cost", device, "default_model"), result)
     print(json.dumps(result, indent=2))
     return 0
 

@@ -17,27 +17,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+from bench_engine import parsed_config
+from bench_structured import SCHEMA, gpu_engine, synthetic_tokenizer, timed_decode
+from results import device_label, result_path, run_record, tree_commit
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import parsed_config  # noqa: E402
-from bench_structured import SCHEMA, gpu_engine, synthetic_tokenizer, timed_decode  # noqa: E402
-from results import device_label, result_path, run_record, tree_commit  # noqa: E402
-
-import hypic  # noqa: E402
-import hypic.engine.sampler as sampler_module  # noqa: E402
-import hypic.engine.structured as structured_module  # noqa: E402
-from hypic import EngineConfig  # noqa: E402
-from hypic.engine.llm_engine import LLMEngine  # noqa: E402
-from hypic.engine.setup import BUNDLED_MODEL  # noqa: E402
-from hypic.models.random_weights import random_state_dict  # noqa: E402
-from hypic.structured_outputs import StructuredOutputs  # noqa: E402
+import hypic
+import hypic.engine.sampler as sampler_module
+import hypic.engine.structured as structured_module
+from hypic import EngineConfig
+from hypic.engine.llm_engine import LLMEngine
+from hypic.engine.setup import BUNDLED_MODEL
+from hypic.models.random_weights import random_state_dict
+from hypic.structured_outputs import StructuredOutputs
 
 VOCAB = 248_320
 _DECODING, _PENDING = structured_module.StructuredDecoding, structured_module.PendingMasks

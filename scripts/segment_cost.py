@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import random
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 from bench_pic import QUERY_TOKENS, SYSTEM_TOKENS, engine_config, rag_prompt, random_tokens, ttft
 from capture_cost import launches_work
-from results import device_label, result_path, run_record, variant
+from results import device_label, result_path, run_record, variant, write_json
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -133,8 +132,7 @@ def main() -> None:
     report(result)
     args.out = args.out or result_path("segment_cost", device_label(result["device"]),
                                        variant(result["shape"], args.segment_state_dtype))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_json(args.out, result)
 
 
 def report(result: dict, rows: int = 25) -> None:

@@ -15,8 +15,8 @@ from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.prefill_cost import CONTEXT_RANGE, REFIT_EVERY, UNMEASURED_CONTEXT, PrefillCost, StepWork
 from hypic.engine.sequence import Sequence
 from pic_util import DOCS, SEP, SYSTEM, pic_config
+from test_pic_chunked_capture import LONG_DOC, _accounting
 
-LONG_DOC = " ".join(DOCS)  # ~300 tokens
 CAP = 16
 
 
@@ -173,12 +173,6 @@ def test_greedy_outputs_are_those_of_an_uncapped_run(slow_decay_model_dir, thres
         _run_to_end(engine)
         outputs.append((decoder.output_ids, cold.output_ids))
     assert outputs[0] == outputs[1] and len(outputs[0][1]) == 8
-
-
-def _accounting(engine: LLMEngine) -> tuple:
-    stats = engine.store.stats()
-    return (engine.blocks.num_free, engine.slots.num_free, stats.bytes, stats.pinned, len(engine.pic.jobs),
-            dict(engine.pic.waiters))
 
 
 def test_an_abort_mid_capped_capture_gives_everything_back(tiny_model_dir):

@@ -17,15 +17,7 @@ from hypic.engine.sampler import Sampler, SamplingRow, TokenMask
 from hypic.errors import InvalidRequestError
 from hypic.sampling_params import SamplingParams
 from hypic.structured_outputs import StructuredOutputs
-
-
-def _reference_mask(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-    out = logits.clone()
-    for row in range(logits.shape[0]):
-        for token in range(logits.shape[1]):
-            if not (int(words[row, token // 32]) >> (token % 32)) & 1:
-                out[row, token] = float("-inf")
-    return out
+from test_kernels_token_mask import bit_by_bit
 
 
 def test_sampled_tokens_are_allowed_and_logprobs_are_of_the_constrained_distribution() -> None:
@@ -35,7 +27,7 @@ def test_sampled_tokens_are_allowed_and_logprobs_are_of_the_constrained_distribu
     rows = [SamplingRow(SamplingParams(temperature=t, logprobs=1, seed=i)) for i, t in enumerate((0.0, 1.0, 1.0, 5.0))]
     result = Sampler(64, str).sample(logits.clone(), rows, TokenMask([(0, 0), (1, 0), (2, 0), (3, 0)], words[:1]))
     assert set(result.token_ids) <= {32, 33, 35}
-    expected = torch.log_softmax(_reference_mask(logits, words), dim=-1)
+    expected = torch.log_softmax(bit_by_bit(logits, range(4), range(4), words), dim=-1)
     for row, (token, logprob) in enumerate(zip(result.token_ids, result.logprobs)):
         assert logprob.logprob == pytest.approx(float(expected[row, token]), abs=1e-5)
 
@@ -77,6 +69,12 @@ def _run(engine: LLMEngine, params: list[SamplingParams]) -> dict[str, list[int]
     return tokens
 
 
+def _lltokenizer(engine: LLMEngine) -> llguidance.LLTokenizer:
+    """llguidance's own view of the engine's vocabulary, for fresh matchers that replay a reply."""
+    return llguidance.LLTokenizer((engine.model_dir / "tokenizer.json").read_text(),
+                                  n_vocab=engine.tokenizer.vocab_size, eos_token=sorted(engine.eos_ids))
+
+
 def test_engine_tokens_are_those_llguidance_allows(engine) -> None:
     """Replaying each reply through a fresh llguidance matcher accepts every token and ends accepting."""
     schema = {"type": "object", "properties": {"k": {"enum": ["x", "y"]}, "n": {"type": "integer", "maximum": 99,
@@ -86,8 +84,7 @@ def test_engine_tokens_are_those_llguidance_allows(engine) -> None:
     params = [SamplingParams(max_tokens=60, seed=s, structured=constraint) for s in range(3)]
     params.append(SamplingParams(max_tokens=5, ignore_eos=True, seed=9))  # an unconstrained neighbour
     tokens = _run(engine, params)
-    tokenizer = llguidance.LLTokenizer((engine.model_dir / "tokenizer.json").read_text(),
-                                       n_vocab=engine.tokenizer.vocab_size, eos_token=sorted(engine.eos_ids))
+    tokenizer = _lltokenizer(engine)
     for request in ("r0", "r1", "r2"):
         matcher = llguidance.LLMatcher(tokenizer, constraint.grammar())
         assert matcher.consume_tokens(tokens[request]), matcher.get_error()
@@ -126,8 +123,7 @@ def test_prefetched_and_step_filled_masks_both_hold(engine) -> None:
     engine.add_request(_prompt(engine), SamplingParams(max_tokens=40, n=2, seed=2, structured=constraint), request_id="c")
     while engine.has_work():
         _collect(engine.step(), tokens, reasons)
-    tokenizer = llguidance.LLTokenizer((engine.model_dir / "tokenizer.json").read_text(),
-                                       n_vocab=engine.tokenizer.vocab_size, eos_token=sorted(engine.eos_ids))
+    tokenizer = _lltokenizer(engine)
     assert set(tokens) == {("a", 0), ("b", 0), ("c", 0), ("c", 1)}
     for key, ids in tokens.items():
         matcher = llguidance.LLMatcher(tokenizer, constraint.grammar())
@@ -149,7 +145,6 @@ def test_the_bitmask_is_one_buffer_reused_every_step(engine, monkeypatch) -> Non
     assert len(buffers) == 1
 
 
-
 def test_a_grammar_compiles_a_matcher_per_busy_mask_thread(engine, monkeypatch) -> None:
     """Copies of one llguidance matcher share its lexer behind a lock, so their masks are computed one at
     a time. With three mask threads: requests one at a time copy one compiled matcher; five at once copy
@@ -163,8 +158,7 @@ def test_a_grammar_compiles_a_matcher_per_busy_mask_thread(engine, monkeypatch) 
     assert compiled == [constraint.grammar()]
     tokens = _run(engine, [SamplingParams(max_tokens=12, seed=s, structured=constraint) for s in range(5)])
     assert compiled == [constraint.grammar()] * 3
-    tokenizer = llguidance.LLTokenizer((engine.model_dir / "tokenizer.json").read_text(),
-                                       n_vocab=engine.tokenizer.vocab_size, eos_token=sorted(engine.eos_ids))
+    tokenizer = _lltokenizer(engine)
     for ids in [*replies, *tokens.values()]:
         matcher = llguidance.LLMatcher(tokenizer, constraint.grammar())
         assert matcher.consume_tokens(ids) and matcher.is_accepting(), matcher.get_error()
