@@ -51,7 +51,7 @@ def longest_context(shape: CacheShape, *, budget_bytes: int, block_size: int, dt
     page, slot = shape.page_bytes(block_size, dtype), shape.slot_bytes(dtype)
     if not page:
         return 1 << 30
-    left = budget_bytes - (_slots_wanted(budget_bytes, slot, max_num_seqs) * slot if slot else 0)
+    left = budget_bytes - _slots_wanted(budget_bytes, slot, max_num_seqs) * slot
     return max(block_size, left // page * block_size)
 
 

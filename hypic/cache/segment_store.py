@@ -164,12 +164,20 @@ class SegmentLayout:
 
     @property
     def fixed_bytes(self) -> int:
-        """Bytes of an entry's T, S0 and conv blocks, its first three (the same at any interior length)."""
-        return sum(self.block_bytes(0)[:3])
+        """Bytes of an entry's T, S0 and conv blocks, its first three (the same at any interior length):
+        where its KV block starts."""
+        return self._block_starts[3]
 
-    def block_start(self, block: int) -> int:
-        """Byte offset of block 0 (T), 1 (S0) or 2 (conv) within an entry."""
-        return sum(self._parts[b][1] for b in range(block))
+    def part_byte(self, block: int, linear_index: int) -> int:
+        """Byte offset within an entry of linear layer `linear_index`'s part of block 0 (T), 1 (S0) or
+        2 (conv)."""
+        return self._block_starts[block] + self.part_offset(block, linear_index)
+
+    @cached_property
+    def _block_starts(self) -> tuple[int, ...]:
+        """Byte offsets within an entry of its T, S0, conv and KV blocks: the same for every entry (a
+        step asks for them for every piece it composes: computed once)."""
+        return tuple(itertools.accumulate(self.block_bytes(0)[:3], initial=0))
 
 
 @dataclass(eq=False)
@@ -195,12 +203,6 @@ class SegmentEntry:
     def interior_len(self) -> int:
         return self.interior[1] - self.interior[0]
 
-    @cached_property
-    def _block_starts(self) -> tuple[int, ...]:
-        """Arena byte offsets of the T, S0, conv and KV blocks. An entry never moves, and a step
-        asks for them for every piece it composes: computed once."""
-        return tuple(itertools.accumulate(self.layout.block_bytes(self.interior_len)[:-1], initial=self.offset))
-
     def t_offset(self, linear_index: int) -> int:
         """Element offset of linear layer `linear_index`'s T block in `SegmentStore.t_src(linear_index)`."""
         return self._part_offset(0, linear_index)
@@ -216,7 +218,7 @@ class SegmentEntry:
     def kv_offset(self, full_index: int, token: int = 0) -> int:
         """Element offset of interior token `token`'s K block of full layer `full_index` in
         `SegmentStore.model_src` (its V block follows right after, as `scatter_kv` expects)."""
-        base = self._block_starts[3] // self.layout.model_dtype.itemsize
+        base = (self.offset + self.layout.fixed_bytes) // self.layout.model_dtype.itemsize
         return base + token * self.layout.kv_token_stride + full_index * self.layout.kv_layer_stride
 
     def tail_offsets(self) -> list[int]:
@@ -241,7 +243,7 @@ class SegmentEntry:
         return self._part(2, linear_index)
 
     def _part_byte(self, block: int, linear_index: int) -> int:
-        return self._block_starts[block] + self.layout.part_offset(block, linear_index)
+        return self.offset + self.layout.part_byte(block, linear_index)
 
     def _part_offset(self, block: int, linear_index: int) -> int:
         """Element offset (in the part's dtype) of one linear layer's part of block T, S0 or conv."""
@@ -257,7 +259,7 @@ class SegmentEntry:
         """[L_int, n_full, kv, Hkv, D]: every interior token's K (and V) of every full layer."""
         lay = self.layout
         shape = (self.interior_len, lay.num_full, lay.kv_tensors, lay.kv_heads, lay.head_dim)
-        return _view(self.arena, self._block_starts[3], lay.model_dtype, shape)
+        return _view(self.arena, self.offset + lay.fixed_bytes, lay.model_dtype, shape)
 
     def K(self, full_index: int) -> torch.Tensor:
         """[L_int, Hkv, D] before RoPE (a strided view)."""
@@ -286,7 +288,7 @@ class TupleStaging:
         every ending segment."""
         lay = self.layout
         dtype, shape = lay.block_dtype(block, linear_index), lay.block_shape(block, linear_index)
-        start = lay.block_start(block) + lay.part_offset(block, linear_index)
+        start = lay.part_byte(block, linear_index)
         size = math.prod(shape) * dtype.itemsize
         return self.fixed[:, start:start + size].view(dtype).view(self.fixed.shape[0], *shape)
 

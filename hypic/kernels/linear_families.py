@@ -129,14 +129,6 @@ class LinearFamily(ABC):
                                 pool_spans(pool.shape[0], cu_seqlens.to(pool.device, torch.int32), seq_lens),
                                 scale=scale)
 
-    def _kernel_final_states(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor,
-                             cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> Tensor:
-        """`final_states` by a family's varlen kernel (one launch set per call, not a loop over spans and
-        chunks), from float32 copies of `initial`."""
-        pool = initial.to(torch.float32, copy=True).contiguous()
-        self._kernel(k, k, v, g, beta, pool, cu_seqlens, seq_lens, 1.0)
-        return pool
-
     def final_states(self, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor | None, initial: torch.Tensor,
                      cu_seqlens: torch.Tensor, seq_lens: tuple[int, ...]) -> torch.Tensor:
@@ -151,35 +143,17 @@ class LinearFamily(ABC):
             ends.append(state)
         return torch.stack(ends)
 
+    @abstractmethod
     def extract_tuple(self, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                       beta: torch.Tensor | None, cu_seqlens: torch.Tensor,
                       seq_lens: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T [B, HV, *t_shape], S0 [B, HV, K, V]) of every span of a varlen batch.
+        """(T [B, HV, *t_shape], S0 [B, HV, K, V]) of every span of a varlen batch; S0 is the end state
+        from zero. `seq_lens`: the spans' lengths on the host (cu_seqlens' differences; reading those
+        back would sync a GPU)."""
 
-        S0 is the end state from zero. Here (dense T) both come from one pass of `final_states`: T is
-        the end state from I with v = 0 (value dim K), since (prod T_t) I = T_C. `seq_lens`: the spans'
-        lengths on the host (cu_seqlens' differences; reading those back would sync a GPU).
-        """
-        # value columns recur independently, so [v | 0] from [0 | I] ends at [S0 | T]
-        values = torch.cat([v, v.new_zeros(v.shape[0], v.shape[1], k.shape[-1])], -1)
-        return self._tuple_of_values(k, values, v.shape[2], g, beta, cu_seqlens, seq_lens)
-
-    def _tuple_of_values(self, k: Tensor, values: Tensor, value_dim: int, g: Tensor, beta: Tensor | None,
-                         cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-        """(T, S0) as views of the end states of `values` = [v | 0] ([N, HV, V + K]) from [0 | I]."""
-        num, heads, key_dim = cu_seqlens.numel() - 1, values.shape[1], k.shape[-1]
-        dtype = torch.promote_types(k.dtype, torch.float32)
-        zeros = torch.zeros(num, heads, key_dim, value_dim, dtype=dtype, device=values.device)
-        eye = self.identity_T(heads, key_dim, dtype, values.device).expand(num, -1, -1, -1)
-        both = self.final_states(k, values, g, beta, torch.cat([zeros, eye], -1), cu_seqlens, seq_lens)
-        return both[..., value_dim:], both[..., :value_dim]
-
+    @abstractmethod
     def spans_tuple(self, x: Operands, spans: RowSpans) -> tuple[torch.Tensor, torch.Tensor]:
-        """`extract_tuple` of spans of a flat batch's rows (cold interiors in a step); here over their
-        rows gathered."""
-        rows = spans.rows
-        beta = None if x.beta is None else x.beta[rows]
-        return self.extract_tuple(x.k[rows], x.v[rows], x.g[rows], beta, spans.cu_seqlens, spans.lens)
+        """`extract_tuple` of spans of a flat batch's rows (cold interiors in a step)."""
 
 
 class LogGateFamily(LinearFamily):
@@ -197,10 +171,13 @@ class LogGateFamily(LinearFamily):
         return segment_sum(g.double(), cu_seqlens), super().final_states(k, v, g, beta, zeros, cu_seqlens, seq_lens)
 
     def spans_tuple(self, x: Operands, spans: RowSpans) -> tuple[Tensor, Tensor]:
-        """In place: k and v are read span by span as slices of the flat batch."""
-        if x.k.dtype == torch.float64:
-            return super().spans_tuple(x, spans)
-        return span_tuples(x.k, x.v, x.g, spans)
+        """In place: k and v are read span by span as slices of the flat batch (float64: the rows gathered
+        for the token recurrence)."""
+        if x.k.dtype != torch.float64:
+            return span_tuples(x.k, x.v, x.g, spans)
+        rows = spans.rows
+        beta = None if x.beta is None else x.beta[rows]
+        return self.extract_tuple(x.k[rows], x.v[rows], x.g[rows], beta, spans.cu_seqlens, spans.lens)
 
     def final_states(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor,
                      cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> Tensor:
@@ -321,9 +298,13 @@ class DenseFamily(LinearFamily):
 
     def final_states(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor,
                      cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> Tensor:
+        """float64: the token recurrence; otherwise the family's varlen kernel (one launch set per call,
+        not a loop over spans and chunks), from float32 copies of `initial`."""
         if initial.dtype == torch.float64:
             return super().final_states(k, v, g, beta, initial, cu_seqlens, seq_lens)
-        return self._kernel_final_states(k, v, g, beta, initial, cu_seqlens, seq_lens)
+        pool = initial.to(torch.float32, copy=True).contiguous()
+        self._kernel(k, k, v, g, beta, pool, cu_seqlens, seq_lens, 1.0)
+        return pool
 
     def spans_tuple(self, x: Operands, spans: RowSpans) -> tuple[Tensor, Tensor]:
         """The interior rows of v gathered straight into [v | 0] (one copy, not a gather and a cat)."""
@@ -332,6 +313,24 @@ class DenseFamily(LinearFamily):
         torch.index_select(x.v, 0, rows, out=values[..., :value_dim])
         beta = None if x.beta is None else x.beta[rows]
         return self._tuple_of_values(x.k[rows], values, value_dim, x.g[rows], beta, spans.cu_seqlens, spans.lens)
+
+    def extract_tuple(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, cu_seqlens: Tensor,
+                      seq_lens: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        """Both from one pass of `final_states`: T is the end state from I with v = 0 (value dim K),
+        since (prod T_t) I = T_C."""
+        # value columns recur independently, so [v | 0] from [0 | I] ends at [S0 | T]
+        values = torch.cat([v, v.new_zeros(v.shape[0], v.shape[1], k.shape[-1])], -1)
+        return self._tuple_of_values(k, values, v.shape[2], g, beta, cu_seqlens, seq_lens)
+
+    def _tuple_of_values(self, k: Tensor, values: Tensor, value_dim: int, g: Tensor, beta: Tensor | None,
+                         cu_seqlens: Tensor, seq_lens: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        """(T, S0) as views of the end states of `values` = [v | 0] ([N, HV, V + K]) from [0 | I]."""
+        num, heads, key_dim = cu_seqlens.numel() - 1, values.shape[1], k.shape[-1]
+        dtype = torch.promote_types(k.dtype, torch.float32)
+        zeros = torch.zeros(num, heads, key_dim, value_dim, dtype=dtype, device=values.device)
+        eye = self.identity_T(heads, key_dim, dtype, values.device).expand(num, -1, -1, -1)
+        both = self.final_states(k, values, g, beta, torch.cat([zeros, eye], -1), cu_seqlens, seq_lens)
+        return both[..., value_dim:], both[..., :value_dim]
 
     @staticmethod
     def _delta_write(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
