@@ -146,9 +146,11 @@ class Scheduler:
         """This step's cost cap on long prefills: the threshold while anything they would hold up is
         in flight (a decode, a short or warm prefill, a short request waiting that no job blocks), else
         none: a lone long prompt is not held up by itself."""
+        if not self.limits.long_prefill_cost:
+            return math.inf  # no cap configured: no need to look at the queues
         others = any(not self._long(s) for s in self.running) or any(
-            s.pic.job is None and not s.pic.blocked and not self._long(s) for s in self.waiting)
-        return self.limits.long_prefill_cost if self.limits.long_prefill_cost and others else math.inf
+            not s.pic.blocked and not self._long(s) for s in self.waiting)  # a job is long
+        return self.limits.long_prefill_cost if others else math.inf
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Free a sequence's memory, keeping a checkpoint of everything it computed."""
