@@ -123,7 +123,7 @@ class Scheduler:
         step has room, scheduling each one's chunk; returns the long ones, whose chunks wait for
         the step's short ones (only `jobs=False` returns any)."""
         deferred = []
-        for seq in [s for s in self._admission_order() if (s.pic.job is not None) == jobs]:
+        for seq in self._admission_order(jobs):
             if budget.tokens <= 0 or len(self.running) >= self.limits.max_num_seqs or not self._admit(seq):
                 break
             self.waiting.remove(seq)
@@ -195,10 +195,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _admission_order(self) -> list[Sequence]:
-        """Unblocked waiting sequences by turn (every group's first, then every group's second, ...),
-        in queue order within a turn (what was put first stays first)."""
-        waiting = [s for s in self.waiting if not s.pic.blocked]
+    def _admission_order(self, jobs: bool) -> list[Sequence]:
+        """Unblocked waiting cold segment jobs (or the rest) by turn (every group's first, then every
+        group's second, ...), in queue order within a turn (what was put first stays first). Filtered
+        before the sort: each of a step's two admission passes sorts only its own part of the queue."""
+        waiting = [s for s in self.waiting if not s.pic.blocked and (s.pic.job is not None) == jobs]
         return [waiting[i] for i in sorted(range(len(waiting)), key=lambda i: (waiting[i].admission_turn, i))]
 
     # -- prefill chunks ------------------------------------------------------------------------
