@@ -168,3 +168,18 @@ def test_a_grammar_compiles_a_matcher_per_busy_mask_thread(engine, monkeypatch) 
     for ids in [*replies, *tokens.values()]:
         matcher = llguidance.LLMatcher(tokenizer, constraint.grammar())
         assert matcher.consume_tokens(ids) and matcher.is_accepting(), matcher.get_error()
+
+
+def test_a_reused_request_id_never_gets_the_aborted_requests_prefetched_mask(engine) -> None:
+    """A request aborted after its next mask was prefetched, then a request under the same id with a
+    disjoint grammar: every token of the new one is a digit its own grammar allows."""
+    letters, digits = StructuredOutputs("regex", "[a-z]{30}"), StructuredOutputs("regex", "[0-9]{30}")
+    engine.add_request(_prompt(engine), SamplingParams(max_tokens=20, seed=3, structured=letters), request_id="r0")
+    for _ in range(3):
+        engine.step()
+    engine.abort("r0")
+    tokens = _run(engine, [SamplingParams(max_tokens=6, seed=4, structured=digits)])["r0"]
+    tokenizer = llguidance.LLTokenizer((engine.model_dir / "tokenizer.json").read_text(),
+                                       n_vocab=engine.tokenizer.vocab_size, eos_token=sorted(engine.eos_ids))
+    matcher = llguidance.LLMatcher(tokenizer, digits.grammar())
+    assert len(tokens) == 6 and matcher.consume_tokens(tokens), (engine.tokenizer.decode(tokens), matcher.get_error())

@@ -128,6 +128,8 @@ class StructuredDecoding:
         grammar, states = self._requests.pop(request_id, (None, {}))
         for state in states.values():
             grammar.give_back(state.base)
+        # its prefetched masks are stale: a later request under the same id must not take them
+        self._ahead = {key: row for key, row in self._ahead.items() if key[0] != request_id}
 
     def fill(self, batch: ScheduledBatch) -> PendingMasks | None:
         """The masks of the batch's constrained rows (prefetched or started now); None when it has none."""
