@@ -162,3 +162,26 @@ def test_a_grammar_compiles_a_matcher_per_busy_mask_thread(engine, monkeypatch) 
     for ids in [*replies, *tokens.values()]:
         matcher = llguidance.LLMatcher(tokenizer, constraint.grammar())
         assert matcher.consume_tokens(ids) and matcher.is_accepting(), matcher.get_error()
+
+
+def test_a_reused_request_id_never_gets_the_aborted_requests_prefetched_mask(engine) -> None:
+    """Two requests under [a-z] have their next masks prefetched; the first is aborted and a request under
+    its id with the disjoint grammar [0-9] joins the second: each reply holds to its own grammar (the new
+    one takes neither the aborted one's prefetched row nor its neighbour's)."""
+    letters, digits = StructuredOutputs("regex", "[a-z]{30}"), StructuredOutputs("regex", "[0-9]{30}")
+    for name, seed in (("r0", 3), ("kept", 5)):
+        engine.add_request(_prompt(engine), SamplingParams(max_tokens=9, seed=seed, structured=letters), request_id=name)
+    tokens: dict = {}
+    for _ in range(3):
+        _collect(engine.step(), tokens, {})
+    engine.abort("r0")
+    tokens = {("kept", 0): tokens[("kept", 0)]}
+    engine.add_request(_prompt(engine), SamplingParams(max_tokens=6, seed=4, structured=digits), request_id="r0")
+    while engine.has_work():
+        _collect(engine.step(), tokens, {})
+    tokenizer = llguidance.LLTokenizer((engine.model_dir / "tokenizer.json").read_text(),
+                                       n_vocab=engine.tokenizer.vocab_size, eos_token=sorted(engine.eos_ids))
+    for key, grammar, length in ((("r0", 0), digits, 6), (("kept", 0), letters, 9)):
+        matcher = llguidance.LLMatcher(tokenizer, grammar.grammar())
+        ids = tokens[key]
+        assert len(ids) == length and matcher.consume_tokens(ids), (key, engine.tokenizer.decode(ids), matcher.get_error())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import array
+import dataclasses
 import itertools
 from collections.abc import Iterable
 
@@ -27,15 +28,13 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.de
     seq_lens = tuple(c.chunk.num_tokens for c in chunks)
     cu = [0, *itertools.accumulate(seq_lens)]
     ends = tuple(c.chunk.end for c in chunks)
-    positions = _long(itertools.chain.from_iterable(c.chunk.positions for c in chunks))
-    block_tables = _pad([c.seq.block_ids for c in chunks])
     host = ForwardBatch(
         input_ids=_long(itertools.chain.from_iterable(c.chunk.token_ids for c in chunks)),
-        positions=positions,
+        positions=_long(itertools.chain.from_iterable(c.chunk.positions for c in chunks)),
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         slots=_long(c.seq.slot for c in chunks),
         has_state=torch.tensor([c.chunk.start > 0 for c in chunks], dtype=torch.bool),
-        block_tables=block_tables,
+        block_tables=_pad([c.seq.block_ids for c in chunks]),
         kv_lens=torch.tensor(ends, dtype=torch.int32),
         kv_write_slots=_write_slots(chunks, block_size),
         logits_indices=_long(cu[i + 1] - 1 for i, c in enumerate(chunks) if c.samples),
@@ -54,10 +53,9 @@ def _long(values: Iterable[int]) -> torch.Tensor:
 
 
 def to_device(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
-    """The batch's tensors onto the device in one copy."""
+    """The batch's tensors onto the device in one copy; its host fields as they are."""
     moved = host_to_device_packed([getattr(batch, name) for name in TENSOR_FIELDS], device)
-    return ForwardBatch(**dict(zip(TENSOR_FIELDS, moved)), num_decodes=batch.num_decodes,
-                        seq_lens_cpu=batch.seq_lens_cpu, kv_lens_cpu=batch.kv_lens_cpu, max_kv_len=batch.max_kv_len)
+    return dataclasses.replace(batch, **dict(zip(TENSOR_FIELDS, moved)))
 
 
 TENSOR_FIELDS = ("input_ids", "positions", "cu_seqlens", "slots", "has_state", "block_tables",

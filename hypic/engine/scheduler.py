@@ -123,7 +123,7 @@ class Scheduler:
         step has room, scheduling each one's chunk; returns the long ones, whose chunks wait for
         the step's short ones (only `jobs=False` returns any)."""
         deferred = []
-        for seq in [s for s in self._admission_order() if (s.pic.job is not None) == jobs]:
+        for seq in self._admission_order(jobs):
             if budget.tokens <= 0 or len(self.running) >= self.limits.max_num_seqs or not self._admit(seq):
                 break
             self.waiting.remove(seq)
@@ -146,9 +146,11 @@ class Scheduler:
         """This step's cost cap on long prefills: the threshold while anything they would hold up is
         in flight (a decode, a short or warm prefill, a short request waiting that no job blocks), else
         none: a lone long prompt is not held up by itself."""
+        if not self.limits.long_prefill_cost:
+            return math.inf  # no cap configured: no need to look at the queues
         others = any(not self._long(s) for s in self.running) or any(
-            s.pic.job is None and not s.pic.blocked and not self._long(s) for s in self.waiting)
-        return self.limits.long_prefill_cost if self.limits.long_prefill_cost and others else math.inf
+            not s.pic.blocked and not self._long(s) for s in self.waiting)  # a job is long
+        return self.limits.long_prefill_cost if others else math.inf
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Free a sequence's memory, keeping a checkpoint of everything it computed."""
@@ -193,10 +195,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _admission_order(self) -> list[Sequence]:
-        """Unblocked waiting sequences by turn (every group's first, then every group's second, ...),
-        in queue order within a turn (what was put first stays first)."""
-        waiting = [s for s in self.waiting if not s.pic.blocked]
+    def _admission_order(self, jobs: bool) -> list[Sequence]:
+        """Unblocked waiting cold segment jobs (or the rest) by turn (every group's first, then every
+        group's second, ...), in queue order within a turn (what was put first stays first). Filtered
+        before the sort: each of a step's two admission passes sorts only its own part of the queue."""
+        waiting = [s for s in self.waiting if not s.pic.blocked and (s.pic.job is not None) == jobs]
         return [waiting[i] for i in sorted(range(len(waiting)), key=lambda i: (waiting[i].admission_turn, i))]
 
     # -- prefill chunks ------------------------------------------------------------------------

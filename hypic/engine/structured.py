@@ -128,6 +128,8 @@ class StructuredDecoding:
         grammar, states = self._requests.pop(request_id, (None, {}))
         for state in states.values():
             grammar.give_back(state.base)
+        # its prefetched masks are stale: a later request under the same id must not take them
+        self._ahead = {key: row for key, row in self._ahead.items() if key[0] != request_id}
 
     def fill(self, batch: ScheduledBatch) -> PendingMasks | None:
         """The masks of the batch's constrained rows (prefetched or started now); None when it has none."""
@@ -137,9 +139,9 @@ class StructuredDecoding:
             return None
         ahead, self._ahead = self._ahead, {}
         missing = [seq for _, seq in wanted if _key(seq) not in ahead]
-        places = self._start(missing, first_row=len(ahead)) if missing else {}
-        places = {row: ahead.get(_key(seq), places.get(_key(seq))) for row, seq in wanted}
-        return PendingMasks(self._bitmask, places, self._last)
+        if missing:  # after every prefetched row (a released request's leaves a gap)
+            ahead.update(self._start(missing, first_row=max(ahead.values(), default=-1) + 1))
+        return PendingMasks(self._bitmask, {row: ahead[_key(seq)] for row, seq in wanted}, self._last)
 
     def prefetch(self, seqs: Iterable[Sequence]) -> None:
         """Starts the next masks of completions that just consumed a token (call after `advance`)."""
