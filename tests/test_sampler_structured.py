@@ -179,8 +179,7 @@ def test_a_reused_request_id_never_gets_the_aborted_requests_prefetched_mask(eng
     engine.add_request(_prompt(engine), SamplingParams(max_tokens=6, seed=4, structured=digits), request_id="r0")
     while engine.has_work():
         _collect(engine.step(), tokens, {})
-    tokenizer = llguidance.LLTokenizer((engine.model_dir / "tokenizer.json").read_text(),
-                                       n_vocab=engine.tokenizer.vocab_size, eos_token=sorted(engine.eos_ids))
+    tokenizer = _lltokenizer(engine)
     for key, grammar, length in ((("r0", 0), digits, 6), (("kept", 0), letters, 9)):
         matcher = llguidance.LLMatcher(tokenizer, grammar.grammar())
         ids = tokens[key]
