@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from bench_engine import parsed_config
 from bench_structured import SCHEMA, gpu_engine, synthetic_tokenizer, timed_decode
-from results import device_label, result_path, run_record, tree_commit
+from results import device_label, result_path, run_record, tree_commit, write_json
 
 import hypic
 import hypic.engine.sampler as sampler_module
@@ -128,14 +128,15 @@ def main() -> None:
     engine = cpu_engine() if args.device == "cpu" else gpu_engine(argparse.Namespace(
         shape=args.shape, seed=args.seed, batches=args.batches))
     timers.watch_filler(engine)
-    device = device_label(torch.cuda.get_device_name() if args.device == "cuda" else "cpu")
-    out = args.out or result_path("structured_host", device, "qwen3_5_vocab" if args.device == "cpu" else args.shape)
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    out = args.out or result_path("structured_host", device_label(device_name),
+                                  "qwen3_5_vocab" if args.device == "cpu" else args.shape)
     record = json.loads(out.read_text()) if out.exists() else {"benchmark": "structured_host", "runs": {}}
     tree = Path(hypic.__file__).resolve().parents[1]  # the tree measured: PYTHONPATH picks it
-    record["runs"][args.label] = {**run_record(), "hypic_tree_commit": tree_commit(tree), "vocab_size": engine.tokenizer.vocab_size,
-                                  "cpu_threads": torch.get_num_threads(), "steps": measure(engine, args, timers)}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
+    record["runs"][args.label] = {**run_record(), "device": device_name, "hypic_tree_commit": tree_commit(tree),
+                                  "vocab_size": engine.tokenizer.vocab_size, "cpu_threads": torch.get_num_threads(),
+                                  "steps": measure(engine, args, timers)}
+    write_json(out, record)
     print(f"wrote {out}")
 
 
