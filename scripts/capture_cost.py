@@ -14,14 +14,13 @@ The plain forward's own ops are not run: everything counted is what the capture 
 from __future__ import annotations
 
 import argparse
-import collections
 import itertools
 from pathlib import Path
 
 import torch
 from bench_engine import shape_config
+from op_count import DTYPE, GPU, OpCounter, gpu_empty
 from results import result_path, write_labelled_run
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import hypic
 from hypic.cache import segment_store
@@ -33,87 +32,6 @@ from hypic.kernels.varlen import Operands
 from hypic.models.batch import Capture, PicStep
 from hypic.models.mamba2 import Mamba2Mixer
 from hypic.models.mamba2_config import Mamba2HybridConfig
-
-DTYPE = torch.bfloat16
-GPU = "meta"
-FREE_OPS = {"aten.lift_fresh.default", "prim.device.default"}  # bookkeeping, no kernel
-
-
-def launches_work(func) -> bool:
-    """Whether an aten op moves data (views, allocations and bookkeeping launch nothing)."""
-    name = str(func)
-    return not (func.is_view or name in FREE_OPS or name.startswith(("aten.empty", "aten._unsafe_view")))
-
-
-class CudaLike(torch.Tensor):
-    """A meta tensor the code takes for a CUDA one (the ops computed from it are CudaLike too)."""
-
-    is_cuda = property(lambda self: True)
-
-
-def gpu_empty(*shape: int, dtype: torch.dtype = DTYPE) -> torch.Tensor:
-    return torch.empty(*shape, dtype=dtype, device=GPU).as_subclass(CudaLike)
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts every aten op that launches work (views excluded), with the bytes it reads and writes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-        self.bytes: dict[str, list[int]] = {}  # per op: bytes read, written
-        self.read = self.written = self.conversions = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = str(func)
-        if not launches_work(func):
-            return out
-        inputs = _tensors(list(args)) + _tensors([v for key, v in kwargs.items() if key != "out"])
-        outputs = _tensors([out])
-        read, written = _read_bytes(name, inputs, outputs), sum(_nbytes(t) for t in outputs)
-        self.ops[name] += 1
-        self.bytes[name] = [a + b for a, b in zip(self.bytes.get(name, (0, 0)), (read, written))]
-        self.read, self.written = self.read + read, self.written + written
-        self.conversions += _converts(name, inputs, outputs)
-        return out
-
-    def summary(self) -> dict:
-        by_op = {name: {"calls": count, "MB_read": round(self.bytes[name][0] / 1e6, 2),
-                        "MB_written": round(self.bytes[name][1] / 1e6, 2)} for name, count in self.ops.most_common()}
-        return {"ops": sum(self.ops.values()), "bytes_read": self.read, "bytes_written": self.written,
-                "dtype_conversions": self.conversions, "by_op": by_op}
-
-
-def _tensors(values: list) -> list[torch.Tensor]:
-    flat = []
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            flat.append(value)
-        elif isinstance(value, (list, tuple)):
-            flat += _tensors(list(value))
-    return flat
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _read_bytes(name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
-    """Gathers read as many source bytes as they write (plus the index); a copy reads its source only."""
-    if name.startswith(("aten.index", "aten.gather")):
-        return sum(_nbytes(t) for t in outputs) + sum(_nbytes(t) for t in inputs[1:])
-    if name.startswith("aten.copy_"):
-        return _nbytes(inputs[1])
-    return sum(_nbytes(t) for t in inputs)
-
-
-def _converts(name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
-    if name.startswith("aten._to_copy") or name.startswith("aten.copy_"):
-        source = inputs[1] if name.startswith("aten.copy_") else inputs[0]
-        return int(source.dtype != outputs[0].dtype)
-    return 0
 
 
 def nemotron() -> tuple[Mamba2HybridConfig, SegmentLayout]:

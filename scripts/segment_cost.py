@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 from bench_pic import QUERY_TOKENS, SYSTEM_TOKENS, engine_config, rag_prompt, random_tokens, ttft
-from capture_cost import launches_work
+from op_count import launches_work
 from results import device_label, result_path, run_record, variant, write_json
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
