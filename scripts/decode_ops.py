@@ -1,7 +1,7 @@
 """What one batch-1 decode step launches on the GPU, by part of the model, counted on the CPU (issue 29).
 
 The step is the one a CUDA graph of DecodeGraphs replays (the model's forward and its logits, on the
-graph's own batch) plus what runs around the replay (the static inputs' copies, the sampler's greedy
+graph's own batch, after the warm-up forward that precedes its capture) plus what runs around the replay (the static inputs' copies, the sampler's greedy
 argmax), on meta tensors that say they are CUDA ones (op_count.cuda_step: real shapes, dtypes and the
 GPU code path, no data, no GPU). Per part: aten ops that launch work with the bytes they read and write,
 and Triton launches (their bytes not counted, see op_count.OpTally); per layer kind (the mixer class, the
@@ -74,9 +74,10 @@ def decode_step(config: dict, max_len: int) -> dict[str, dict]:
         caches = ModelCaches(model.cache_shape(), -(-max_len // BLOCK_SIZE) + 1, BLOCK_SIZE, 2, DTYPE, CUDA)
         graphs = DecodeGraphs(model, caches, max_num_seqs=1, max_blocks=-(-max_len // BLOCK_SIZE),
                               scratch_slot=1, scratch_block=0, max_kv_len=max_len)
+        batch = graphs._graph_batch(1)
+        graphs._forward(batch)  # DecodeGraphs' warm-up before the capture: what a kernel allocates once
         tallies = {HEAD: OpTally()}
         attribute(counter, parts, tallies)
-        batch = graphs._graph_batch(1)
         counter.tally = tallies[HEAD]
         logits = graphs._forward(batch)
         tallies["graph inputs"] = counter.tally = OpTally()

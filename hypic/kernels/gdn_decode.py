@@ -1,0 +1,157 @@
+"""One Gated DeltaNet decode step (one token per sequence) in one kernel: the causal conv1d over the
+projection's q/k/v channels with its window shifted in conv_pool, the q/k l2norm, the gates and the
+recurrence in ssm_pool, which are four launches otherwise (issue 29: a batch-1 decode step is launch bound).
+
+CPU runs the torch reference: the four unfused references in turn (conv1d, l2norm, gates, recurrence).
+CUDA runs the Triton kernel, which rounds where those do (the conv output, q and k, beta to the model
+dtype), so both compute the same function. A program takes one sequence, one value head and a block of
+its value channels, as the plain decode kernel does (many programs at small batches); all programs of
+a key head read that head's q/k conv window, so the one of them that finishes last shifts it (it
+counts them on a per-row counter, which it resets: no host work, CUDA-graph capturable).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hypic.kernels.conv1d import causal_conv1d_ref
+from hypic.kernels.gdn import gated_delta_rule_ref
+from hypic.kernels.gdn_inputs import L2NORM_EPS, gdn_gates_ref, qk_l2norm
+from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
+from hypic.kernels.varlen import decode_launch
+
+tl: Any  # triton.language, bound by triton_lazy on first GPU use
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: zero between launches (the kernel resets them)
+
+
+def gdn_decode(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
+               A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_pool: torch.Tensor, conv_pool: torch.Tensor,
+               slots: torch.Tensor, has_state: torch.Tensor, *, heads: int, head_k: int, head_v: int,
+               scale: float) -> torch.Tensor:
+    """mixed_qkv: [B, conv_dim] the conv input (q | k | v channels: H*K, H*K, HV*V), one token of each
+    sequence; a, b: [B, HV] (strided views are fine); conv_weight [conv_dim, W] (no bias, silu).
+    Sequence b starts from the slot's conv window and state if has_state[b], else zeros; both are
+    updated in place. Returns o [B, HV, V] in mixed_qkv's dtype."""
+    if mixed_qkv.device.type != "cuda":
+        return gdn_decode_ref(mixed_qkv, a, b, conv_weight, A_log, dt_bias, ssm_pool, conv_pool, slots, has_state,
+                              heads=heads, head_k=head_k, head_v=head_v, scale=scale)
+    return gdn_decode_triton(mixed_qkv, a, b, conv_weight, A_log, dt_bias, ssm_pool, conv_pool, slots, has_state,
+                             heads=heads, head_k=head_k, head_v=head_v, scale=scale)
+
+
+def gdn_decode_ref(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
+                   A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_pool: torch.Tensor, conv_pool: torch.Tensor,
+                   slots: torch.Tensor, has_state: torch.Tensor, *, heads: int, head_k: int, head_v: int,
+                   scale: float) -> torch.Tensor:
+    """Same contract as `gdn_decode`: conv1d, l2norm, gates and recurrence references in turn."""
+    tokens = mixed_qkv.shape[0]
+    cu_seqlens = torch.arange(tokens + 1, dtype=torch.int32, device=mixed_qkv.device)
+    one_each = dict(num_decodes=tokens, seq_lens_cpu=(1,) * tokens)
+    conv_out = causal_conv1d_ref(mixed_qkv, conv_weight, None, conv_pool, slots, has_state, cu_seqlens, **one_each)
+    q, k = qk_l2norm(conv_out, heads, head_k)
+    v = conv_out[:, 2 * heads * head_k:].reshape(tokens, -1, head_v)
+    g, beta = gdn_gates_ref(a, b, A_log, dt_bias)
+    return gated_delta_rule_ref(q, k, v, g, beta, ssm_pool, slots, has_state, cu_seqlens, scale=scale, **one_each)
+
+
+def gdn_decode_triton(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
+                      A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_pool: torch.Tensor, conv_pool: torch.Tensor,
+                      slots: torch.Tensor, has_state: torch.Tensor, *, heads: int, head_k: int, head_v: int,
+                      scale: float) -> torch.Tensor:
+    tokens, value_heads = a.shape
+    o = torch.empty((tokens, value_heads, head_v), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+    grid, shape = decode_launch(mixed_qkv[:, : heads * head_k].unflatten(1, (heads, head_k)), o)  # q's shape
+    _gdn_decode_step_kernel[grid](
+        mixed_qkv, a, b, conv_weight.contiguous(), A_log, dt_bias, o, ssm_pool, conv_pool, slots, has_state,
+        _counters(tokens * heads, mixed_qkv.device), scale, L2NORM_EPS, mixed_qkv.stride(0), a.stride(0),
+        b.stride(0), W=conv_weight.shape[1], BW=next_power_of_2(conv_weight.shape[1]), **shape)
+    return o
+
+
+def _counters(count: int, device: torch.device) -> torch.Tensor:
+    """At least `count` zero counters on `device`; the first (largest) decode step allocates them, which
+    DecodeGraphs' warm-up forward runs before any capture."""
+    if device not in _COUNTERS or _COUNTERS[device].numel() < count:
+        _COUNTERS[device] = torch.zeros(count, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+@triton_kernel
+def _conv_channels(x_row, w, p_window, c, m_c, keep, W: tl.constexpr, BW: tl.constexpr):
+    """silu(conv) of channels c for one token (float32, not yet rounded) and the token's inputs there."""
+    o_w = tl.arange(0, BW)
+    b_x = tl.load(x_row + c, mask=m_c, other=0.0).to(tl.float32)
+    inputs = tl.load(p_window + c[:, None] * (W - 1) + o_w[None, :], mask=m_c[:, None] & (o_w[None, :] < W - 1),
+                     other=0.0)
+    inputs = tl.where(keep, inputs.to(tl.float32), 0.0)
+    inputs = tl.where(o_w[None, :] == W - 1, b_x[:, None], inputs)
+    b_w = tl.load(w + c[:, None] * W + o_w[None, :], mask=m_c[:, None] & (o_w[None, :] < W), other=0.0)
+    acc = tl.sum(inputs * b_w.to(tl.float32), axis=1)
+    return acc * tl.sigmoid(acc), b_x
+
+
+@triton_kernel
+def _shifted_window(p_window, c, m_c, b_x, keep, W: tl.constexpr, BW: tl.constexpr):
+    """The window of channels c after the token: window[:, j + 1], the token's input last (read again:
+    registers cannot shift); returns (pointers, values, mask) to store."""
+    o_w = tl.arange(0, BW)
+    p = p_window + c[:, None] * (W - 1) + o_w[None, :]
+    shifted = tl.load(p + 1, mask=m_c[:, None] & (o_w[None, :] < W - 2), other=0.0)
+    shifted = tl.where(keep, shifted.to(tl.float32), 0.0)
+    shifted = tl.where(o_w[None, :] == W - 2, b_x[:, None], shifted)
+    return p, shifted.to(p_window.dtype.element_ty), m_c[:, None] & (o_w[None, :] < W - 1)
+
+
+@triton_kernel
+def _l2_normalized(y, eps, dtype):
+    """The rounded conv output y normalised as qk_l2norm does (float32 sums, rounded result)."""
+    y = y.to(dtype).to(tl.float32)
+    return (y * tl.rsqrt(tl.sum(y * y, axis=0) + eps)).to(dtype).to(tl.float32)
+
+
+@triton_kernel
+def _gdn_decode_step_kernel(x, a, b, w, A_log, dt_bias, o, pool, conv_pool, slots, has_state, counters, scale, eps,
+                            stride_x, stride_a, stride_b, W: tl.constexpr, BW: tl.constexpr, H: tl.constexpr,
+                            HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                            BV: tl.constexpr):
+    i_b, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    slot = tl.load(slots + i_b).to(tl.int64)
+    keep = tl.load(has_state + i_b) != 0
+    dtype = o.dtype.element_ty
+    x_row = x + i_b.to(tl.int64) * stride_x
+    p_window = conv_pool + slot * (2 * H * K + HV * V) * (W - 1)
+    c_q, c_k, c_v = i_h * K + o_k, H * K + i_h * K + o_k, 2 * H * K + i_hv * V + o_v
+    y_q, x_q = _conv_channels(x_row, w, p_window, c_q, m_k, keep, W, BW)
+    y_k, x_k = _conv_channels(x_row, w, p_window, c_k, m_k, keep, W, BW)
+    y_v, x_v = _conv_channels(x_row, w, p_window, c_v, m_v, keep, W, BW)
+    p_shift, shifted, m_shift = _shifted_window(p_window, c_v, m_v, x_v, keep, W, BW)
+    tl.store(p_shift, shifted, mask=m_shift)  # value channels: this program's own
+    b_q = _l2_normalized(y_q, eps, dtype) * scale
+    b_k = _l2_normalized(y_k, eps, dtype)
+    b_v = y_v.to(dtype).to(tl.float32)
+    gate = tl.load(a + i_b * stride_a + i_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
+    softplus = tl.where(gate > 20.0, gate, tl.log(1.0 + tl.exp(gate)))  # torch's softplus threshold
+    b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus
+    b_beta = tl.sigmoid(tl.load(b + i_b * stride_b + i_hv).to(tl.float32)).to(b.dtype.element_ty).to(tl.float32)
+    p_state = pool + ((slot * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
+    m_state = m_k[:, None] & m_v[None, :]
+    state = tl.where(keep, tl.load(p_state, mask=m_state, other=0.0).to(tl.float32), 0.0)
+    state = state * tl.exp(b_g)
+    err = b_beta * (b_v - tl.sum(state * b_k[:, None], axis=0))
+    state = state + b_k[:, None] * err[None, :]
+    tl.store(o + (i_b * HV + i_hv) * V + o_v, tl.sum(state * b_q[:, None], axis=0).to(dtype), mask=m_v)
+    tl.store(p_state, state, mask=m_state)
+    # the key head's programs have all read its q/k window once the counter reaches their number
+    arrived = tl.atomic_add(counters + i_b * H + i_h, 1)
+    last = arrived == (HV // H) * tl.num_programs(2) - 1
+    p_shift, shifted, m_shift = _shifted_window(p_window, c_q, m_k, x_q, keep, W, BW)
+    tl.store(p_shift, shifted, mask=m_shift & (tl.zeros(m_shift.shape, tl.int1) | last))  # a tile mask
+    p_shift, shifted, m_shift = _shifted_window(p_window, c_k, m_k, x_k, keep, W, BW)
+    tl.store(p_shift, shifted, mask=m_shift & (tl.zeros(m_shift.shape, tl.int1) | last))
+    tl.atomic_xchg(counters + i_b * H + i_h, 0, mask=last)
