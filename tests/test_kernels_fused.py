@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hypic.kernels.activation import silu_and_mul, silu_and_mul_triton
+from hypic.kernels.activation import silu_and_mul, silu_and_mul_triton, sigmoid_gate, sigmoid_gate_triton
 from hypic.kernels.gdn_inputs import gdn_gates_ref, gdn_gates_triton, qk_l2norm, qk_l2norm_triton
 from hypic.kernels.moe import (expert_blocks_ref, expert_blocks_triton, moe_combine, moe_combine_triton,
                                route_topk_ref, route_topk_triton)
-from hypic.kernels.norms import gated_rms_norm_ref, norm_triton, rms_norm_ref, rope_ref
+from hypic.kernels.norms import gated_rms_norm_ref, norm_triton, rms_norm_ref, rms_norm_rope_write, rope_ref
 from hypic.kernels.paged_attention import merge_splits, merge_splits_triton
 from hypic.kernels.scatter_kv import rope_inv_freq
 from kernel_cases import interpreted, rel_err
@@ -64,6 +64,38 @@ def test_rope_with_and_without_norm_matches_reference(device: str, normed: bool,
     assert rel_err(y.cpu(), expected) <= 1e-2
     if device == "cuda":  # channels past the rotary ones pass (the interpreter's bf16 casts may truncate)
         assert torch.equal(y.cpu()[..., 16:], expected[..., 16:])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_written_into_cache_rows_matches_reference(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    dev, gen = on(device, monkeypatch), torch.Generator().manual_seed(7)
+    both = randn(5, 2, 2 * 32, gen=gen, dtype=torch.bfloat16)
+    k, w = both[..., :32], randn(32, gen=gen)  # strided, as the projection's k columns
+    positions, inv_freq = torch.randint(0, 5000, (5,), generator=gen), rope_inv_freq(16, 1e6)
+    rows = torch.tensor([9, 2, 30, 17, 4])  # block * block_size + offset, block_size 8
+    cache = randn(4, 8, 2, 32, gen=gen, dtype=torch.bfloat16)
+    expected = cache.clone()
+    rms_norm_rope_write(k, w, 1e-6, positions, inv_freq, expected, rows)  # CPU: the torch reference
+    written = cache.clone().to(dev)
+    if device == "cpu":  # the Triton kernel itself, interpreted
+        norm_triton(k, w, 1e-6, offset=True, positions=positions, inv_freq=inv_freq, out=written.view(-1, 2, 32),
+                    out_rows=rows)
+    else:
+        rms_norm_rope_write(k.to(dev), w.to(dev), 1e-6, positions.to(dev), inv_freq.to(dev), written, rows.to(dev))
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(written.view(-1, 2, 32)[untouched].cpu(), cache.view(-1, 2, 32)[untouched])
+    assert rel_err(written.view(-1, 2, 32)[rows].cpu(), rope_ref(rms_norm_ref(k, w, 1e-6), positions, inv_freq)) <= 1e-2
+    assert rel_err(written.cpu(), expected) <= 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sigmoid_gate_matches_reference(device: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    dev, gen = on(device, monkeypatch), torch.Generator().manual_seed(8)
+    x, both = randn(9, 70, gen=gen, dtype=dtype), randn(9, 2 * 70, gen=gen, dtype=dtype)
+    gate = both[:, 70:]  # a row-strided view
+    assert rel_err(sigmoid_gate_triton(x.to(dev), gate.to(dev)).cpu(), sigmoid_gate(x, gate)) <= TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("device", DEVICES)

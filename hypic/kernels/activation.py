@@ -1,7 +1,9 @@
-"""SwiGLU's activation: silu(gate) * up over the two halves of a fused gate/up projection.
+"""Gated activations, each one Triton pass on CUDA that rounds where torch does (the activation's
+output, then the product), so that both compute the same function; CPU runs torch (two launches and an
+intermediate).
 
-CPU runs torch (two launches and an intermediate); CUDA one Triton pass that rounds where torch
-does (silu's output, then the product), so both compute the same function.
+- `silu_and_mul`: SwiGLU's silu(gate) * up over the two halves of a fused gate/up projection.
+- `sigmoid_gate`: x * sigmoid(gate), the output gate of Qwen's full attention.
 """
 from __future__ import annotations
 
@@ -21,6 +23,25 @@ def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
     if h.device.type != "cuda":
         return F.silu(h[:, :inter]) * h[:, inter:]
     return silu_and_mul_triton(h)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x, gate: [M, C] (gate may be a row-strided view) -> x * sigmoid(gate)."""
+    if x.device.type != "cuda":
+        return x * torch.sigmoid(gate)
+    return sigmoid_gate_triton(x, gate)
+
+
+def sigmoid_gate_triton(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    rows, cols = x.shape
+    x = x if x.stride(1) == 1 else x.contiguous()
+    gate = gate if gate.stride(1) == 1 else gate.contiguous()
+    out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    block_c = min(1024, next_power_of_2(cols))
+    block_rows = max(1, 2048 // block_c)
+    grid = (-(-rows // block_rows), -(-cols // block_c))
+    _sigmoid_gate_kernel[grid](x, gate, out, rows, x.stride(0), gate.stride(0), C=cols, BC=block_c, BR=block_rows)
+    return out
 
 
 def silu_and_mul_triton(h: torch.Tensor) -> torch.Tensor:
@@ -43,3 +64,15 @@ def _silu_mul_kernel(h, out, rows, stride_h, I: tl.constexpr, BI: tl.constexpr, 
     up = tl.load(p_h + I, mask=m, other=0.0).to(tl.float32)
     act = (gate * tl.sigmoid(gate)).to(out.dtype.element_ty).to(tl.float32)
     tl.store(out + (r * I)[:, None] + o_i[None, :], (act * up).to(out.dtype.element_ty), mask=m)
+
+
+@triton_kernel
+def _sigmoid_gate_kernel(x, gate, out, rows, stride_x, stride_g, C: tl.constexpr, BC: tl.constexpr,
+                         BR: tl.constexpr):
+    r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    o_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    m = (r < rows)[:, None] & (o_c < C)[None, :]
+    b_g = tl.load(gate + (r * stride_g)[:, None] + o_c[None, :], mask=m, other=0.0).to(tl.float32)
+    b_x = tl.load(x + (r * stride_x)[:, None] + o_c[None, :], mask=m, other=0.0).to(tl.float32)
+    act = tl.sigmoid(b_g).to(out.dtype.element_ty).to(tl.float32)
+    tl.store(out + (r * C)[:, None] + o_c[None, :], (b_x * act).to(out.dtype.element_ty), mask=m)

@@ -5,6 +5,7 @@ elementwise launches: what the decode step's launch count and prefill's memory t
   (`add_rms_norm` returns the rounded sum too); x may be [N, D] or a strided [N, heads, D] view.
 - `rms_norm_rope`: the same norm per head, then NeoX RoPE on the first rotary_dim channels (the query
   path); with norm=False the rotation alone (the key path, after the PIC capture of un-rotated keys).
+  `rms_norm_rope_write` writes the result into KV cache rows instead (a decode step's key path).
 - `gated_rms_norm`: y = w * (x / rms(x)) * silu(gate), the weight not an offset (Gated DeltaNet output).
 - `grouped_gated_rms_norm`: Mamba2's: gate first, y = w * norm_per_group(x * silu(gate)).
 `rms_norm` / `add_rms_norm` with offset=False are the plain RMSNorm y = w * round(x / rms(x))
@@ -74,6 +75,17 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, posi
     return norm_triton(x, weight, eps, offset=True, positions=positions, inv_freq=inv_freq)
 
 
+def rms_norm_rope_write(x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
+                        inv_freq: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor) -> None:
+    """`rms_norm_rope(x, ...)` written into a KV cache [blocks, block_size, heads, D] at flat rows [N]
+    (block * block_size + offset) instead of returned: the key path of a decode step in one launch."""
+    flat = cache.view(-1, *cache.shape[2:])
+    if x.device.type != "cuda":
+        flat.index_copy_(0, rows, rms_norm_rope(x, weight, eps, positions, inv_freq).to(cache.dtype))
+        return
+    norm_triton(x, weight, eps, offset=True, positions=positions, inv_freq=inv_freq, out=flat, out_rows=rows)
+
+
 # ----------------------------------------------------------------------------- torch reference
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -112,31 +124,33 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -
 def norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, offset: bool,
                 residual: torch.Tensor | None = None, total: torch.Tensor | None = None,
                 gate: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+                inv_freq: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                out_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Every norm above in one kernel; one program per `block_rows` rows of the [rows, D] view of x
-    (rows = N * heads). `total` receives x + residual when a residual is given."""
+    (rows = N * heads). `total` receives x + residual when a residual is given. With `out_rows` [N],
+    token n's heads go to row out_rows[n] of `out` (dense [*, heads, D], a KV cache) instead of a new y."""
     dim = x.shape[-1]
     heads = x.shape[1] if x.dim() == 3 else 1
     rows = x.shape[0] * heads
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out_rows is None else out
     block_d = next_power_of_2(dim)
     block_rows = max(1, min(16, MAX_TILE // block_d // (2 if inv_freq is not None else 1)))  # RoPE: 2 tiles
     head_stride = x.stride(1) if x.dim() == 3 else 0
     gate_strides = (gate.stride(0), gate.stride(1)) if gate is not None else (0, 0)
     half = inv_freq.numel() if inv_freq is not None else 0
     _norm_kernel[(-(-rows // block_rows),)](
-        x, residual, total, gate, weight, positions, inv_freq, y, rows, heads, x.stride(0), head_stride,
+        x, residual, total, gate, weight, positions, inv_freq, y, out_rows, rows, heads, x.stride(0), head_stride,
         *gate_strides, eps, D=dim, BD=block_d, BR=block_rows, HALF=half, NORM=weight is not None,
-        OFFSET=offset, HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
+        OFFSET=offset, HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None, OUT_ROWS=out_rows is not None,
         num_warps=8 if block_rows * block_d >= 2048 else 4)
     return y
 
 
 @triton_kernel
-def _norm_kernel(x, residual, total, gate, w, positions, inv_freq, y, rows, heads, stride_xn, stride_xh,
+def _norm_kernel(x, residual, total, gate, w, positions, inv_freq, y, out_rows, rows, heads, stride_xn, stride_xh,
                  stride_gn, stride_gh, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
                  HALF: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 HAS_GATE: tl.constexpr):
+                 HAS_GATE: tl.constexpr, OUT_ROWS: tl.constexpr):
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m_r, m_d = r < rows, o_d < D
@@ -154,28 +168,33 @@ def _norm_kernel(x, residual, total, gate, w, positions, inv_freq, y, rows, head
     if NORM:
         rstd = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
         b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
-        v = _normalize(v, rstd, b_w, OFFSET, y)
+        v = _normalize(v, rstd, b_w, OFFSET, x)
     if HAS_GATE:
         b_g = tl.load(gate + (n * stride_gn + h * stride_gh)[:, None] + o_d[None, :], mask=m, other=0.0)
         b_g = b_g.to(tl.float32)
         v = v * (b_g * tl.sigmoid(b_g))
     if HALF > 0:
-        v = _rotate(v, p_x, rstd, w, positions, inv_freq, n, o_d, m, OFFSET, NORM, HALF, y)
-    tl.store(y + dense, v.to(y.dtype.element_ty), mask=m)
+        v = _rotate(v, p_x, rstd, w, positions, inv_freq, n, o_d, m, OFFSET, NORM, HALF, x)
+    if OUT_ROWS:  # rounded to x's dtype first, as the unfused write's conversion of the result
+        row = tl.load(out_rows + n, mask=m_r, other=0).to(tl.int64) * heads + h
+        tl.store(y + row[:, None] * D + o_d[None, :], v.to(x.dtype.element_ty).to(y.dtype.element_ty), mask=m)
+    else:
+        tl.store(y + dense, v.to(y.dtype.element_ty), mask=m)
 
 
 @triton_kernel
-def _normalize(v, rstd, b_w, OFFSET: tl.constexpr, y):
-    """Zero-centred: round(v * rstd * (1 + w)); plain (gated norm): round(w * round(v * rstd))."""
+def _normalize(v, rstd, b_w, OFFSET: tl.constexpr, x):
+    """Zero-centred: round(v * rstd * (1 + w)); plain (gated norm): round(w * round(v * rstd)); rounded
+    to x's dtype."""
     if OFFSET:
-        return (v * rstd[:, None] * (1.0 + b_w[None, :])).to(y.dtype.element_ty).to(tl.float32)
-    normed = (v * rstd[:, None]).to(y.dtype.element_ty).to(tl.float32)
-    return (b_w[None, :] * normed).to(y.dtype.element_ty).to(tl.float32)
+        return (v * rstd[:, None] * (1.0 + b_w[None, :])).to(x.dtype.element_ty).to(tl.float32)
+    normed = (v * rstd[:, None]).to(x.dtype.element_ty).to(tl.float32)
+    return (b_w[None, :] * normed).to(x.dtype.element_ty).to(tl.float32)
 
 
 @triton_kernel
 def _rotate(v, p_x, rstd, w, positions, inv_freq, n, o_d, m, OFFSET: tl.constexpr, NORM: tl.constexpr,
-            HALF: tl.constexpr, y):
+            HALF: tl.constexpr, x):
     """NeoX RoPE of the (normed) row tile v: channel i < HALF pairs with i + HALF; later channels pass.
     The partner channel is read again and normed with the same rstd (registers cannot be permuted)."""
     rotary = o_d < 2 * HALF
@@ -184,7 +203,7 @@ def _rotate(v, p_x, rstd, w, positions, inv_freq, n, o_d, m, OFFSET: tl.constexp
     m_p = m & rotary[None, :]
     u = tl.load(p_x + partner[None, :], mask=m_p, other=0.0).to(tl.float32)
     if NORM:
-        u = _normalize(u, rstd, tl.load(w + partner, mask=rotary, other=0.0).to(tl.float32), OFFSET, y)
+        u = _normalize(u, rstd, tl.load(w + partner, mask=rotary, other=0.0).to(tl.float32), OFFSET, x)
     freq = tl.load(inv_freq + (o_d % HALF), mask=rotary, other=0.0)
     angle = tl.load(positions + n).to(tl.float32)[:, None] * freq[None, :]
     cos, sin = tl.cos(angle), tl.sin(angle)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hypic.kernels.activation import sigmoid_gate
 from hypic.kernels.paged_attention import paged_attention, write_kv
 from hypic.models.batch import ForwardBatch
 from hypic.models.config import HybridConfig
@@ -36,14 +37,17 @@ class GatedAttention(nn.Module):
 
     def qkv(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """(q rotated [N, H, D], gate [N, H * D] or None, k normed but NOT rotated [N, Hkv, D], v [N, Hkv, D])."""
+        q, gate, k, v = self._projected(hidden, positions)
+        return q, gate, self.k_norm(k) if self.k_norm is not None else k, v
+
+    def _projected(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """`qkv` with k as projected (neither normed nor rotated)."""
         q_gate, k, v = self.qkv_proj(hidden).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q_gate = q_gate.reshape(-1, self.num_heads, self.q_size // self.num_heads)
         q, gate = q_gate.chunk(2, dim=-1) if self.gated else (q_gate, None)
         q = self.rotary(q, positions, norm=self.q_norm)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        k = self.k_norm(k) if self.k_norm is not None else k
         gate = gate.reshape(hidden.shape[0], -1) if gate is not None else None
-        return q, gate, k, v.reshape(-1, self.num_kv_heads, self.head_dim)
+        return q, gate, k.reshape(-1, self.num_kv_heads, self.head_dim), v.reshape(-1, self.num_kv_heads, self.head_dim)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                batch: ForwardBatch) -> torch.Tensor:
@@ -55,12 +59,17 @@ class GatedAttention(nn.Module):
     def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """[N, H, D] -> gate by sigmoid -> o_proj -> [N, hidden]."""
         o = o.reshape(o.shape[0], -1)
-        return self.o_proj(o * torch.sigmoid(gate) if gate is not None else o)
+        return self.o_proj(sigmoid_gate(o, gate) if gate is not None else o)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
-        q, gate, k, v = self.qkv(hidden, batch.positions)
-        if batch.pic is not None and batch.pic.capture is not None:
-            batch.pic.capture.add_full(k, v)
-        write_kv(self.rotary(k, batch.positions), v, k_cache, v_cache, batch.kv_write_slots)
+        if batch.pic is None and batch.is_decode_only:  # k normed, rotated and written in one pass
+            q, gate, k, v = self._projected(hidden, batch.positions)
+            self.rotary.write(k, batch.positions, k_cache, batch.kv_write_slots, norm=self.k_norm)
+            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, batch.kv_write_slots, v.to(v_cache.dtype))
+        else:
+            q, gate, k, v = self.qkv(hidden, batch.positions)
+            if batch.pic is not None and batch.pic.capture is not None:
+                batch.pic.capture.add_full(k, v)
+            write_kv(self.rotary(k, batch.positions), v, k_cache, v_cache, batch.kv_write_slots)
         return self.output(self.attend(q, k_cache, v_cache, batch), gate)

@@ -6,7 +6,8 @@ from torch import nn
 
 from hypic.kernels.activation import silu_and_mul
 from hypic.kernels.moe import fused_moe, route_grouped_sigmoid, route_topk
-from hypic.kernels.norms import add_rms_norm, gated_rms_norm, grouped_gated_rms_norm, rms_norm, rms_norm_rope
+from hypic.kernels.norms import (add_rms_norm, gated_rms_norm, grouped_gated_rms_norm, rms_norm, rms_norm_rope,
+                                 rms_norm_rope_write)
 from hypic.kernels.scatter_kv import rope_inv_freq
 
 
@@ -73,6 +74,12 @@ class RotaryEmbedding:
             return x.contiguous()  # dense, as the rotation's output is
         weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
         return rms_norm_rope(x, weight, eps, positions, self.inv_freq(positions.device))
+
+    def write(self, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
+              norm: RMSNorm | None = None) -> None:
+        """`self(x, positions, norm)` written into a KV cache at flat rows [N] (one launch on the GPU)."""
+        weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
+        rms_norm_rope_write(x, weight, eps, positions, self.inv_freq(positions.device), cache, rows)
 
 
 class SwiGLUMLP(nn.Module):
