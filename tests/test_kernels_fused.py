@@ -9,7 +9,7 @@ import torch
 from hypic.kernels.activation import silu_and_mul, silu_and_mul_triton, sigmoid_gate, sigmoid_gate_triton
 from hypic.kernels.gdn_inputs import gdn_gates_ref, gdn_gates_triton, qk_l2norm, qk_l2norm_triton
 from hypic.kernels.moe import (expert_blocks_ref, expert_blocks_triton, moe_combine, moe_combine_triton,
-                               route_topk_ref, route_topk_triton)
+                               route_blocks_triton, route_topk_ref, route_topk_triton)
 from hypic.kernels.norms import gated_rms_norm_ref, norm_triton, rms_norm_ref, rms_norm_rope_write, rope_ref
 from hypic.kernels.paged_attention import merge_splits, merge_splits_triton
 from hypic.kernels.scatter_kv import rope_inv_freq
@@ -146,6 +146,21 @@ def test_moe_combine_matches_reference(device: str, indexed: bool, monkeypatch: 
         out = moe_combine_triton(y.to(dev), weights.to(dev), None if rows is None else rows.to(dev),
                                  torch.bfloat16, moved)
         assert rel_err(out.cpu(), moe_combine(y, weights, rows, torch.bfloat16, extra)) <= 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tokens,block", [(1, 16), (3, 4), (6, 2)])
+def test_route_blocks_match_routing_and_reference_layout(device: str, tokens: int, block: int,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    dev, gen = on(device, monkeypatch), torch.Generator().manual_seed(5 + tokens)
+    logits = randn(tokens, 24, gen=gen) * 3  # float32: no ties
+    logits[:, 7] = logits[:, 7].abs() + 20  # every token picks expert 7: a run longer than a block
+    weights, ids, blocks = route_blocks_triton(logits.to(dev), 5, True, block)
+    weights_ref, ids_ref = route_topk_ref(logits, 5, True)
+    assert torch.equal(ids.cpu(), ids_ref) and rel_err(weights.cpu(), weights_ref) <= 1e-5
+    ref = expert_blocks_ref(ids_ref, 24, block)
+    assert blocks.block == block and torch.equal(blocks.block_expert.cpu(), ref.block_expert)
+    assert torch.equal(blocks.rows.cpu(), ref.rows)  # pairs in order within each expert: the very layout
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hypic.kernels.moe import expert_blocks, fused_moe, fused_moe_ref, moe_grouped_mm, moe_triton
+from hypic.kernels.moe import (expert_blocks, fused_moe, fused_moe_ref, moe_grouped_mm, moe_triton, route_blocks_triton,
+                               route_topk_ref, routed_moe)
 from kernel_cases import interpreted, moe_dense_f64, rel_err
 
 
@@ -81,6 +82,17 @@ def test_relu2_triton_interpreted_matches_reference(monkeypatch: pytest.MonkeyPa
                                rtol=1e-5, atol=1e-5)
 
 
+@interpreted
+def test_triton_interpreted_over_the_routers_blocks_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x, w_gate_up, w_down, *_ = make_case(3, 6, 3, hidden=48, inter=24, seed=5)
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(6))
+    weights, ids, blocks = route_blocks_triton(logits, 3, True, 16)
+    out = moe_triton(x, w_gate_up, w_down, weights, ids, blocks=blocks)
+    expected = fused_moe_ref(x, w_gate_up, w_down, *route_topk_ref(logits, 3, True))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", [fused_moe, moe_triton])
 @pytest.mark.parametrize("tokens", [1, 37, 2048])
@@ -123,3 +135,20 @@ def test_gpu_decode_replays_in_cuda_graph(path) -> None:
     ids.copy_(new_ids)
     graph.replay()
     assert rel_err(out, fused_moe_ref(x, w_gate_up, w_down, weights, ids)) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 17])  # 16 x 8 pairs: the routed decode path's largest; 17: past it
+def test_gpu_routed_decode_matches_reference_and_replays(tokens: int) -> None:
+    x, w_gate_up, w_down, *_ = make_case(tokens, GPU_EXPERTS, GPU_TOPK, GPU_HIDDEN, GPU_INTER, seed=tokens,
+                                         dtype=torch.bfloat16, device="cuda")
+    logits = torch.randn(tokens, GPU_EXPERTS, device="cuda").to(torch.bfloat16)
+    out = routed_moe(x, logits, w_gate_up, w_down, GPU_TOPK, True)
+    assert rel_err(out, fused_moe_ref(x, w_gate_up, w_down, *route_topk_ref(logits, GPU_TOPK, True))) < 2e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = routed_moe(x, logits, w_gate_up, w_down, GPU_TOPK, True)
+    logits.normal_()
+    x.normal_()
+    graph.replay()
+    assert rel_err(out, fused_moe_ref(x, w_gate_up, w_down, *route_topk_ref(logits, GPU_TOPK, True))) < 2e-2

@@ -23,6 +23,7 @@ from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
 TRITON_MAX_PAIRS = 4096  # token-expert pairs up to which the Triton path beats CUTLASS's sort and launches
+ROUTE_BLOCKS_MAX_PAIRS = 128  # pairs up to which one program routes and lays out a batch (decode steps)
 Shared = tuple[torch.Tensor, torch.Tensor]  # (shared expert output [N, H], its gate logit [N, 1])
 ACTIVATIONS = ("silu", "relu2")  # gated SwiGLU experts, ungated relu^2 experts
 
@@ -40,6 +41,18 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     if _cutlass_grouped_mm_applies(x, w_down) and topk_ids.numel() > TRITON_MAX_PAIRS:
         return moe_grouped_mm(*args, shared=shared, activation=activation)
     return moe_triton(*args, shared=shared, activation=activation)
+
+
+def routed_moe(x: torch.Tensor, logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
+               renormalize: bool, *, shared: Shared | None = None) -> torch.Tensor:
+    """`fused_moe` of SwiGLU experts after `route_topk(logits, top_k, renormalize)`. On CUDA a decode-sized
+    batch (up to ROUTE_BLOCKS_MAX_PAIRS token-expert pairs) routes and lays out its expert blocks in one
+    launch (`route_blocks_triton`) instead of five."""
+    if x.device.type != "cuda" or logits.shape[0] * top_k > ROUTE_BLOCKS_MAX_PAIRS:
+        return fused_moe(x, w_gate_up, w_down, *route_topk(logits, top_k, renormalize), shared=shared)
+    block = _block_rows(logits.shape[0] * top_k, w_down.shape[0], x.dtype)
+    weights, ids, blocks = route_blocks_triton(logits, top_k, renormalize, block)
+    return moe_triton(x, w_gate_up, w_down, weights, ids, shared=shared, blocks=blocks)
 
 
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,13 +247,38 @@ def expert_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block: int) -
     return ExpertBlocks(rows, block_expert, block)
 
 
+def _block_rows(pairs: int, num_experts: int, dtype: torch.dtype) -> int:
+    """64-row blocks once experts average 32+ rows; float32 always 16 (its 64-row tiles spill)."""
+    return 64 if pairs >= 32 * num_experts and dtype != torch.float32 else 16
+
+
+def route_blocks_triton(logits: torch.Tensor, top_k: int, renormalize: bool,
+                        block: int) -> tuple[torch.Tensor, torch.Tensor, ExpertBlocks]:
+    """`route_topk` and `expert_blocks_ref`'s layout of its ids (pairs in order within each expert) in
+    one program, for up to ROUTE_BLOCKS_MAX_PAIRS pairs: no atomics, so the layout is the reference's."""
+    tokens, experts = logits.shape
+    pairs = tokens * top_k
+    num_blocks = pairs // block + min(experts, pairs)  # the bound of ExpertBlocks' invariant
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
+    rows = torch.empty(num_blocks * block, dtype=torch.long, device=logits.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.long, device=logits.device)
+    _route_blocks_kernel[(1,)](
+        logits, weights, ids, rows, block_expert, tokens, logits.stride(0), num_blocks, E=experts, K=top_k,
+        BE=next_power_of_2(experts), BT=next_power_of_2(tokens), BK=next_power_of_2(top_k), BLOCK=block, BJ=32,
+        BRW=128, RENORM=renormalize)
+    return weights, ids, ExpertBlocks(rows, block_expert, block)
+
+
 def moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-               topk_ids: torch.Tensor, *, shared: Shared | None = None, activation: str = "silu") -> torch.Tensor:
+               topk_ids: torch.Tensor, *, shared: Shared | None = None, activation: str = "silu",
+               blocks: ExpertBlocks | None = None) -> torch.Tensor:
+    """The Triton path; `blocks` is the pairs' layout when the router made it already."""
     num_experts, inter, hidden = w_down.shape[0], w_down.shape[2], x.shape[1]
     pairs = topk_ids.numel()
-    # 64-row blocks once experts average 32+ rows; float32 always 16 (its 64-row tiles spill)
-    many_rows = pairs >= 32 * num_experts and x.dtype != torch.float32
-    blocks = expert_blocks(topk_ids, num_experts, 64 if many_rows else 16)
+    if blocks is None:
+        blocks = expert_blocks(topk_ids, num_experts, _block_rows(pairs, num_experts, x.dtype))
+    many_rows = blocks.block == 64
     block_n = 32 if pairs <= 64 else 64  # a few pairs: narrower tiles, more programs streaming weights
     launch = dict(BM=blocks.block, BN=block_n, BK=64, num_warps=8 if many_rows else 4,
                   DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
@@ -381,8 +419,15 @@ def _combine_kernel(y, weights, row_of_pair, shared, gate_logit, out, stride_y, 
 @triton_kernel
 def _route_kernel(logits, weights, ids, tokens, stride_l, E: tl.constexpr, K: tl.constexpr, BE: tl.constexpr,
                   BK: tl.constexpr, BR: tl.constexpr, RENORM: tl.constexpr):
-    """Softmax over E, then K rounds of (max, argmax, knock out); renormalise the K picked."""
     t = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    _top_k(logits, weights, ids, t, tokens, stride_l, E, K, BE, BK, RENORM)
+
+
+@triton_kernel
+def _top_k(logits, weights, ids, t, tokens, stride_l, E: tl.constexpr, K: tl.constexpr, BE: tl.constexpr,
+           BK: tl.constexpr, RENORM: tl.constexpr):
+    """Rows t: softmax over E, then K rounds of (max, argmax, knock out); renormalise the K picked.
+    Stores them and returns the ids [rows, BK] (int32)."""
     o_e, o_k = tl.arange(0, BE), tl.arange(0, BK)
     m_t, m_e = t < tokens, o_e < E
     x = tl.load(logits + (t * stride_l)[:, None] + o_e[None, :], mask=m_t[:, None] & m_e[None, :],
@@ -390,8 +435,8 @@ def _route_kernel(logits, weights, ids, tokens, stride_l, E: tl.constexpr, K: tl
     x = tl.where(m_e[None, :], x, float("-inf"))  # rows past the end stay finite: no NaN anywhere
     p = tl.exp(x - tl.max(x, axis=1)[:, None])
     p = p / tl.sum(p, axis=1)[:, None]
-    picked_w = tl.zeros((BR, BK), dtype=tl.float32)
-    picked_id = tl.zeros((BR, BK), dtype=tl.int32)
+    picked_w = tl.zeros((t.shape[0], BK), dtype=tl.float32)
+    picked_id = tl.zeros((t.shape[0], BK), dtype=tl.int32)
     for j in tl.static_range(K):
         best = tl.max(p, axis=1)
         best_id = tl.argmax(p, axis=1)
@@ -404,3 +449,40 @@ def _route_kernel(logits, weights, ids, tokens, stride_l, E: tl.constexpr, K: tl
     m = m_t[:, None] & (o_k < K)[None, :]
     tl.store(weights + dense, picked_w, mask=m)
     tl.store(ids + dense, picked_id.to(tl.int64), mask=m)
+    return picked_id
+
+
+@triton_kernel
+def _route_blocks_kernel(logits, weights, ids, rows, block_expert, tokens, stride_l, num_blocks, E: tl.constexpr,
+                         K: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                         BLOCK: tl.constexpr, BJ: tl.constexpr, BRW: tl.constexpr, RENORM: tl.constexpr):
+    """One program: every token's top-k, then the layout from pair-by-pair comparisons (pair p = t * K + j):
+    its expert's pair count and its rank among them, its expert's first padded row (the padded runs
+    of the experts of lower id), each block's expert and each row's pair."""
+    t = tl.arange(0, BT).to(tl.int64)
+    picked = _top_k(logits, weights, ids, t, tokens, stride_l, E, K, BE, BK, RENORM)
+    o_k = tl.arange(0, BK)
+    pair = tl.reshape(t[:, None].to(tl.int32) * K + o_k[None, :], (BT * BK,))
+    valid = tl.reshape(((t < tokens)[:, None] & (o_k < K)[None, :]).to(tl.int32), (BT * BK,)) != 0
+    expert = tl.reshape(picked, (BT * BK,))
+    same = (expert[:, None] == expert[None, :]) & valid[:, None] & valid[None, :]  # [p, q]
+    count = tl.sum(same.to(tl.int32), axis=1)
+    rank = tl.sum((same & (pair[None, :] < pair[:, None])).to(tl.int32), axis=1)
+    first = valid & (rank == 0)  # one pair stands for each expert in use
+    padded = (count + BLOCK - 1) // BLOCK * BLOCK
+    lower = first[None, :] & (expert[None, :] < expert[:, None])
+    start = tl.sum(tl.where(lower, padded[None, :], 0), axis=1)
+    for j0 in range(0, num_blocks, BJ):
+        j = j0 + tl.arange(0, BJ)
+        row0 = (j * BLOCK)[:, None]
+        covers = first[None, :] & (start[None, :] <= row0) & (row0 < (start + padded)[None, :])  # [j, q]
+        owner = tl.sum(tl.where(covers, expert[None, :], 0), axis=1)
+        used = tl.sum(covers.to(tl.int32), axis=1) > 0
+        tl.store(block_expert + j, tl.where(used, owner, E).to(tl.int64), mask=j < num_blocks)
+    num_pairs = tokens * K
+    for r0 in range(0, num_blocks * BLOCK, BRW):
+        r = r0 + tl.arange(0, BRW)
+        hit = valid[None, :] & ((start + rank)[None, :] == r[:, None])  # [r, p]
+        filled = tl.sum(hit.to(tl.int32), axis=1) > 0
+        at = tl.sum(tl.where(hit, pair[None, :], 0), axis=1)
+        tl.store(rows + r, tl.where(filled, at, num_pairs).to(tl.int64), mask=r < num_blocks * BLOCK)

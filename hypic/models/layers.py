@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from hypic.kernels.activation import silu_and_mul
-from hypic.kernels.moe import fused_moe, route_grouped_sigmoid, route_topk
+from hypic.kernels.moe import fused_moe, route_grouped_sigmoid, route_topk, routed_moe
 from hypic.kernels.norms import (add_rms_norm, gated_rms_norm, grouped_gated_rms_norm, rms_norm, rms_norm_rope,
                                  rms_norm_rope_write)
 from hypic.kernels.scatter_kv import rope_inv_freq
@@ -108,16 +108,13 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = SwiGLUMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k weights [N, k] float32 and expert ids [N, k] int64."""
-        return route_topk(self.gate(x), self.top_k, self.norm_topk_prob)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
+        logits = self.gate(x)
         shared = None
         if self.shared_expert is not None:  # added inside the MoE's combine pass
             shared = (self.shared_expert(x), self.shared_expert_gate(x))
-        return fused_moe(x, self.experts_gate_up, self.experts_down, weights, ids, shared=shared)
+        return routed_moe(x, logits, self.experts_gate_up, self.experts_down, self.top_k, self.norm_topk_prob,
+                          shared=shared)
 
 
 class ReluSquaredMLP(nn.Module):
