@@ -105,10 +105,10 @@ def _shifted_window(p_window, c, m_c, b_x, keep, W: tl.constexpr, BW: tl.constex
 
 
 @triton_kernel
-def _l2_normalized(y, eps, dtype):
-    """The rounded conv output y normalised as qk_l2norm does (float32 sums, rounded result)."""
-    y = y.to(dtype).to(tl.float32)
-    return (y * tl.rsqrt(tl.sum(y * y, axis=0) + eps)).to(dtype).to(tl.float32)
+def _l2_normalized(y, eps, o):
+    """The conv output y rounded to o's dtype, normalised as qk_l2norm does (float32 sums, rounded)."""
+    y = y.to(o.dtype.element_ty).to(tl.float32)
+    return (y * tl.rsqrt(tl.sum(y * y, axis=0) + eps)).to(o.dtype.element_ty).to(tl.float32)
 
 
 @triton_kernel
@@ -123,7 +123,6 @@ def _gdn_decode_step_kernel(x, a, b, w, A_log, dt_bias, o, pool, conv_pool, slot
     m_k, m_v = o_k < K, o_v < V
     slot = tl.load(slots + i_b).to(tl.int64)
     keep = tl.load(has_state + i_b) != 0
-    dtype = o.dtype.element_ty
     x_row = x + i_b.to(tl.int64) * stride_x
     p_window = conv_pool + slot * (2 * H * K + HV * V) * (W - 1)
     c_q, c_k, c_v = i_h * K + o_k, H * K + i_h * K + o_k, 2 * H * K + i_hv * V + o_v
@@ -132,9 +131,9 @@ def _gdn_decode_step_kernel(x, a, b, w, A_log, dt_bias, o, pool, conv_pool, slot
     y_v, x_v = _conv_channels(x_row, w, p_window, c_v, m_v, keep, W, BW)
     p_shift, shifted, m_shift = _shifted_window(p_window, c_v, m_v, x_v, keep, W, BW)
     tl.store(p_shift, shifted, mask=m_shift)  # value channels: this program's own
-    b_q = _l2_normalized(y_q, eps, dtype) * scale
-    b_k = _l2_normalized(y_k, eps, dtype)
-    b_v = y_v.to(dtype).to(tl.float32)
+    b_q = _l2_normalized(y_q, eps, o) * scale
+    b_k = _l2_normalized(y_k, eps, o)
+    b_v = y_v.to(o.dtype.element_ty).to(tl.float32)
     gate = tl.load(a + i_b * stride_a + i_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
     softplus = tl.where(gate > 20.0, gate, tl.log(1.0 + tl.exp(gate)))  # torch's softplus threshold
     b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus
@@ -145,7 +144,7 @@ def _gdn_decode_step_kernel(x, a, b, w, A_log, dt_bias, o, pool, conv_pool, slot
     state = state * tl.exp(b_g)
     err = b_beta * (b_v - tl.sum(state * b_k[:, None], axis=0))
     state = state + b_k[:, None] * err[None, :]
-    tl.store(o + (i_b * HV + i_hv) * V + o_v, tl.sum(state * b_q[:, None], axis=0).to(dtype), mask=m_v)
+    tl.store(o + (i_b * HV + i_hv) * V + o_v, tl.sum(state * b_q[:, None], axis=0).to(o.dtype.element_ty), mask=m_v)
     tl.store(p_state, state, mask=m_state)
     # the key head's programs have all read its q/k window once the counter reaches their number
     arrived = tl.atomic_add(counters + i_b * H + i_h, 1)

@@ -263,10 +263,11 @@ def route_blocks_triton(logits: torch.Tensor, top_k: int, renormalize: bool,
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
     rows = torch.empty(num_blocks * block, dtype=torch.long, device=logits.device)
     block_expert = torch.empty(num_blocks, dtype=torch.long, device=logits.device)
+    tile = next_power_of_2(tokens) * next_power_of_2(top_k)  # the pair-by-pair tiles are tile x tile
     _route_blocks_kernel[(1,)](
         logits, weights, ids, rows, block_expert, tokens, logits.stride(0), num_blocks, E=experts, K=top_k,
         BE=next_power_of_2(experts), BT=next_power_of_2(tokens), BK=next_power_of_2(top_k), BLOCK=block, BJ=32,
-        BRW=128, RENORM=renormalize)
+        BRW=64, RENORM=renormalize, num_warps=8 if tile >= 128 else 4)  # 128 x 128 spills at 4 warps (sm90)
     return weights, ids, ExpertBlocks(rows, block_expert, block)
 
 
