@@ -1,16 +1,20 @@
 """One Gated DeltaNet decode step (one token per sequence) in one kernel: the causal conv1d over the
-projection's q/k/v channels with its window shifted in conv_pool, the q/k l2norm, the gates and the
-recurrence in ssm_pool, which are four launches otherwise (issue 29: a batch-1 decode step is launch bound).
+projection's q/k/v channels with its window shifted in conv_pool, the q/k l2norm, the gates, the
+recurrence in ssm_pool and the gated RMSNorm of its output, which are five launches otherwise (issue 29:
+a batch-1 decode step is launch bound).
 
-CPU runs the torch reference: the four unfused references in turn (conv1d, l2norm, gates, recurrence).
-CUDA runs the Triton kernel, which rounds where those do (the conv output, q and k, beta to the model
-dtype), so both compute the same function. A program takes one sequence, one value head and a block of
-its value channels, as the plain decode kernel does (many programs at small batches); all programs of
-a key head read that head's q/k conv window, so the one of them that finishes last shifts it (it
-counts them on a per-row counter, which it resets: no host work, CUDA-graph capturable).
+CPU runs the torch reference: the five unfused references in turn (conv1d, l2norm, gates, recurrence,
+gated norm). CUDA runs the Triton kernel, which rounds where the unfused kernels do (the conv output, q
+and k, beta, the recurrence's output and the norm's steps, to the model dtype), so both compute the same
+function. A program takes one sequence, one value head and a block of its value channels, as the plain
+decode kernel does (many programs at small batches). Two things need a whole group of programs: every
+program of a key head reads that head's q/k conv window, and the norm reads a value head's whole output
+row; the program of the group that finishes last (it counts them on a counter per group, acquire-release,
+and resets it: no host work, CUDA-graph capturable) shifts the window, or norms the row.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +22,7 @@ import torch
 from hypic.kernels.conv1d import causal_conv1d_ref
 from hypic.kernels.gdn import gated_delta_rule_ref
 from hypic.kernels.gdn_inputs import L2NORM_EPS, gdn_gates_ref, qk_l2norm
+from hypic.kernels.norms import gated_rms_norm_ref
 from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
 from hypic.kernels.varlen import decode_launch
 
@@ -26,48 +31,66 @@ tl: Any  # triton.language, bound by triton_lazy on first GPU use
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: zero between launches (the kernel resets them)
 
 
-def gdn_decode(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
-               A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_pool: torch.Tensor, conv_pool: torch.Tensor,
-               slots: torch.Tensor, has_state: torch.Tensor, *, heads: int, head_k: int, head_v: int,
-               scale: float) -> torch.Tensor:
+@dataclass(frozen=True)
+class GdnDecodeLayer:
+    """What a decode step reads of a Gated DeltaNet layer besides its inputs: conv_weight [conv_dim, W]
+    (no bias, silu), A_log and dt_bias [HV] float32, the output norm's weight [V] and eps, the head shape
+    (q/k heads of head_k channels, value heads of head_v) and q's scale."""
+
+    conv_weight: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    norm_weight: torch.Tensor
+    norm_eps: float
+    heads: int
+    head_k: int
+    head_v: int
+    scale: float
+
+
+def gdn_decode(mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layer: GdnDecodeLayer,
+               ssm_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
+               has_state: torch.Tensor) -> torch.Tensor:
     """mixed_qkv: [B, conv_dim] the conv input (q | k | v channels: H*K, H*K, HV*V), one token of each
-    sequence; a, b: [B, HV] (strided views are fine); conv_weight [conv_dim, W] (no bias, silu).
-    Sequence b starts from the slot's conv window and state if has_state[b], else zeros; both are
-    updated in place. Returns o [B, HV, V] in mixed_qkv's dtype."""
+    sequence; z: [B, HV, V] the output gate; a, b: [B, HV] (strided views are fine). Sequence b starts
+    from the slot's conv window and state if has_state[b], else zeros; both are updated in place.
+    Returns the gated RMSNorm of the recurrence's output, [B, HV, V] in mixed_qkv's dtype."""
     if mixed_qkv.device.type != "cuda":
-        return gdn_decode_ref(mixed_qkv, a, b, conv_weight, A_log, dt_bias, ssm_pool, conv_pool, slots, has_state,
-                              heads=heads, head_k=head_k, head_v=head_v, scale=scale)
-    return gdn_decode_triton(mixed_qkv, a, b, conv_weight, A_log, dt_bias, ssm_pool, conv_pool, slots, has_state,
-                             heads=heads, head_k=head_k, head_v=head_v, scale=scale)
+        return gdn_decode_ref(mixed_qkv, z, a, b, layer, ssm_pool, conv_pool, slots, has_state)
+    return gdn_decode_triton(mixed_qkv, z, a, b, layer, ssm_pool, conv_pool, slots, has_state)
 
 
-def gdn_decode_ref(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
-                   A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_pool: torch.Tensor, conv_pool: torch.Tensor,
-                   slots: torch.Tensor, has_state: torch.Tensor, *, heads: int, head_k: int, head_v: int,
-                   scale: float) -> torch.Tensor:
-    """Same contract as `gdn_decode`: conv1d, l2norm, gates and recurrence references in turn."""
-    tokens = mixed_qkv.shape[0]
+def gdn_decode_ref(mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   layer: GdnDecodeLayer, ssm_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
+                   has_state: torch.Tensor) -> torch.Tensor:
+    """Same contract as `gdn_decode`: conv1d, l2norm, gates, recurrence and gated norm references in turn."""
+    tokens, c = mixed_qkv.shape[0], layer
     cu_seqlens = torch.arange(tokens + 1, dtype=torch.int32, device=mixed_qkv.device)
     one_each = dict(num_decodes=tokens, seq_lens_cpu=(1,) * tokens)
-    conv_out = causal_conv1d_ref(mixed_qkv, conv_weight, None, conv_pool, slots, has_state, cu_seqlens, **one_each)
-    q, k = qk_l2norm(conv_out, heads, head_k)
-    v = conv_out[:, 2 * heads * head_k:].reshape(tokens, -1, head_v)
-    g, beta = gdn_gates_ref(a, b, A_log, dt_bias)
-    return gated_delta_rule_ref(q, k, v, g, beta, ssm_pool, slots, has_state, cu_seqlens, scale=scale, **one_each)
+    conv_out = causal_conv1d_ref(mixed_qkv, c.conv_weight, None, conv_pool, slots, has_state, cu_seqlens,
+                                 **one_each)
+    q, k = qk_l2norm(conv_out, c.heads, c.head_k)
+    v = conv_out[:, 2 * c.heads * c.head_k:].reshape(tokens, -1, c.head_v)
+    g, beta = gdn_gates_ref(a, b, c.A_log, c.dt_bias)
+    o = gated_delta_rule_ref(q, k, v, g, beta, ssm_pool, slots, has_state, cu_seqlens, scale=c.scale, **one_each)
+    return gated_rms_norm_ref(o, z, c.norm_weight, c.norm_eps)
 
 
-def gdn_decode_triton(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
-                      A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_pool: torch.Tensor, conv_pool: torch.Tensor,
-                      slots: torch.Tensor, has_state: torch.Tensor, *, heads: int, head_k: int, head_v: int,
-                      scale: float) -> torch.Tensor:
+def gdn_decode_triton(mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      layer: GdnDecodeLayer, ssm_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
+                      has_state: torch.Tensor) -> torch.Tensor:
     tokens, value_heads = a.shape
-    o = torch.empty((tokens, value_heads, head_v), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
-    grid, shape = decode_launch(mixed_qkv[:, : heads * head_k].unflatten(1, (heads, head_k)), o)  # q's shape
+    c, like = layer, dict(dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+    o, y = torch.empty((tokens, value_heads, c.head_v), **like), torch.empty((tokens, value_heads, c.head_v), **like)
+    grid, shape = decode_launch(mixed_qkv[:, : c.heads * c.head_k].unflatten(1, (c.heads, c.head_k)), o)  # q's
+    z = z if z.stride(2) == 1 and z.stride(1) == c.head_v else z.contiguous()  # rows may be strided
     _gdn_decode_step_kernel[grid](
-        mixed_qkv, a, b, conv_weight.contiguous(), A_log, dt_bias, o, ssm_pool, conv_pool, slots, has_state,
-        _counters(tokens * heads, mixed_qkv.device), scale, L2NORM_EPS, mixed_qkv.stride(0), a.stride(0),
-        b.stride(0), W=conv_weight.shape[1], BW=next_power_of_2(conv_weight.shape[1]), **shape)
-    return o
+        mixed_qkv, z, a, b, c.conv_weight.contiguous(), c.A_log, c.dt_bias, c.norm_weight, o, y, ssm_pool,
+        conv_pool, slots, has_state, _counters(tokens * (c.heads + value_heads), mixed_qkv.device), c.scale,
+        L2NORM_EPS, c.norm_eps, mixed_qkv.stride(0), z.stride(0), a.stride(0), b.stride(0),
+        W=c.conv_weight.shape[1], BW=next_power_of_2(c.conv_weight.shape[1]), BVR=next_power_of_2(c.head_v),
+        **shape)
+    return y
 
 
 def _counters(count: int, device: torch.device) -> torch.Tensor:
@@ -112,10 +135,10 @@ def _l2_normalized(y, eps, o):
 
 
 @triton_kernel
-def _gdn_decode_step_kernel(x, a, b, w, A_log, dt_bias, o, pool, conv_pool, slots, has_state, counters, scale, eps,
-                            stride_x, stride_a, stride_b, W: tl.constexpr, BW: tl.constexpr, H: tl.constexpr,
-                            HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                            BV: tl.constexpr):
+def _gdn_decode_step_kernel(x, z, a, b, w, A_log, dt_bias, norm_w, o, y, pool, conv_pool, slots, has_state,
+                            counters, scale, eps, norm_eps, stride_x, stride_z, stride_a, stride_b, W: tl.constexpr,
+                            BW: tl.constexpr, BVR: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
+                            K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     i_b, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     o_k = tl.arange(0, BK)
@@ -146,11 +169,33 @@ def _gdn_decode_step_kernel(x, a, b, w, A_log, dt_bias, o, pool, conv_pool, slot
     state = state + b_k[:, None] * err[None, :]
     tl.store(o + (i_b * HV + i_hv) * V + o_v, tl.sum(state * b_q[:, None], axis=0).to(o.dtype.element_ty), mask=m_v)
     tl.store(p_state, state, mask=m_state)
-    # the key head's programs have all read its q/k window once the counter reaches their number
-    arrived = tl.atomic_add(counters + i_b * H + i_h, 1)
-    last = arrived == (HV // H) * tl.num_programs(2) - 1
-    p_shift, shifted, m_shift = _shifted_window(p_window, c_q, m_k, x_q, keep, W, BW)
-    tl.store(p_shift, shifted, mask=m_shift & (tl.zeros(m_shift.shape, tl.int1) | last))  # a tile mask
-    p_shift, shifted, m_shift = _shifted_window(p_window, c_k, m_k, x_k, keep, W, BW)
-    tl.store(p_shift, shifted, mask=m_shift & (tl.zeros(m_shift.shape, tl.int1) | last))
-    tl.atomic_xchg(counters + i_b * H + i_h, 0, mask=last)
+    tl.debug_barrier()  # every thread's window reads and output stores come before the counts below
+    # the key head's programs have all read its q/k window once its counter reaches their number
+    p_read = counters + i_b * H + i_h
+    if tl.atomic_add(p_read, 1) == (HV // H) * tl.num_programs(2) - 1:
+        p_q, shifted_q, m_q = _shifted_window(p_window, c_q, m_k, x_q, keep, W, BW)
+        tl.store(p_q, shifted_q, mask=m_q)
+        p_k, shifted_k, m_kw = _shifted_window(p_window, c_k, m_k, x_k, keep, W, BW)
+        tl.store(p_k, shifted_k, mask=m_kw)
+        tl.atomic_xchg(p_read, 0)
+    # and the value head's whole output row is written once its counter reaches theirs: the last norms it
+    p_done = counters + tl.num_programs(0) * H + i_b * HV + i_hv
+    if tl.atomic_add(p_done, 1) == tl.num_programs(2) - 1:
+        _gated_norm_row(o, z, norm_w, y, i_b, i_hv, stride_z, norm_eps, HV, V, BVR)
+        tl.atomic_xchg(p_done, 0)
+
+
+@triton_kernel
+def _gated_norm_row(o, z, norm_w, y, i_b, i_hv, stride_z, eps, HV: tl.constexpr, V: tl.constexpr,
+                    BVR: tl.constexpr):
+    """y = round(w * round(o / rms(o))) * silu(z) over one value head's row, rounded where the gated
+    norm kernel rounds (norms.py, offset=False with a gate)."""
+    o_r = tl.arange(0, BVR)
+    m_r = o_r < V
+    row = tl.load(o + (i_b * HV + i_hv) * V + o_r, mask=m_r, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(row * row, axis=0) / V + eps)
+    normed = (row * rstd).to(y.dtype.element_ty).to(tl.float32)
+    b_w = tl.load(norm_w + o_r, mask=m_r, other=0.0).to(tl.float32)
+    v = (b_w * normed).to(y.dtype.element_ty).to(tl.float32)
+    b_z = tl.load(z + i_b * stride_z + i_hv * V + o_r, mask=m_r, other=0.0).to(tl.float32)
+    tl.store(y + (i_b * HV + i_hv) * V + o_r, (v * (b_z * tl.sigmoid(b_z))).to(y.dtype.element_ty), mask=m_r)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from hypic.cache.model_caches import LinearShape
-from hypic.kernels.gdn_decode import gdn_decode
+from hypic.kernels.gdn_decode import GdnDecodeLayer, gdn_decode
 from hypic.kernels.gdn_inputs import gdn_gates, qk_l2norm
 from hypic.kernels.linear_families import get_family
 from hypic.kernels.varlen import Operands
@@ -56,19 +56,16 @@ class GatedDeltaNet(LinearMixer):
 
     def output(self, o: torch.Tensor, conv_out: torch.Tensor, side: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Gated RMSNorm per value head (gate z), then the out projection: [N, HV, V] -> [N, hidden]."""
-        return self._gated_out(o, side[0])
+        return self.out_proj(self.norm(o, side[0]).reshape(o.shape[0], self.value_dim))
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, ssm_pool: torch.Tensor,
                 conv_pool: torch.Tensor, linear_index: int) -> torch.Tensor:
-        """A decode-only step without PIC work (what a CUDA graph replays) runs conv, operands and
-        recurrence as one fused step; every other step the mixer's shared path."""
+        """A decode-only step without PIC work (what a CUDA graph replays) runs conv, operands, recurrence
+        and the gated norm as one fused step; every other step the mixer's shared path."""
         if batch.pic is not None or not batch.is_decode_only:
             return super().forward(hidden, batch, ssm_pool, conv_pool, linear_index)
         conv_in, (z, b, a) = self.project(hidden)
-        o = gdn_decode(conv_in, a, b, self.conv1d_weight, self.A_log, self.dt_bias, ssm_pool, conv_pool,
-                       batch.slots, batch.has_state, heads=self.num_k_heads, head_k=self.head_k_dim,
-                       head_v=self.head_v_dim, scale=self.scale)
-        return self._gated_out(o, z)
-
-    def _gated_out(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(self.norm(o, z).reshape(o.shape[0], self.value_dim))
+        layer = GdnDecodeLayer(self.conv1d_weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
+                               self.num_k_heads, self.head_k_dim, self.head_v_dim, self.scale)
+        normed = gdn_decode(conv_in, z, a, b, layer, ssm_pool, conv_pool, batch.slots, batch.has_state)
+        return self.out_proj(normed.reshape(normed.shape[0], self.value_dim))
