@@ -24,7 +24,7 @@ from hypic.kernels.gdn import gated_delta_rule_ref
 from hypic.kernels.gdn_inputs import L2NORM_EPS, gdn_gates_ref, qk_l2norm
 from hypic.kernels.norms import gated_rms_norm_ref
 from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
-from hypic.kernels.varlen import decode_launch
+from hypic.kernels.varlen import decode_launch, decode_program
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -139,12 +139,7 @@ def _gdn_decode_step_kernel(x, z, a, b, w, A_log, dt_bias, norm_w, o, y, pool, c
                             counters, scale, eps, norm_eps, stride_x, stride_z, stride_a, stride_b, W: tl.constexpr,
                             BW: tl.constexpr, BVR: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
                             K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    i_b, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h = i_hv // (HV // H)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    slot = tl.load(slots + i_b).to(tl.int64)
+    i_b, i_hv, i_h, o_k, o_v, m_k, m_v, slot = decode_program(slots, H, HV, K, V, BK, BV)
     keep = tl.load(has_state + i_b) != 0
     x_row = x + i_b.to(tl.int64) * stride_x
     p_window = conv_pool + slot * (2 * H * K + HV * V) * (W - 1)

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from hypic.kernels.triton_lazy import triton_kernel
-from hypic.kernels.varlen import decode_launch, expand_key_heads, fla_cu_seqlens, initial_states, to_chunks
+from hypic.kernels.varlen import (decode_launch, decode_program, expand_key_heads, fla_cu_seqlens, initial_states,
+                                  to_chunks)
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -142,12 +143,7 @@ def scalar_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 def _scalar_decode_kernel(q, k, v, g, o, pool, slots, has_state, scale, stride_o, H: tl.constexpr,
                           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr):
-    i_b, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h = i_hv // (HV // H)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    slot = tl.load(slots + i_b).to(tl.int64)
+    i_b, i_hv, i_h, o_k, o_v, m_k, m_v, slot = decode_program(slots, H, HV, K, V, BK, BV)
     p_state = pool + ((slot * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
     m_state = m_k[:, None] & m_v[None, :]
     state = tl.load(p_state, mask=m_state, other=0.0).to(tl.float32)

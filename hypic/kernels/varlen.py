@@ -5,12 +5,15 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from hypic.kernels.host_copy import host_to_device
-from hypic.kernels.triton_lazy import next_power_of_2
+from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
+
+tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
 
 @dataclass(frozen=True)
@@ -110,3 +113,14 @@ def decode_launch(q: torch.Tensor, v: torch.Tensor) -> tuple[tuple[int, int, int
     grid = (batch, value_heads, -(-value_dim // block_v))
     return grid, {"H": heads, "HV": value_heads, "K": key_dim, "V": value_dim, "BK": next_power_of_2(key_dim),
                   "BV": block_v}
+
+
+@triton_kernel
+def decode_program(slots, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr):
+    """Where a program of `decode_launch`'s grid stands: (sequence, value head, its key head, key and
+    value channels with their masks, the sequence's slot)."""
+    i_b, i_hv = tl.program_id(0), tl.program_id(1)
+    o_k = tl.arange(0, BK)
+    o_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    return i_b, i_hv, i_hv // (HV // H), o_k, o_v, o_k < K, o_v < V, tl.load(slots + i_b).to(tl.int64)
