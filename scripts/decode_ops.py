@@ -14,6 +14,7 @@ MLP class, the layer norms) the totals over its layers and the kernels of one la
 from __future__ import annotations
 
 import argparse
+import collections
 from pathlib import Path
 
 import torch
@@ -44,14 +45,15 @@ def meta_model(config: dict) -> nn.Module:
     return model.eval()
 
 
-def layer_parts(model: nn.Module) -> dict[nn.Module, str]:
-    """Each layer's mixer, MLP and norms, named by kind (their class; the two layer norms together)."""
-    parts = {}
+def layer_parts(model: nn.Module) -> tuple[dict[nn.Module, str], dict[str, int]]:
+    """Each layer's parts (its mixer, MLP, norms: its child modules), named by their class, and how many
+    layers have each kind."""
+    parts, layers = {}, collections.Counter()
     for layer in model.layers:
-        parts[layer.mixer_module()] = type(layer.mixer_module()).__name__
-        parts[layer.mlp] = type(layer.mlp).__name__
-        parts[layer.input_layernorm] = parts[layer.post_attention_layernorm] = "layer norms"
-    return parts
+        kinds = {child: type(child).__name__ for child in layer.children()}
+        parts.update(kinds)
+        layers.update(set(kinds.values()))
+    return parts, dict(layers)
 
 
 def attribute(counter: OpCounter, parts: dict[nn.Module, str], tallies: dict[str, OpTally]) -> None:
@@ -69,7 +71,7 @@ def attribute(counter: OpCounter, parts: dict[nn.Module, str], tallies: dict[str
 def decode_step(config: dict, max_len: int) -> dict[str, dict]:
     """The tallies of one batch-1 decode step, by part."""
     model = meta_model(config)
-    counter, parts = OpCounter(), layer_parts(model)
+    counter, (parts, layers) = OpCounter(), layer_parts(model)
     with cuda_step(counter):
         caches = ModelCaches(model.cache_shape(), -(-max_len // BLOCK_SIZE) + 1, BLOCK_SIZE, 2, DTYPE, CUDA)
         graphs = DecodeGraphs(model, caches, max_num_seqs=1, max_blocks=-(-max_len // BLOCK_SIZE),
@@ -85,8 +87,6 @@ def decode_step(config: dict, max_len: int) -> dict[str, dict]:
         graphs.run(batch)
         tallies["sampler"] = counter.tally = OpTally()
         logits.argmax(dim=-1)  # Sampler.sample's all-greedy path: one argmax, then the host reads it
-    layers = {kind: sum(1 for k in parts.values() if k == kind) for kind in set(parts.values())}
-    layers["layer norms"] //= 2
     return {kind: {"layers": layers.get(kind, 0), **tally.summary()} for kind, tally in tallies.items()}
 
 

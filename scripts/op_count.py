@@ -147,7 +147,7 @@ class _Properties:
 
 
 def _meta_device(value):
-    if isinstance(value, (str, torch.device)) and torch.device(value).type == "cuda":
+    if isinstance(value, torch.device) and value.type == "cuda" or isinstance(value, str) and value.startswith("cuda"):
         return torch.device(GPU)
     return value
 
@@ -155,8 +155,10 @@ def _meta_device(value):
 def _on_cuda(value):
     if isinstance(value, torch.Tensor) and not isinstance(value, OnCuda) and value.device.type == GPU:
         return value.as_subclass(OnCuda)
-    if isinstance(value, tuple):
-        return type(value)(*map(_on_cuda, value)) if hasattr(value, "_fields") else tuple(map(_on_cuda, value))
+    if type(value) is tuple:
+        return tuple(map(_on_cuda, value))
+    if isinstance(value, tuple):  # a named tuple, or one of torch's return types (topk's values, indices)
+        return type(value)(*map(_on_cuda, value)) if hasattr(value, "_fields") else type(value)(map(_on_cuda, value))
     if isinstance(value, list):
         return [_on_cuda(v) for v in value]
     return value

@@ -8,8 +8,8 @@ import torch
 
 from hypic.kernels.activation import silu_and_mul, silu_and_mul_triton, sigmoid_gate, sigmoid_gate_triton
 from hypic.kernels.gdn_inputs import gdn_gates_ref, gdn_gates_triton, qk_l2norm, qk_l2norm_triton
-from hypic.kernels.moe import (expert_blocks_ref, expert_blocks_triton, moe_combine, moe_combine_triton,
-                               route_blocks_triton, route_topk_ref, route_topk_triton)
+from hypic.kernels.moe import (Routing, expert_blocks_ref, expert_blocks_triton, moe_combine, moe_combine_triton,
+                               route_blocks_triton, route_grouped_sigmoid, route_topk_ref, route_topk_triton)
 from hypic.kernels.norms import gated_rms_norm_ref, norm_triton, rms_norm_ref, rms_norm_rope_write, rope_ref
 from hypic.kernels.paged_attention import merge_splits, merge_splits_triton
 from hypic.kernels.scatter_kv import rope_inv_freq
@@ -149,14 +149,20 @@ def test_moe_combine_matches_reference(device: str, indexed: bool, monkeypatch: 
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sigmoid", [False, True])  # softmax (Qwen); biased sigmoid, scaled (Nemotron 3, Kimi)
 @pytest.mark.parametrize("tokens,block", [(1, 16), (3, 4), (6, 2)])
-def test_route_blocks_match_routing_and_reference_layout(device: str, tokens: int, block: int,
+def test_route_blocks_match_routing_and_reference_layout(device: str, sigmoid: bool, tokens: int, block: int,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     dev, gen = on(device, monkeypatch), torch.Generator().manual_seed(5 + tokens)
     logits = randn(tokens, 24, gen=gen) * 3  # float32: no ties
     logits[:, 7] = logits[:, 7].abs() + 20  # every token picks expert 7: a run longer than a block
-    weights, ids, blocks = route_blocks_triton(logits.to(dev), 5, True, block)
-    weights_ref, ids_ref = route_topk_ref(logits, 5, True)
+    bias = randn(24, gen=gen) if sigmoid else None
+    weights, ids, blocks = route_blocks_triton(logits.to(dev), Routing(5, True, None if bias is None else bias.to(dev),
+                                                                       scaling=2.5 if sigmoid else 1.0), block)
+    if sigmoid:
+        weights_ref, ids_ref = route_grouped_sigmoid(logits, bias, 5, 1, 1, True, 2.5)
+    else:
+        weights_ref, ids_ref = route_topk_ref(logits, 5, True)
     assert torch.equal(ids.cpu(), ids_ref) and rel_err(weights.cpu(), weights_ref) <= 1e-5
     ref = expert_blocks_ref(ids_ref, 24, block)
     assert blocks.block == block and torch.equal(blocks.block_expert.cpu(), ref.block_expert)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hypic.kernels.moe import (expert_blocks, fused_moe, fused_moe_ref, moe_grouped_mm, moe_triton, route_blocks_triton,
-                               route_topk_ref, routed_moe)
+from hypic.kernels.moe import (Routing, expert_blocks, fused_moe, fused_moe_ref, moe_grouped_mm, moe_triton,
+                               route, route_blocks_triton, route_topk_ref, routed_moe)
 from kernel_cases import interpreted, moe_dense_f64, rel_err
 
 
@@ -87,7 +87,7 @@ def test_triton_interpreted_over_the_routers_blocks_matches_reference(monkeypatc
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     x, w_gate_up, w_down, *_ = make_case(3, 6, 3, hidden=48, inter=24, seed=5)
     logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(6))
-    weights, ids, blocks = route_blocks_triton(logits, 3, True, 16)
+    weights, ids, blocks = route_blocks_triton(logits, Routing(3, True), 16)
     out = moe_triton(x, w_gate_up, w_down, weights, ids, blocks=blocks)
     expected = fused_moe_ref(x, w_gate_up, w_down, *route_topk_ref(logits, 3, True))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -138,17 +138,20 @@ def test_gpu_decode_replays_in_cuda_graph(path) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sigmoid", [False, True])  # Qwen's softmax router; Nemotron 3 / Kimi's biased sigmoid
 @pytest.mark.parametrize("tokens", [1, 16, 17])  # 16 x 8 pairs: the routed decode path's largest; 17: past it
-def test_gpu_routed_decode_matches_reference_and_replays(tokens: int) -> None:
+def test_gpu_routed_decode_matches_reference_and_replays(sigmoid: bool, tokens: int) -> None:
     x, w_gate_up, w_down, *_ = make_case(tokens, GPU_EXPERTS, GPU_TOPK, GPU_HIDDEN, GPU_INTER, seed=tokens,
                                          dtype=torch.bfloat16, device="cuda")
-    logits = torch.randn(tokens, GPU_EXPERTS, device="cuda").to(torch.bfloat16)
-    out = routed_moe(x, logits, w_gate_up, w_down, GPU_TOPK, True)
-    assert rel_err(out, fused_moe_ref(x, w_gate_up, w_down, *route_topk_ref(logits, GPU_TOPK, True))) < 2e-2
+    logits = torch.randn(tokens, GPU_EXPERTS, device="cuda")
+    routing = Routing(GPU_TOPK, True, torch.randn(GPU_EXPERTS, device="cuda") if sigmoid else None,
+                      scaling=2.5 if sigmoid else 1.0)
+    out = routed_moe(x, logits, routing, w_gate_up, w_down)
+    assert rel_err(out, fused_moe_ref(x, w_gate_up, w_down, *route(logits, routing))) < 2e-2
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = routed_moe(x, logits, w_gate_up, w_down, GPU_TOPK, True)
+        out = routed_moe(x, logits, routing, w_gate_up, w_down)
     logits.normal_()
     x.normal_()
     graph.replay()
-    assert rel_err(out, fused_moe_ref(x, w_gate_up, w_down, *route_topk_ref(logits, GPU_TOPK, True))) < 2e-2
+    assert rel_err(out, fused_moe_ref(x, w_gate_up, w_down, *route(logits, routing))) < 2e-2

@@ -43,16 +43,38 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     return moe_triton(*args, shared=shared, activation=activation)
 
 
-def routed_moe(x: torch.Tensor, logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
-               renormalize: bool, *, shared: Shared | None = None) -> torch.Tensor:
-    """`fused_moe` of SwiGLU experts after `route_topk(logits, top_k, renormalize)`. On CUDA a decode-sized
-    batch (up to ROUTE_BLOCKS_MAX_PAIRS token-expert pairs) routes and lays out its expert blocks in one
-    launch (`route_blocks_triton`) instead of five."""
-    if x.device.type != "cuda" or logits.shape[0] * top_k > ROUTE_BLOCKS_MAX_PAIRS:
-        return fused_moe(x, w_gate_up, w_down, *route_topk(logits, top_k, renormalize), shared=shared)
-    block = _block_rows(logits.shape[0] * top_k, w_down.shape[0], x.dtype)
-    weights, ids, blocks = route_blocks_triton(logits, top_k, renormalize, block)
-    return moe_triton(x, w_gate_up, w_down, weights, ids, shared=shared, blocks=blocks)
+@dataclass(frozen=True)
+class Routing:
+    """How a router's logits [N, E] become top-k weights and ids: softmax (Qwen, Granite), or with a
+    score-correction `bias` DeepSeek-V3's sigmoid scores, group-limited choice and `scaling`
+    (`route_grouped_sigmoid`: Nemotron 3, Kimi)."""
+
+    top_k: int
+    renormalize: bool
+    bias: torch.Tensor | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0
+
+
+def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights [N, k] float32 and expert ids [N, k] int64 as `routing` says."""
+    r = routing
+    if r.bias is None:
+        return route_topk(logits, r.top_k, r.renormalize)
+    return route_grouped_sigmoid(logits, r.bias, r.top_k, r.n_group, r.topk_group, r.renormalize, r.scaling)
+
+
+def routed_moe(x: torch.Tensor, logits: torch.Tensor, routing: Routing, w_gate_up: torch.Tensor,
+               w_down: torch.Tensor, *, shared: Shared | None = None, activation: str = "silu") -> torch.Tensor:
+    """`fused_moe` after `route(logits, routing)`. On CUDA a decode-sized batch (up to
+    ROUTE_BLOCKS_MAX_PAIRS token-expert pairs, no group-limited choice) routes and lays out its expert
+    blocks in one launch (`route_blocks_triton`) instead of five (softmax) or about eighteen (sigmoid)."""
+    pairs = logits.shape[0] * routing.top_k
+    if x.device.type != "cuda" or pairs > ROUTE_BLOCKS_MAX_PAIRS or routing.n_group != 1:
+        return fused_moe(x, w_gate_up, w_down, *route(logits, routing), shared=shared, activation=activation)
+    weights, ids, blocks = route_blocks_triton(logits, routing, _block_rows(pairs, w_down.shape[0], x.dtype))
+    return moe_triton(x, w_gate_up, w_down, weights, ids, shared=shared, activation=activation, blocks=blocks)
 
 
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,12 +274,13 @@ def _block_rows(pairs: int, num_experts: int, dtype: torch.dtype) -> int:
     return 64 if pairs >= 32 * num_experts and dtype != torch.float32 else 16
 
 
-def route_blocks_triton(logits: torch.Tensor, top_k: int, renormalize: bool,
-                        block: int) -> tuple[torch.Tensor, torch.Tensor, ExpertBlocks]:
-    """`route_topk` and `expert_blocks_ref`'s layout of its ids (pairs in order within each expert) in
-    one program, for up to ROUTE_BLOCKS_MAX_PAIRS pairs: no atomics, so the layout is the reference's."""
+def route_blocks_triton(logits: torch.Tensor, routing: Routing, block: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, ExpertBlocks]:
+    """`route` (without group-limited choice) and `expert_blocks_ref`'s layout of its ids (pairs in order
+    within each expert) in one program, for up to ROUTE_BLOCKS_MAX_PAIRS pairs: no atomics, so the
+    layout is the reference's."""
     tokens, experts = logits.shape
-    pairs = tokens * top_k
+    pairs, top_k = tokens * routing.top_k, routing.top_k
     num_blocks = pairs // block + min(experts, pairs)  # the bound of ExpertBlocks' invariant
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
@@ -265,9 +288,10 @@ def route_blocks_triton(logits: torch.Tensor, top_k: int, renormalize: bool,
     block_expert = torch.empty(num_blocks, dtype=torch.long, device=logits.device)
     tile = next_power_of_2(tokens) * next_power_of_2(top_k)  # the pair-by-pair tiles are tile x tile
     _route_blocks_kernel[(1,)](
-        logits, weights, ids, rows, block_expert, tokens, logits.stride(0), num_blocks, E=experts, K=top_k,
-        BE=next_power_of_2(experts), BT=next_power_of_2(tokens), BK=next_power_of_2(top_k), BLOCK=block, BJ=32,
-        BRW=64, RENORM=renormalize, num_warps=8 if tile >= 128 else 4)  # 128 x 128 spills at 4 warps (sm90)
+        logits, routing.bias, weights, ids, rows, block_expert, tokens, logits.stride(0), num_blocks,
+        routing.scaling, E=experts, K=top_k, BE=next_power_of_2(experts), BT=next_power_of_2(tokens),
+        BK=next_power_of_2(top_k), BLOCK=block, BJ=32, BRW=64, RENORM=routing.renormalize,
+        SIGMOID=routing.bias is not None, num_warps=8 if tile >= 128 else 4)  # 128 x 128 spills at 4 warps (sm90)
     return weights, ids, ExpertBlocks(rows, block_expert, block)
 
 
@@ -421,31 +445,44 @@ def _combine_kernel(y, weights, row_of_pair, shared, gate_logit, out, stride_y, 
 def _route_kernel(logits, weights, ids, tokens, stride_l, E: tl.constexpr, K: tl.constexpr, BE: tl.constexpr,
                   BK: tl.constexpr, BR: tl.constexpr, RENORM: tl.constexpr):
     t = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
-    _top_k(logits, weights, ids, t, tokens, stride_l, E, K, BE, BK, RENORM)
+    _top_k(logits, logits, weights, ids, t, tokens, stride_l, 1.0, E, K, BE, BK, RENORM, False)
 
 
 @triton_kernel
-def _top_k(logits, weights, ids, t, tokens, stride_l, E: tl.constexpr, K: tl.constexpr, BE: tl.constexpr,
-           BK: tl.constexpr, RENORM: tl.constexpr):
-    """Rows t: softmax over E, then K rounds of (max, argmax, knock out); renormalise the K picked.
-    Stores them and returns the ids [rows, BK] (int32)."""
+def _top_k(logits, bias, weights, ids, t, tokens, stride_l, scaling, E: tl.constexpr, K: tl.constexpr,
+           BE: tl.constexpr, BK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr):
+    """Rows t: softmax over E, K rounds of (argmax, its value, knock out), renormalised; or (SIGMOID)
+    sigmoid scores, the K best of score + bias, their scores renormalised as route_grouped_sigmoid does,
+    times scaling. Stores them and returns the ids [rows, BK] (int32)."""
     o_e, o_k = tl.arange(0, BE), tl.arange(0, BK)
     m_t, m_e = t < tokens, o_e < E
     x = tl.load(logits + (t * stride_l)[:, None] + o_e[None, :], mask=m_t[:, None] & m_e[None, :],
                 other=0.0).to(tl.float32)
     x = tl.where(m_e[None, :], x, float("-inf"))  # rows past the end stay finite: no NaN anywhere
-    p = tl.exp(x - tl.max(x, axis=1)[:, None])
-    p = p / tl.sum(p, axis=1)[:, None]
+    if SIGMOID:
+        score = tl.sigmoid(x)
+        choice = score + tl.load(bias + o_e, mask=m_e, other=0.0).to(tl.float32)[None, :]
+        choice = tl.where(m_e[None, :], choice, float("-inf"))
+    else:
+        score = tl.exp(x - tl.max(x, axis=1)[:, None])
+        score = score / tl.sum(score, axis=1)[:, None]
+        choice = score
     picked_w = tl.zeros((t.shape[0], BK), dtype=tl.float32)
     picked_id = tl.zeros((t.shape[0], BK), dtype=tl.int32)
     for j in tl.static_range(K):
-        best = tl.max(p, axis=1)
-        best_id = tl.argmax(p, axis=1)
+        best_id = tl.argmax(choice, axis=1)
+        hit = o_e[None, :] == best_id[:, None]
+        best = tl.sum(tl.where(hit, score, 0.0), axis=1)
         picked_w = tl.where(o_k[None, :] == j, best[:, None], picked_w)
         picked_id = tl.where(o_k[None, :] == j, best_id[:, None], picked_id)
-        p = tl.where(o_e[None, :] == best_id[:, None], -1.0, p)
+        choice = tl.where(hit, float("-inf"), choice)
     if RENORM:
-        picked_w = picked_w / tl.sum(picked_w, axis=1)[:, None]
+        total = tl.sum(picked_w, axis=1)
+        if SIGMOID:
+            total = total + 1e-20
+        picked_w = picked_w / total[:, None]
+    if SIGMOID:
+        picked_w = picked_w * scaling
     dense = (t * K)[:, None] + o_k[None, :]
     m = m_t[:, None] & (o_k < K)[None, :]
     tl.store(weights + dense, picked_w, mask=m)
@@ -454,14 +491,15 @@ def _top_k(logits, weights, ids, t, tokens, stride_l, E: tl.constexpr, K: tl.con
 
 
 @triton_kernel
-def _route_blocks_kernel(logits, weights, ids, rows, block_expert, tokens, stride_l, num_blocks, E: tl.constexpr,
-                         K: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                         BLOCK: tl.constexpr, BJ: tl.constexpr, BRW: tl.constexpr, RENORM: tl.constexpr):
+def _route_blocks_kernel(logits, bias, weights, ids, rows, block_expert, tokens, stride_l, num_blocks, scaling,
+                         E: tl.constexpr, K: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                         BLOCK: tl.constexpr, BJ: tl.constexpr, BRW: tl.constexpr, RENORM: tl.constexpr,
+                         SIGMOID: tl.constexpr):
     """One program: every token's top-k, then the layout from pair-by-pair comparisons (pair p = t * K + j):
     its expert's pair count and its rank among them, its expert's first padded row (the padded runs
     of the experts of lower id), each block's expert and each row's pair."""
     t = tl.arange(0, BT).to(tl.int64)
-    picked = _top_k(logits, weights, ids, t, tokens, stride_l, E, K, BE, BK, RENORM)
+    picked = _top_k(logits, bias, weights, ids, t, tokens, stride_l, scaling, E, K, BE, BK, RENORM, SIGMOID)
     o_k = tl.arange(0, BK)
     pair = tl.reshape(t[:, None].to(tl.int32) * K + o_k[None, :], (BT * BK,))
     valid = tl.reshape(((t < tokens)[:, None] & (o_k < K)[None, :]).to(tl.int32), (BT * BK,)) != 0

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from hypic.kernels.activation import silu_and_mul
-from hypic.kernels.moe import fused_moe, route_grouped_sigmoid, route_topk, routed_moe
+from hypic.kernels.moe import Routing, routed_moe
 from hypic.kernels.norms import (add_rms_norm, gated_rms_norm, grouped_gated_rms_norm, rms_norm, rms_norm_rope,
                                  rms_norm_rope_write)
 from hypic.kernels.scatter_kv import rope_inv_freq
@@ -113,8 +113,8 @@ class SparseMoeBlock(nn.Module):
         shared = None
         if self.shared_expert is not None:  # added inside the MoE's combine pass
             shared = (self.shared_expert(x), self.shared_expert_gate(x))
-        return routed_moe(x, logits, self.experts_gate_up, self.experts_down, self.top_k, self.norm_topk_prob,
-                          shared=shared)
+        return routed_moe(x, logits, Routing(self.top_k, self.norm_topk_prob), self.experts_gate_up,
+                          self.experts_down, shared=shared)
 
 
 class ReluSquaredMLP(nn.Module):
@@ -137,8 +137,9 @@ class SoftmaxRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.top_k = top_k
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route_topk(torch.nn.functional.linear(x, self.weight), self.top_k, True)
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+        """The router's logits [N, E] and how they route."""
+        return torch.nn.functional.linear(x, self.weight), Routing(self.top_k, True)
 
 
 class GroupedSigmoidRouter(nn.Module):
@@ -153,14 +154,15 @@ class GroupedSigmoidRouter(nn.Module):
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+        """The router's logits [N, E] (float32) and how they route."""
         logits = torch.nn.functional.linear(x.float(), self.router_weight)
-        return route_grouped_sigmoid(logits, self.e_score_correction_bias, self.top_k, self.n_group,
-                                     self.topk_group, self.norm_topk_prob, self.scaling)
+        return logits, Routing(self.top_k, self.norm_topk_prob, self.e_score_correction_bias, self.n_group,
+                               self.topk_group, self.scaling)
 
 
 class RoutedMoeBlock(nn.Module):
-    """router -> top-k experts of `activation` ("silu" gated: [E, 2I, H]; "relu2": [E, I, H]), plus
+    """router (its logits and Routing) -> top-k experts of `activation` ("silu" gated: [E, 2I, H]; "relu2": [E, I, H]), plus
     an ungated shared MLP when given (Nemotron's shared expert, Granite's shared MLP)."""
 
     def __init__(self, router: nn.Module, hidden_size: int, num_experts: int, intermediate_size: int,
@@ -172,6 +174,6 @@ class RoutedMoeBlock(nn.Module):
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.router(x)
-        out = fused_moe(x, self.experts_gate_up, self.experts_down, weights, ids, activation=self.activation)
+        logits, routing = self.router(x)
+        out = routed_moe(x, logits, routing, self.experts_gate_up, self.experts_down, activation=self.activation)
         return out if self.shared is None else out + self.shared(x)
