@@ -6,8 +6,9 @@ time to first token.
 A graph is captured per token count of a ladder, with room for MAX_PIECES + 1 cached pieces. A
 step that assembles one request runs in the smallest one with room for one more token: a padding
 sequence takes the other rows in the scratch slot and page (it walks its tokens, then composes the
-store's zero tuple once, so it is walked like the request). Token tensors have the captured shape;
-piece tables fill a leading part of theirs, and the piece pointers keep the kernels inside it.
+store's zero tuple once, so it is walked like the request; MoE blocks route its rows to no expert,
+so they load no expert weights). Token tensors have the captured shape; piece tables fill a
+leading part of theirs, and the piece pointers keep the kernels inside it.
 """
 from __future__ import annotations
 
@@ -56,9 +57,11 @@ class AssemblyGraphs:
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         for size in sorted(self.sizes, reverse=True):
-            # sized for the longest KV range: attention picks its KV splits from it, not from the capture batch
-            forward = dataclasses.replace(self._build(self._capture_batch(size)), max_kv_len=self.max_kv_len,
-                                          in_graph=True)
+            # sized for the longest KV range: attention picks its KV splits from it, not from the capture
+            # batch; the padding sequence's rows (from its first one, read at each replay) skip the MoE
+            built = self._build(self._capture_batch(size))
+            forward = dataclasses.replace(built, max_kv_len=self.max_kv_len, in_graph=True,
+                                          valid_tokens=built.cu_seqlens[-2:-1])
             self.static[size] = forward
             self.logits[size] = self._forward(forward)  # warm-up outside the graph (compiles, autotunes)
             if self.use_graphs:
