@@ -6,7 +6,7 @@ segment, then the query) against the whole prompt's KV. For each case this times
 prefill path, which first times its wide-head tilings), each as CUDA-graph replays the way the
 engine runs assembly steps, and checks both against the torch reference. The warm-assembly cases
 also time the split path in each tile of `--tiles` (rows x KV block, 8 warps, 2 stages; the engine
-uses WIDE_SPLIT_TILING), to pick the split grids' tile. Prints a table and writes JSON.
+uses SPLIT_TILING), to pick the split grids' tile. Prints a table and writes JSON.
 
     python scripts/bench_attention.py
 """
