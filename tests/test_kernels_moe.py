@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 
+from hypic.kernels import moe
 from hypic.kernels.moe import expert_blocks, fused_moe, fused_moe_ref, moe_grouped_mm, moe_triton
 from kernel_cases import interpreted, moe_dense_f64, rel_err
 
@@ -94,6 +95,29 @@ def test_triton_interpreted_matches_reference(tokens: int, valid: int | None, mo
                                fused_moe_ref(*case, valid_tokens=valid_tokens), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("pairs,dtype,rows", [
+    (6, torch.bfloat16, 16),  # a decode: 16-row blocks
+    (1536, torch.bfloat16, 16),  # Nemotron 3 Nano (128 experts), 256 tokens: 12 pairs an expert
+    (2304, torch.bfloat16, 32),  # 384 tokens: 18 an expert, one block of 32 rather than two of 16
+    (4096, torch.bfloat16, 64),
+    (4096, torch.float32, 16),  # float32's wider tiles spill
+])
+def test_block_rows_cover_an_average_expert(pairs: int, dtype: torch.dtype, rows: int) -> None:
+    assert moe._block_rows(pairs, 128, dtype) == rows
+
+
+@interpreted
+def test_triton_interpreted_blocks_of_32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels in 32-row blocks (bf16 batches of 16 to 32 pairs an expert take them; the
+    interpreter runs float32 only, whose rule keeps 16), padding rows included."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(moe, "_block_rows", lambda pairs, experts, dtype: 32)
+    case = make_case(40, 6, 3, hidden=48, inter=24, seed=5)
+    valid_tokens = torch.tensor([31], dtype=torch.int32)
+    torch.testing.assert_close(moe_triton(*case, valid_tokens=valid_tokens),
+                               fused_moe_ref(*case, valid_tokens=valid_tokens), rtol=1e-5, atol=1e-5)
+
+
 @interpreted
 def test_relu2_triton_interpreted_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -104,7 +128,7 @@ def test_relu2_triton_interpreted_matches_reference(monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", [fused_moe, moe_triton])
-@pytest.mark.parametrize("tokens", [1, 37, 2048])
+@pytest.mark.parametrize("tokens", [1, 37, 400, 2048])
 def test_gpu_relu2_matches_reference(path, tokens: int) -> None:
     """Nemotron 3 Nano's experts: 128 of width 1856 over hidden 2688, top-6, bf16."""
     case = make_case(tokens, 128, 6, 2688, 1856, seed=tokens, dtype=torch.bfloat16, device="cuda",
@@ -115,10 +139,10 @@ def test_gpu_relu2_matches_reference(path, tokens: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", [fused_moe, moe_triton])
-@pytest.mark.parametrize("tokens,valid", [(48, 37), (1024, 700)])
+@pytest.mark.parametrize("tokens,valid", [(48, 37), (512, 384), (1024, 700)])
 def test_gpu_padding_rows_come_out_zero(path, tokens: int, valid: int) -> None:
     """A captured step's padding rows (Nemotron 3 Nano's experts): real rows as the reference, padding
-    rows zero; 1024 x 6 pairs take the CUTLASS path through fused_moe."""
+    rows zero; 512 x 6 pairs run in 32-row blocks, 1024 x 6 take the CUTLASS path through fused_moe."""
     case = make_case(tokens, 128, 6, 2688, 1856, seed=valid, dtype=torch.bfloat16, device="cuda",
                      activation="relu2")
     valid_tokens = torch.tensor([valid], dtype=torch.int32, device="cuda")
