@@ -361,12 +361,12 @@ def _moe_down_kernel(act, w, rows, block_expert, out, num_pairs, stride_a, strid
 
 
 @triton_kernel
-def _real_pairs(num_pairs, valid_tokens, TOPK: tl.constexpr, HAS_VALID: tl.constexpr):
-    """The pairs before the first padding token's (every pair without valid_tokens)."""
-    limit = num_pairs
+def _real_pairs(i, num_pairs, valid_tokens, TOPK: tl.constexpr, HAS_VALID: tl.constexpr):
+    """Which of the pairs i exist and belong to a real token (every pair without valid_tokens)."""
+    m = i < num_pairs
     if HAS_VALID:
-        limit = tl.minimum(limit, tl.load(valid_tokens).to(tl.int32) * TOPK)
-    return limit
+        m = m & (i < tl.load(valid_tokens).to(tl.int32) * TOPK)
+    return m
 
 
 @triton_kernel
@@ -374,7 +374,7 @@ def _count_kernel(ids, counts, rank, num_pairs, valid_tokens, TOPK: tl.constexpr
                   BP: tl.constexpr):
     """counts[e] += 1 per real pair of expert e; the value it found is the pair's rank within e."""
     i = tl.program_id(0) * BP + tl.arange(0, BP)
-    m = i < _real_pairs(num_pairs, valid_tokens, TOPK, HAS_VALID)
+    m = _real_pairs(i, num_pairs, valid_tokens, TOPK, HAS_VALID)
     expert = tl.load(ids + i, mask=m, other=0)
     tl.store(rank + i, tl.atomic_add(counts + expert, 1, mask=m), mask=m)
 
@@ -402,7 +402,7 @@ def _layout_kernel(counts, starts, block_expert, rows, num_pairs, num_blocks, E:
 def _place_kernel(ids, rank, starts, rows, num_pairs, valid_tokens, TOPK: tl.constexpr, HAS_VALID: tl.constexpr,
                   BP: tl.constexpr):
     i = tl.program_id(0) * BP + tl.arange(0, BP)
-    m = i < _real_pairs(num_pairs, valid_tokens, TOPK, HAS_VALID)
+    m = _real_pairs(i, num_pairs, valid_tokens, TOPK, HAS_VALID)
     expert = tl.load(ids + i, mask=m, other=0)
     row = tl.load(starts + expert, mask=m, other=0) + tl.load(rank + i, mask=m, other=0)
     tl.store(rows + row, i.to(tl.int64), mask=m)
