@@ -135,10 +135,9 @@ def merge_splits_triton(partial: torch.Tensor, lse: torch.Tensor, out: torch.Ten
                                    BS=next_power_of_2(splits), D=dim, BD=next_power_of_2(dim))
 
 
-# Prefill tiles (rows, kv_block, warps, stages): for wide heads (D > 128) all spill-free on sm90
-# (ptxas); narrow heads (D <= 128) hold at most half a wide tile's registers a row (128 x 64 is
-# FlashAttention's tile for D = 128). Which is fastest depends on the chip and the chunk, so the
-# first chunk of each size times them.
+# Prefill tiles (rows, kv_block, warps, stages) for wide heads (D > 128) and narrow ones (D <= 128;
+# 128 x 64 is FlashAttention's tile for D = 128), all spill-free on sm90 (ptxas). Which is fastest
+# depends on the chip and the chunk, so the first chunk of each size times them.
 WIDE_PREFILL_TILINGS = ((64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 8, 3),
                         (128, 32, 8, 3))
 NARROW_PREFILL_TILINGS = ((128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 3))
