@@ -2,6 +2,7 @@
 page, zero tuples) must not change the request's logits nor its state."""
 from __future__ import annotations
 
+import mamba2_models
 import pytest
 from engine_util import greedy
 from pic_util import DOCS, SEP, pic_config, prompt
@@ -59,6 +60,29 @@ def assert_padded_steps_give_the_eager_tokens_and_logprobs(model_dir) -> None:
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected):
         assert tokens == want_tokens
         assert logprobs == pytest.approx(want_logprobs, abs=1e-5)
+
+
+def test_moe_blocks_skip_exactly_the_padding_rows(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """Nemotron 3 style (relu2 experts): each padded step's MoE is told where its padding starts,
+    and the tokens stay the eager engine's."""
+    import hypic.models.layers as layers
+    seen: list[tuple[int, int]] = []
+    moe = layers.fused_moe
+
+    def recording_moe(x, *args, valid_tokens=None, **kwargs):
+        if valid_tokens is not None:
+            seen.append((int(valid_tokens), x.shape[0]))
+        return moe(x, *args, valid_tokens=valid_tokens, **kwargs)
+    monkeypatch.setattr(layers, "fused_moe", recording_moe)
+    config = pic_config(mamba2_models.make_model_dir(tmp_path, "nemotron_h", slow_decay=True))
+    cold, warm = prompt(*DOCS), prompt(DOCS[2], DOCS[0], DOCS[1])
+    eager = LLMEngine(config)
+    expected = [generate(eager, p, 3)[0] for p in (cold, warm)]
+    padded, sizes_used = padded_engine(config, sizes=(32, 64, 96, 128))
+    seen.clear()  # the capture's warm-up steps
+    assert [generate(padded, p, 3)[0] for p in (cold, warm)] == expected
+    assert sizes_used and {rows for _, rows in seen} == set(sizes_used)
+    assert all(0 < valid < rows for valid, rows in seen)
 
 
 def test_requests_a_graph_cannot_hold_run_eagerly(slow_decay_model_dir):

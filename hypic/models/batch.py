@@ -47,6 +47,9 @@ class ForwardBatch:
     # captured into a CUDA graph: the host copies above are the capture batch's, not each replay's, so
     # layers must not split the step by them (they may size grids); every length comes from the device
     in_graph: bool = False
+    # [1] int32 on the device, rows from it on pad a captured step (never read back): MoE blocks route
+    # them to no expert. None: every row is real
+    valid_tokens: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

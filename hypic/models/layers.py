@@ -5,9 +5,10 @@ import torch
 from torch import nn
 
 from hypic.kernels.activation import silu_and_mul
-from hypic.kernels.moe import fused_moe, route_grouped_sigmoid, route_topk
+from hypic.kernels.moe import Valid, fused_moe, route_grouped_sigmoid, route_topk
 from hypic.kernels.norms import add_rms_norm, gated_rms_norm, grouped_gated_rms_norm, rms_norm, rms_norm_rope
 from hypic.kernels.scatter_kv import rope_inv_freq
+from hypic.models.batch import ForwardBatch
 
 
 class RMSNorm(nn.Module):
@@ -105,12 +106,14 @@ class SparseMoeBlock(nn.Module):
         """Top-k weights [N, k] float32 and expert ids [N, k] int64."""
         return route_topk(self.gate(x), self.top_k, self.norm_topk_prob)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, valid_tokens: Valid = None) -> torch.Tensor:
+        """Rows from `valid_tokens` on (a captured step's padding) come out zero."""
         weights, ids = self.route(x)
         shared = None
         if self.shared_expert is not None:  # added inside the MoE's combine pass
             shared = (self.shared_expert(x), self.shared_expert_gate(x))
-        return fused_moe(x, self.experts_gate_up, self.experts_down, weights, ids, shared=shared)
+        return fused_moe(x, self.experts_gate_up, self.experts_down, weights, ids, shared=shared,
+                         valid_tokens=valid_tokens)
 
 
 class ReluSquaredMLP(nn.Module):
@@ -167,7 +170,16 @@ class RoutedMoeBlock(nn.Module):
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, rows, hidden_size))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, valid_tokens: Valid = None) -> torch.Tensor:
+        """Rows from `valid_tokens` on (a captured step's padding) go to no expert."""
         weights, ids = self.router(x)
-        out = fused_moe(x, self.experts_gate_up, self.experts_down, weights, ids, activation=self.activation)
+        out = fused_moe(x, self.experts_gate_up, self.experts_down, weights, ids, activation=self.activation,
+                        valid_tokens=valid_tokens)
         return out if self.shared is None else out + self.shared(x)
+
+
+def feed_forward(mlp: nn.Module, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """A layer's MLP on the step's rows; a MoE block skips the padding rows of a captured step."""
+    if isinstance(mlp, (SparseMoeBlock, RoutedMoeBlock)):
+        return mlp(x, batch.valid_tokens)
+    return mlp(x)
