@@ -163,15 +163,20 @@ def _launch(q_abs: torch.Tensor, pages: torch.Tensor, block_tables: torch.Tensor
             positions: torch.Tensor, cu_seqlens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
             scale: float, rank: int, grid: tuple[int, int, int], t: LatentTiling) -> None:
     """`out` is [N, H, rank], or [splits, N, H, rank] float32 with `lse` [splits, N, H] (log2 units)."""
-    heads, width = q_abs.shape[1:]
-    channels = rank // t.parts
     _mla_kernel[grid](
         q_abs, pages, block_tables, kv_lens, positions, cu_seqlens, out, lse, len(cu_seqlens) - 1,
         scale * 1.4426950408889634, block_tables.stride(0), out.stride(0) if lse is not None else 0,
-        lse.stride(0) if lse is not None else 0,
-        H=heads, R=rank, P=width - rank, PAGE=pages.shape[1], BT=t.tokens, BH=t.heads, PARTS=t.parts, C=channels,
-        BC=next_power_of_2(channels), BP=max(16, next_power_of_2(width - rank)), BN=t.kv_block, SPLITS=t.splits,
-        DOT_PRECISION="ieee" if q_abs.dtype == torch.float32 else "tf32", num_warps=t.warps, num_stages=t.stages)
+        lse.stride(0) if lse is not None else 0, num_warps=t.warps, num_stages=t.stages,
+        **launch_constants(q_abs.shape[1], rank, q_abs.shape[2] - rank, pages.shape[1], q_abs.dtype, t))
+
+
+def launch_constants(heads: int, rank: int, rope: int, page: int, dtype: torch.dtype,
+                     t: LatentTiling) -> dict[str, int | str]:
+    """The kernel's compile-time constants (shared with scripts/kernel_resources.py)."""
+    channels = rank // t.parts
+    return dict(H=heads, R=rank, P=rope, PAGE=page, BT=t.tokens, BH=t.heads, PARTS=t.parts, C=channels,
+                BC=next_power_of_2(channels), BP=max(16, next_power_of_2(rope)), BN=t.kv_block, SPLITS=t.splits,
+                DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
 
 
 @triton_kernel
