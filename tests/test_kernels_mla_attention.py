@@ -92,6 +92,14 @@ def test_triton_interpreted_matches_float64_oracle(tiling, monkeypatch: pytest.M
     assert triton_error(make_case([45, 9, 30], [6, 1, 5], seed=7), tiling=tiling) <= 1e-5
 
 
+@interpreted
+def test_triton_interpreted_at_the_48b_widths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 512 + rope 64 in the seam tile (two tokens of 32 heads, two halves of 256 channels), split."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    case = make_case([100, 70], [3, 4], seed=5, **KIMI_48B)
+    assert triton_error(case, scale=192 ** -0.5, rank=512, tiling=LatentTiling(2, 32, 2, 32, 3, 8)) <= 1e-5
+
+
 def test_tiles_pack_tokens_and_split_wide_ranks() -> None:
     """The 48B shape: a decode tile is one token's 32 heads over all 512 channels; a seam chunk's
     packs two tokens in two halves of the channels; a lone decode over 16k keys splits them."""
@@ -153,10 +161,10 @@ def test_expanded_attention_matches_float64_oracle(n, length) -> None:
 def test_expanded_attention_on_gpu_matches_float64_oracle(n, length, heads, dims, dtype, bound) -> None:
     """SDPA causal from the bottom right with V padded to the key width (the 48B shape's 192 / 128
     and the tiny checkpoints' 24 / 12), square and not."""
-    q, keys, values = expanded_case(n, length, heads, dims, seed=1)
-    o = mla_expanded_attention(*(x.to("cuda", dtype) for x in (q, keys, values)), 192 ** -0.5)
+    q, keys, values = (x.to("cuda", dtype) for x in expanded_case(n, length, heads, dims, seed=1))
+    o = mla_expanded_attention(q, keys, values, 192 ** -0.5)
     assert o.dtype == dtype and o.shape == (n, heads, dims[1])
-    assert rel_err(o.cpu(), expanded_oracle(q, keys, values, 192 ** -0.5)) <= bound
+    assert rel_err(o.cpu(), expanded_oracle(q.cpu(), keys.cpu(), values.cpu(), 192 ** -0.5)) <= bound
 
 
 @pytest.mark.parametrize("interpret", [False, pytest.param(True, marks=interpreted)])
