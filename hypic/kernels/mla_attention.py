@@ -24,6 +24,7 @@ flash attention, causal from the bottom right (the chunk is the sequence's last 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +120,13 @@ class LatentTiling:
         splits = latent_splits(tiling.programs(seq_lens, heads), max_kv_len, q_abs.device)
         return dataclasses.replace(tiling, splits=splits)
 
+    def check(self, rank: int) -> None:
+        """tl.dot's operands are at least 16 wide; the kernel knows one or two output parts."""
+        if self.parts not in (1, 2) or rank % self.parts or self.rows < 16 or rank // self.parts < 16 \
+                or self.heads & (self.heads - 1):
+            raise ValueError(f"a latent tile of {self.tokens} tokens x {self.heads} heads in {self.parts} parts of "
+                             f"rank {rank} needs rows >= 16, 1 or 2 parts of >= 16 channels, a power-of-two head tile")
+
     def programs(self, seq_lens: tuple[int, ...], heads: int) -> int:
         """Programs with work: token tiles of each sequence x head tiles x output parts."""
         return sum(-(-n // self.tokens) for n in seq_lens) * (heads // self.heads) * self.parts
@@ -144,9 +152,7 @@ def mla_attention_triton(q_abs: torch.Tensor, pages: torch.Tensor, block_tables:
     if not tokens:
         return out
     t = tiling or LatentTiling.choose(q_abs, rank, seq_lens_cpu, max_kv_len)
-    if rank % t.parts or t.rows < 16 or rank // t.parts < 16 or t.heads & (t.heads - 1):
-        raise ValueError(f"a latent tile of {t.tokens} tokens x {t.heads} heads in {t.parts} parts of rank {rank} "
-                         "needs rows >= 16, rank // parts >= 16 and a power-of-two head tile")
+    t.check(rank)
     grid = (num_tiles(tokens, len(seq_lens_cpu), t.tokens), -(-heads // t.heads) * t.parts, t.splits)
     if t.splits == 1:
         _launch(q_abs, pages, block_tables, kv_lens, positions, cu_seqlens, out, None, scale, rank, grid, t)
@@ -165,7 +171,7 @@ def _launch(q_abs: torch.Tensor, pages: torch.Tensor, block_tables: torch.Tensor
     """`out` is [N, H, rank], or [splits, N, H, rank] float32 with `lse` [splits, N, H] (log2 units)."""
     _mla_kernel[grid](
         q_abs, pages, block_tables, kv_lens, positions, cu_seqlens, out, lse, len(cu_seqlens) - 1,
-        scale * 1.4426950408889634, block_tables.stride(0), out.stride(0) if lse is not None else 0,
+        scale * math.log2(math.e), block_tables.stride(0), out.stride(0) if lse is not None else 0,
         lse.stride(0) if lse is not None else 0, num_warps=t.warps, num_stages=t.stages,
         **launch_constants(q_abs.shape[1], rank, q_abs.shape[2] - rank, pages.shape[1], q_abs.dtype, t))
 
