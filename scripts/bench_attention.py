@@ -23,7 +23,7 @@ import torch
 from hypic.config import EngineConfig
 from hypic.kernels.paged_attention import Tiling, paged_attention_ref, paged_attention_triton
 from hypic.kernels.triton_lazy import next_power_of_2
-from results import device_label, result_path, run_record
+from results import device_label, graph_ms, result_path, run_record
 
 BLOCK_SIZE = EngineConfig.block_size  # the engine's KV page
 DTYPE = torch.bfloat16
@@ -119,21 +119,10 @@ def attend(step: Step, out: torch.Tensor, max_kv_len: int, splits: int | None, s
 
 def time_ms(step: Step, max_kv_len: int, splits: int | None,
             shape: Tiling | None = None) -> tuple[float, torch.Tensor]:
-    """Milliseconds a call, from replays of a graph of CALLS_PER_GRAPH calls; and the output."""
+    """Milliseconds a call (unsplit, the first call also times the wide tilings once); and the output."""
     out = torch.empty_like(step.q)
-    attend(step, out, max_kv_len, splits, shape)  # compiles; unsplit, also times the wide tilings once
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            attend(step, out, max_kv_len, splits, shape)
-    graph.replay()  # warm
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / (REPLAYS * CALLS_PER_GRAPH), out
+    ms = graph_ms(lambda: attend(step, out, max_kv_len, splits, shape), CALLS_PER_GRAPH, REPLAYS)
+    return ms, out
 
 
 def tile_shape(text: str, heads: Heads) -> Tiling:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mamba2_models
 import pytest
 from engine_util import greedy
-from pic_util import DOCS, SEP, pic_config, prompt
+from pic_util import DOCS, QUERY, SEP, pic_config, prompt
 
 from hypic.engine.pic.graphs import MAX_PIECES, AssemblyGraphs
 from hypic.engine.llm_engine import LLMEngine
@@ -49,17 +49,22 @@ def test_padded_assembly_step_gives_the_eager_tokens_and_logprobs(slow_decay_mod
     assert_padded_steps_give_the_eager_tokens_and_logprobs(slow_decay_model_dir)
 
 
-def assert_padded_steps_give_the_eager_tokens_and_logprobs(model_dir) -> None:
+def assert_padded_steps_give_the_eager_tokens_and_logprobs(model_dir, query: str = QUERY,
+                                                           sizes: tuple[int, ...] = (32, 40, 48, 56, 64, 88, 96, 128)
+                                                           ) -> list[int]:
+    """A cold request, then two warm ones, eagerly and with their assembly steps padded to `sizes`:
+    the same tokens and logprobs. Returns the padded sizes used."""
     config = pic_config(model_dir)
-    cold_then_warm = [prompt(*DOCS), prompt(DOCS[2], DOCS[0], DOCS[1]), prompt(DOCS[1], DOCS[2])]
+    cold_then_warm = [prompt(*docs, query=query) for docs in (DOCS, (DOCS[2], DOCS[0], DOCS[1]), (DOCS[1], DOCS[2]))]
     eager = LLMEngine(config)
     expected = [generate(eager, p, 5) for p in cold_then_warm]
-    padded, sizes_used = padded_engine(config, sizes=(32, 40, 48, 56, 64, 88, 96, 128))
+    padded, sizes_used = padded_engine(config, sizes=sizes)
     got = [generate(padded, p, 5) for p in cold_then_warm]
     assert len(sizes_used) >= 2 and len(set(sizes_used)) >= 2  # the warm requests ran padded, at two sizes
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected):
         assert tokens == want_tokens
         assert logprobs == pytest.approx(want_logprobs, abs=1e-5)
+    return sizes_used
 
 
 def test_moe_blocks_skip_exactly_the_padding_rows(tmp_path, monkeypatch: pytest.MonkeyPatch):

@@ -76,6 +76,7 @@ class Assembly:
     the tokens after each walk, which continue from the composed state through the mixer's ordinary
     chunked path)."""
 
+    seqs: tuple[int, ...]  # the step's sequence index of each assembling sequence (host copy)
     walk: StateSpans  # the assembling sequences over their walk rows (no decodes)
     walk_rows: torch.Tensor  # [R] their walk tokens' rows in the flat batch, in order
     walks_every_row: bool  # walk_rows is every row of the step (a warm request alone): no gathers
