@@ -230,16 +230,16 @@ def compose_and_recur_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         g if beta is None else beta.contiguous(), o, ssm_pool, slots, has_state, cu_seqlens,
         pieces.ptr, pieces.at, pieces.t_off, pieces.s0_off, t_src, s0_src, scale,
         slots if checkpoints is None else checkpoints.at, slots if checkpoints is None else checkpoints.slots,
-        HAS_CHECKPOINTS=checkpoints is not None, **constants, num_warps=config.num_warps)
+        HAS_CHECKPOINTS=checkpoints is not None, L2_PREFETCH=v.is_cuda, **constants, num_warps=config.num_warps)
     return o
 
 
 @triton_kernel
 def _compose_recur_kernel(q, k, v, g, beta, o, pool, slots, has_state, cu_seqlens,
                           ptr, at, t_off, s0_off, t_src, s0_src, scale, save_at, save_slots,
-                          HAS_CHECKPOINTS: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
-                          K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                          KC: tl.constexpr, FAMILY: tl.constexpr):
+                          HAS_CHECKPOINTS: tl.constexpr, L2_PREFETCH: tl.constexpr, H: tl.constexpr,
+                          HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                          BV: tl.constexpr, KC: tl.constexpr, FAMILY: tl.constexpr):
     i_v, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     ok = tl.arange(0, BK)
@@ -253,7 +253,12 @@ def _compose_recur_kernel(q, k, v, g, beta, o, pool, slots, has_state, cu_seqlen
     S = tl.where(tl.load(has_state + i_b) != 0, S, 0.0)
     # token indices in int64 (N * HV * V may pass 2^31), one loop-carried type whatever the index dtypes
     cursor = tl.load(cu_seqlens + i_b).to(tl.int64)
-    for p in range(tl.load(ptr + i_b), tl.load(ptr + i_b + 1)):
+    first, last = tl.load(ptr + i_b), tl.load(ptr + i_b + 1) - 1
+    if L2_PREFETCH and first <= last:
+        _prefetch_piece(first, t_off, s0_off, t_src, s0_src, i_v, i_hv, K, V, BV, FAMILY)
+    for p in range(first, last + 1):
+        if L2_PREFETCH:  # the next piece's tuple reaches L2 while this piece's seam tokens run
+            _prefetch_piece(tl.minimum(p + 1, last), t_off, s0_off, t_src, s0_src, i_v, i_hv, K, V, BV, FAMILY)
         stop = tl.load(at + p).to(tl.int64)
         S = _tokens(S, cursor, stop, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, H, HV, K, V, FAMILY)
         S = _compose(S, p, t_off, s0_off, t_src, s0_src, home, i_hv, ok, ov, mk, mv, K, V, KC, FAMILY)
@@ -356,6 +361,29 @@ def _compose(S, p, t_off, s0_off, t_src, s0_src, home, i_hv, ok, ov, mk, mv,
         T = t_src + tl.multiple_of(tl.load(t_off + p) + i_hv * K * K, 16 if K % 4 == 0 else 1)
         S = _dense_apply(S, T, home, ok, ov, mk, mv, K, V, KC)
     return S + S0.to(tl.float32)
+
+
+@triton_kernel
+def _prefetch_piece(p, t_off, s0_off, t_src, s0_src, i_v, i_hv,
+                    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, FAMILY: tl.constexpr):
+    """Bring piece p's T and S0 at this head from HBM into L2, this program's share of their lines:
+    a compose's loads (a dense T's chunks one after another) then wait on L2, not HBM. The arena
+    holds far more than L2, so a piece's tuple is cold until its walk reaches it."""
+    t_elems: tl.constexpr = 1 if FAMILY == 0 else (K if FAMILY == 1 else K * K)
+    _prefetch_share(t_src + tl.load(t_off + p) + i_hv * t_elems, t_elems, i_v, (V + BV - 1) // BV)
+    _prefetch_share(s0_src + tl.load(s0_off + p) + i_hv * K * V, K * V, i_v, (V + BV - 1) // BV)
+
+
+@triton_kernel
+def _prefetch_share(base, N: tl.constexpr, i_v, NV: tl.constexpr):
+    """L2 prefetches of lines i_v, i_v + NV, ... of the N elements at base (of NV programs sharing
+    them), 32 a step; lines past the end repeat the last one, so every address lies in the block."""
+    LINE: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth  # elements in 128 bytes
+    LINES: tl.constexpr = (N + LINE - 1) // LINE
+    for m in tl.static_range(0, (LINES + NV - 1) // NV, 32):
+        line = tl.minimum(i_v + NV * (m + tl.arange(0, 32)), LINES - 1)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [base + line * LINE],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton_kernel
