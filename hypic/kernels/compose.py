@@ -172,6 +172,8 @@ class _Walk:
 # walks the request. Value columns are independent in every family (T acts on the K dim), so
 # tiling V needs no communication between programs. The walk is latency-bound (one request fills
 # few SMs; its tokens are sequential), so the launch shape is chosen for the latency of one token.
+# The arena of cached tuples is far larger than L2: a head's V tiles prefetch the next piece's T and S0
+# between them (a dense T is K x K, read whole by every tile) while the tokens before it run.
 
 @dataclass(frozen=True)
 class WalkConfig:
@@ -257,14 +259,16 @@ def _compose_recur_kernel(q, k, v, g, beta, o, pool, slots, has_state, cu_seqlen
     # not in front of them, and its tuple is asked into L2 (a GPU hint) before its compose starts
     first, last = tl.load(ptr + i_b), tl.load(ptr + i_b + 1) - 1
     stop_n, t_n, s0_n = _piece(first, first <= last, at, t_off, s0_off)
-    if L2_PREFETCH and first <= last:
-        _prefetch_piece(t_n, s0_n, t_src, s0_src, i_v, i_hv, K, V, BV, FAMILY)
+    if L2_PREFETCH:  # nested, not `and`: a constexpr and a runtime condition
+        if first <= last:
+            _prefetch_piece(t_n, s0_n, t_src, s0_src, i_v, i_hv, K, V, BV, FAMILY)
     for p in range(first, last + 1):
         stop, t_at, s0_at = stop_n, t_n, s0_n
         stop_n, t_n, s0_n = _piece(p + 1, p < last, at, t_off, s0_off)
         S = _tokens(S, cursor, stop, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, H, HV, K, V, FAMILY)
-        if L2_PREFETCH and p < last:
-            _prefetch_piece(t_n, s0_n, t_src, s0_src, i_v, i_hv, K, V, BV, FAMILY)
+        if L2_PREFETCH:
+            if p < last:
+                _prefetch_piece(t_n, s0_n, t_src, s0_src, i_v, i_hv, K, V, BV, FAMILY)
         S = _compose(S, t_at, s0_at, t_src, s0_src, home, i_hv, ok, ov, mk, mv, K, V, KC, FAMILY)
         cursor = stop
     if HAS_CHECKPOINTS:
@@ -387,14 +391,19 @@ def _prefetch_piece(t_at, s0_at, t_src, s0_src, i_v, i_hv,
 
 @triton_kernel
 def _prefetch_share(base, N: tl.constexpr, i_v, NV: tl.constexpr):
-    """L2 prefetches of lines i_v, i_v + NV, ... of the N elements at base (of NV programs sharing
-    them), 32 a step; lines past the end repeat the last one, so every address lies in the block."""
+    """L2 prefetches of program i_v's share (of NV programs) of the 128-byte lines of N elements at base."""
     LINE: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth  # elements in 128 bytes
     LINES: tl.constexpr = (N + LINE - 1) // LINE
     for m in tl.static_range(0, (LINES + NV - 1) // NV, 32):
-        line = tl.minimum(i_v + NV * (m + tl.arange(0, 32)), LINES - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [base + line * LINE],
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [base + _share_lines(m, i_v, LINES, NV) * LINE],
                                   dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton_kernel
+def _share_lines(m, i_v, LINES: tl.constexpr, NV: tl.constexpr):
+    """Lines i_v + NV * (m + j), j < 32, of LINES: the NV programs' shares cover every line once;
+    lines past the end repeat the last one, so every address lies in the block."""
+    return tl.minimum(i_v + NV * (m + tl.arange(0, 32)), LINES - 1)
 
 
 @triton_kernel
