@@ -48,6 +48,7 @@ def compile_walk(args: argparse.Namespace) -> bytes:
     constants = compose.launch_constants(family, args.key_heads, args.value_heads, args.key_dim, args.value_dim,
                                          config)
     constants["HAS_CHECKPOINTS"] = True  # the engine's walks always pass their (maybe empty) checkpoints
+    constants["L2_PREFETCH"] = True  # as on a GPU
     pointers = dict(POINTERS, t_src=TRITON_TYPES[family.t_storage_dtype(tuple_dtype)], s0_src=TRITON_TYPES[tuple_dtype])
     return compile_sm90(kernel, constants, pointers, {"num_warps": config.num_warps})
 
