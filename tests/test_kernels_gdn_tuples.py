@@ -76,12 +76,12 @@ def test_packed_extraction_takes_the_product() -> None:
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_interpreted_matches_reference(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triton_interpreted_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 inputs (the interpreter's dots of bf16 tiles return garbage; the GPU test takes bf16)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     gen = torch.Generator().manual_seed(4)
     x, spans = interiors((5, 64, 70, 0), (2, 0, 1, 3), (1, 2), (16, 24), "model", gen)
-    x = as_dtype(x, dtype)
+    x = as_dtype(x, torch.float32)
     out = gdn_span_tuples_triton(x.k, x.v, x.g, x.beta, spans)
     torch.testing.assert_close(out, both(x, spans), rtol=1e-5, atol=1e-5)
 
@@ -90,7 +90,8 @@ def test_triton_interpreted_matches_reference(dtype: torch.dtype, monkeypatch: p
 @pytest.mark.parametrize("gate", ["model", "slow"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_matches_cpu_reference(dtype: torch.dtype, gate: str) -> None:
-    """The Qwen3.5 head dims (K = V = 128, 2 value heads a key head); float32 dots in float32, half in tf32."""
+    """The Qwen3.5 head dims (K = V = 128, 2 value heads a key head): bf16 through the Triton kernels
+    (dots in tf32), float32 through the torch reference on the GPU."""
     gen = torch.Generator().manual_seed(5)
     lens = (2048, 100, 64, 0, 1, 4100)
     x, spans = interiors(lens, (7, 1, 0, 2, 5, 3), (2, 4), (128, 128), gate, gen)

@@ -12,15 +12,18 @@ A span's last chunk is padded with zero tokens (k = 0, g = 0, beta = 0), whose m
 
 Two steps: every chunk's [A_c | B_c] at once (parallel over chunks and heads), then per span, head
 and block of the K + V columns the product in chunk order (sequential over the span's chunks only).
-Cost per chunk and value head (C = 64, K = V = 128): the factors 2 C K (K + V) + 2 C^2 (2 K + V)
-FLOPs, the product 2 K^2 (K + V): ~14 MFLOP, about a pass of the chunk kernel over the [v | 0]
-values that the capture ran before (its state carry 4 C K (K + V) is the product's 2 K^2 (K + V) at
-K = 2 C), without that pass's outputs, its per-chunk states h written and read back, and the [v | 0]
-gather. The factors are held in float32: 128 KB per chunk and value head.
 
-Paths: CPU -> `gdn_span_tuples_ref` (torch, in the inputs' promoted dtype, at least float32);
-CUDA -> two Triton kernels. Their dots run in float32 for float32 inputs and in tf32 for half ones
-(bf16 values are exact in tf32; FLA's chunk kernel rounds its states to bf16).
+Cost per chunk and value head (C = 64, K = V = 128). The factors: L, W, U 2 C^2 (2 K + V), A_c and B_c
+2 C K (K + V): 7.3 MFLOP; the product 2 K^2 (K + V): 8.4 MFLOP; 128 KB of float32 factors written and
+read back. The [v | 0] pass of FLA's chunk kernel the capture ran before: ~20 MFLOP (its state carry
+4 C K (K + V), outputs for all K + V columns) and ~290 KB moved (the gathered [v | 0], per-chunk states
+h and corrected values written and read back, outputs written). Per token and head the state work of
+either is 4 K^2 = 2 K^3 / C at K = 2 C, so neither wins by length: at L = 1k..16k both grow as L, the
+product's chain is L / 64 steps deep, and what the product saves is the pass's outputs and its traffic.
+
+Paths: CUDA with half inputs -> two Triton kernels (dots in tf32: bf16 values are exact in it, and
+FLA's chunk kernel rounds its states to bf16); otherwise `gdn_span_tuples_ref` (torch, in the inputs'
+promoted dtype, at least float32: float32 means float32, as for the layer's own recurrence).
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from hypic.kernels.varlen import RowSpans, expand_key_heads, to_chunks
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
-COLUMN_BLOCK = 64  # columns of [T | S0] per program of the ordered product
+COLUMN_BLOCK = 64  # columns of [A_c | B_c] and of [T | S0] per program (tiles kept in registers)
 
 
 def gdn_span_tuples(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -45,10 +48,10 @@ def gdn_span_tuples(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: tor
     """(T [B, HV, K, K], S0 [B, HV, K, V]) of every span (views of one [B, HV, K, K + V] tensor):
     k [N, H, K]; v [N, HV, V]; g, beta [N, HV] over the flat batch's rows; value head hv reads key
     head hv // (HV // H). float32 (float64 for float64 inputs on the CPU)."""
-    if k.device.type != "cuda":
-        both = gdn_span_tuples_ref(k, v, g, beta, spans)
-    else:
+    if k.device.type == "cuda" and v.dtype in (torch.bfloat16, torch.float16):
         both = gdn_span_tuples_triton(k, v, g, beta, spans)
+    else:
+        both = gdn_span_tuples_ref(k, v, g, beta, spans)
     return both[..., :k.shape[-1]], both[..., k.shape[-1]:]
 
 
@@ -81,17 +84,21 @@ def chunk_factors_ref(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
 
 def ordered_product_ref(factors: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """[I | 0] through each span's chunks in order (span b owns the next counts[b] chunks of `factors`):
-    [T | S0] <- A_c [T | S0] + [0 | B_c]; step j advances every span with more than j chunks."""
+    [T | S0] <- A_c [T | S0] + [0 | B_c]. Step j advances every span by its chunk j, or by the identity map
+    (appended as chunk n) once past its last: one index copy for all steps, no host sync on a GPU."""
     heads, key_dim, width = factors.shape[1:]
-    eye = torch.eye(key_dim, width, dtype=factors.dtype, device=factors.device)
-    state = eye.expand(len(counts), heads, key_dim, width).clone()
+    identity = torch.eye(key_dim, width, dtype=factors.dtype, device=factors.device).expand(1, heads, -1, -1)
+    if not counts:
+        return factors.new_empty(0, heads, key_dim, width)
+    factors = torch.cat([factors, identity])
     firsts = list(itertools.accumulate(counts, initial=0))
-    for j in range(max(counts, default=0)):
-        live = [b for b, count in enumerate(counts) if count > j]
-        chunk = factors[[firsts[b] + j for b in live]]
-        advanced = chunk[..., :key_dim] @ state[live]
-        advanced[..., key_dim:] += chunk[..., key_dim:]
-        state[live] = advanced
+    steps = [firsts[b] + j if j < count else firsts[-1] for j in range(max(counts, default=0))
+             for b, count in enumerate(counts)]
+    index = host_to_device(steps, torch.long, factors.device).view(-1, len(counts))
+    state = identity.expand(len(counts), -1, -1, -1).clone()
+    for chunk in (factors.index_select(0, step) for step in index):
+        state = chunk[..., :key_dim] @ state
+        state[..., key_dim:] += chunk[..., key_dim:]
     return state
 
 
@@ -99,19 +106,18 @@ def ordered_product_ref(factors: torch.Tensor, counts: list[int]) -> torch.Tenso
 
 def gdn_span_tuples_triton(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            spans: RowSpans) -> torch.Tensor:
-    """[T | S0] [B, HV, K, K + V] float32 by the factor kernel and the ordered-product kernel."""
+    """[T | S0] [B, HV, K, K + V] float32 by the factor kernel and the ordered-product kernel (half inputs)."""
     k, v = _rows_contiguous(k), _rows_contiguous(v)
     (heads, value_heads), (key_dim, value_dim) = (k.shape[1], v.shape[1]), (k.shape[2], v.shape[2])
     g, beta = g.contiguous(), beta.contiguous()  # no copies for the layer's own [N, HV] gates
     table = chunk_table(spans.starts, spans.lens, k.device)
     num_chunks, width = table.shape[1] - len(spans.lens), key_dim + value_dim
-    shape = {"H": heads, "HV": value_heads, "K": key_dim, "V": value_dim, "BK": _block(key_dim),
-             "PRECISION": "ieee" if v.dtype == torch.float32 else "tf32"}
+    shape = {"H": heads, "HV": value_heads, "K": key_dim, "V": value_dim, "BK": _block(key_dim)}
     factors = torch.empty(num_chunks, value_heads, key_dim, width, dtype=torch.float32, device=k.device)
     if num_chunks:
-        _chunk_factor_kernel[(num_chunks, value_heads)](
+        _chunk_factor_kernel[(num_chunks, value_heads, -(-width // COLUMN_BLOCK))](
             k, v, g, beta, factors, table[0, :num_chunks], table[1, :num_chunks], k.stride(0), v.stride(0),
-            g.stride(0), beta.stride(0), C=CHUNK, BV=_block(value_dim), **shape, num_warps=8)
+            g.stride(0), beta.stride(0), C=CHUNK, BN=COLUMN_BLOCK, **shape, num_warps=8)
     out = torch.empty(len(spans.lens), value_heads, key_dim, width, dtype=torch.float32, device=k.device)
     if len(spans.lens):
         grid = (-(-width // COLUMN_BLOCK), value_heads, len(spans.lens))  # column blocks of a head side by side
@@ -138,42 +144,83 @@ def chunk_table(starts: tuple[int, ...], lens: tuple[int, ...], device: torch.de
 @triton_kernel
 def _chunk_factor_kernel(k, v, g, beta, factors, chunk_rows, chunk_sizes, stride_k, stride_v, stride_g, stride_b,
                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                         BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
-    """[A_c | B_c] of chunk i_c, value head i_hv (rows past the chunk's size read as zero tokens)."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+                         BK: tl.constexpr, BN: tl.constexpr):
+    """Columns [i_n BN, (i_n + 1) BN) of [A_c | B_c] of chunk i_c, value head i_hv (rows past the chunk's
+    size read as zero tokens), in four blocks of 16 rows: (I + L)^-1 [beta exp(G) k | beta v] by block
+    forward substitution over the inverted diagonal blocks (each column block's program redoes L and
+    the inverses, which keeps its tiles in registers)."""
+    tl.static_assert(C == 4 * 16)
+    i_c, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    o_t, o_k, o_v = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV)
-    m_t, m_k, m_v = o_t < tl.load(chunk_sizes + i_c), o_k < K, o_v < V
-    rows = tl.load(chunk_rows + i_c).to(tl.int64) + o_t
-    b_k = tl.load(k + rows[:, None] * stride_k + i_h * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
-                  other=0.0).to(tl.float32)
-    b_g = tl.load(g + rows * stride_g + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    b_beta = tl.load(beta + rows * stride_b + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    cum = tl.cumsum(b_g, axis=0)
-    total = tl.sum(b_g, axis=0)
-    below = o_t[:, None] > o_t[None, :]
-    decay = tl.exp(tl.where(below, cum[:, None] - cum[None, :], 0.0))  # <= 1 where kept
-    kk = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
-    inverse = _unit_lower_inverse(tl.where(below, kk * decay * b_beta[:, None], 0.0), o_t, C)
-    w = tl.dot(inverse, b_k * (b_beta * tl.exp(cum))[:, None], input_precision=PRECISION)
-    k_to_end = tl.trans(b_k * tl.exp(total - cum)[:, None])  # [BK, C]
-    eye = (o_k[:, None] == o_k[None, :]).to(tl.float32)
-    transition = tl.exp(total) * eye - tl.dot(k_to_end, w, input_precision=PRECISION)
-    p_row = factors + ((i_c.to(tl.int64) * HV + i_hv) * K + o_k[:, None]) * (K + V)
-    tl.store(p_row + o_k[None, :], transition, mask=m_k[:, None] & m_k[None, :])
-    b_v = tl.load(v + rows[:, None] * stride_v + i_hv * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                  other=0.0).to(tl.float32)
-    u = tl.dot(inverse, b_v * b_beta[:, None], input_precision=PRECISION)
-    tl.store(p_row + K + o_v[None, :], tl.dot(k_to_end, u, input_precision=PRECISION),
-             mask=m_k[:, None] & m_v[None, :])
+    o_b, o_k, cols = tl.arange(0, 16), tl.arange(0, BK), i_n * BN + tl.arange(0, BN)
+    row0, size = tl.load(chunk_rows + i_c).to(tl.int64), tl.load(chunk_sizes + i_c)
+    p_k, m_k = k + i_h * K + o_k[None, :], (o_k < K)[None, :]
+    k0, g0, b0 = _rows(p_k, m_k, g + i_hv, beta + i_hv, row0, o_b, size, stride_k, stride_g, stride_b)
+    k1, g1, b1 = _rows(p_k, m_k, g + i_hv, beta + i_hv, row0, o_b + 16, size, stride_k, stride_g, stride_b)
+    k2, g2, b2 = _rows(p_k, m_k, g + i_hv, beta + i_hv, row0, o_b + 32, size, stride_k, stride_g, stride_b)
+    k3, g3, b3 = _rows(p_k, m_k, g + i_hv, beta + i_hv, row0, o_b + 48, size, stride_k, stride_g, stride_b)
+    c0 = tl.cumsum(g0, axis=0)  # the chunk's cumulative log-decay, block by block
+    c1 = tl.cumsum(g1, axis=0) + tl.sum(g0, axis=0)
+    c2 = tl.cumsum(g2, axis=0) + tl.sum(g1, axis=0) + tl.sum(g0, axis=0)
+    c3 = tl.cumsum(g3, axis=0) + tl.sum(g2, axis=0) + tl.sum(g1, axis=0) + tl.sum(g0, axis=0)
+    total = tl.sum(g3, axis=0) + tl.sum(g2, axis=0) + tl.sum(g1, axis=0) + tl.sum(g0, axis=0)
+    below = o_b[:, None] > o_b[None, :]
+    x0 = _diagonal_inverse(tl.where(below, _coupling(k0, k0, c0, c0, b0), 0.0), o_b)
+    x1 = _diagonal_inverse(tl.where(below, _coupling(k1, k1, c1, c1, b1), 0.0), o_b)
+    x2 = _diagonal_inverse(tl.where(below, _coupling(k2, k2, c2, c2, b2), 0.0), o_b)
+    x3 = _diagonal_inverse(tl.where(below, _coupling(k3, k3, c3, c3, b3), 0.0), o_b)
+    p_v = v + i_hv * V + (cols - K)[None, :]
+    p_kc, m_kc, m_vc = k + i_h * K + cols[None, :], (cols < K)[None, :], ((cols >= K) & (cols < K + V))[None, :]
+    y0, y1, y2, y3 = _solve(x0, x1, x2, x3, _coupling(k1, k0, c1, c0, b1), _coupling(k2, k0, c2, c0, b2),
+                            _coupling(k2, k1, c2, c1, b2), _coupling(k3, k0, c3, c0, b3),
+                            _coupling(k3, k1, c3, c1, b3), _coupling(k3, k2, c3, c2, b3),
+                            _rhs(p_kc, m_kc, p_v, m_vc, row0, o_b, size, c0, b0, stride_k, stride_v),
+                            _rhs(p_kc, m_kc, p_v, m_vc, row0, o_b + 16, size, c1, b1, stride_k, stride_v),
+                            _rhs(p_kc, m_kc, p_v, m_vc, row0, o_b + 32, size, c2, b2, stride_k, stride_v),
+                            _rhs(p_kc, m_kc, p_v, m_vc, row0, o_b + 48, size, c3, b3, stride_k, stride_v))
+    d0, d1, d2, d3 = tl.exp(total - c0), tl.exp(total - c1), tl.exp(total - c2), tl.exp(total - c3)  # to the end
+    to_end = _to_end(p_k, m_k, row0, o_b, size, stride_k, d0, d1, d2, d3, y0, y1, y2, y3)
+    decay = tl.where(o_k[:, None] == cols[None, :], tl.exp(total), 0.0)  # exp(G_C) I in A_c's columns
+    block = tl.where(m_kc, decay - to_end, to_end)  # A_c = exp(G_C) I - k_to_end^T W, B_c = k_to_end^T U
+    p_out = factors + ((i_c.to(tl.int64) * HV + i_hv) * K + o_k[:, None]) * (K + V) + cols[None, :]
+    tl.store(p_out, block, mask=(o_k < K)[:, None] & (cols < K + V)[None, :])
 
 
 @triton_kernel
-def _unit_lower_inverse(strict_lower, o_t, C: tl.constexpr):
-    """(I + L)^-1 of a strictly lower-triangular [C, C] L by forward substitution, a row at a time:
+def _rows(p_k, m_k, g, beta, row0, o_t, size, stride_k, stride_g, stride_b):
+    """Rows o_t of a chunk: keys [16, BK] in k's dtype (products of half keys are exact in the float32 sums
+    of their dot: converted, held through the kernel, they would spill), log gates and betas [16] in
+    float32; zeros past its size."""
+    m_t = o_t < size
+    rows = row0 + o_t
+    b_k = tl.load(p_k + rows[:, None] * stride_k, mask=m_t[:, None] & m_k, other=0.0)  # in k's dtype
+    b_g = tl.load(g + rows * stride_g, mask=m_t, other=0.0).to(tl.float32)
+    return b_k, b_g, tl.load(beta + rows * stride_b, mask=m_t, other=0.0).to(tl.float32)
+
+
+@triton_kernel
+def _rhs(p_k, m_k, p_v, m_v, row0, o_t, size, cum, b_beta, stride_k, stride_v):
+    """Rows o_t of the right-hand side [beta exp(G) k | beta v] in this program's columns: [16, BN]."""
+    rows, m_t = (row0 + o_t)[:, None], (o_t < size)[:, None]
+    from_k = tl.load(p_k + rows * stride_k, mask=m_t & m_k, other=0.0).to(tl.float32)
+    from_v = tl.load(p_v + rows * stride_v, mask=m_t & m_v, other=0.0).to(tl.float32)
+    return (from_k * tl.exp(cum)[:, None] + from_v) * b_beta[:, None]
+
+
+@triton_kernel
+def _coupling(k_i, k_j, c_i, c_j, beta_i):
+    """L's block (rows of block i, columns of block j): beta_t (k_t . k_s) exp(G_t - G_s); the exponent is
+    clamped at 0, where a diagonal block is masked anyway."""
+    decay = tl.exp(tl.minimum(c_i[:, None] - c_j[None, :], 0.0))
+    return tl.dot(k_i, tl.trans(k_j), out_dtype=tl.float32) * decay * beta_i[:, None]
+
+
+@triton_kernel
+def _diagonal_inverse(strict_lower, o_t):
+    """(I + L)^-1 of a strictly lower-triangular [16, 16] L by forward substitution, a row at a time:
     row t = e_t - sum_{s < t} L[t, s] row s."""
     inverse = (o_t[:, None] == o_t[None, :]).to(tl.float32)
-    for t in range(1, C):
+    for t in range(1, 16):
         at_t = o_t[:, None] == t
         l_t = tl.sum(tl.where(at_t, strict_lower, 0.0), axis=0)  # L[t, :]
         inverse = tl.where(at_t, inverse - tl.sum(l_t[:, None] * inverse, axis=0)[None, :], inverse)
@@ -181,9 +228,40 @@ def _unit_lower_inverse(strict_lower, o_t, C: tl.constexpr):
 
 
 @triton_kernel
+def _solve(x0, x1, x2, x3, l10, l20, l21, l30, l31, l32, r0, r1, r2, r3):
+    """(I + L)^-1 R by blocks of 16 rows: y_i = x_i (r_i - sum_{j < i} L_ij y_j), x_i = (I + L_ii)^-1."""
+    y0 = tl.dot(x0, r0, input_precision="tf32")
+    y1 = tl.dot(x1, r1 - tl.dot(l10, y0, input_precision="tf32"), input_precision="tf32")
+    r2 = r2 - tl.dot(l20, y0, input_precision="tf32") - tl.dot(l21, y1, input_precision="tf32")
+    y2 = tl.dot(x2, r2, input_precision="tf32")
+    r3 = r3 - tl.dot(l30, y0, input_precision="tf32") - tl.dot(l31, y1, input_precision="tf32")
+    y3 = tl.dot(x3, r3 - tl.dot(l32, y2, input_precision="tf32"), input_precision="tf32")
+    return y0, y1, y2, y3
+
+
+@triton_kernel
+def _to_end(p_k, m_k, row0, o_b, size, stride_k, d0, d1, d2, d3, y0, y1, y2, y3):
+    """sum_i (k_i exp(G_C - G))^T y_i over the chunk's four row blocks, the decay d put on y's rows:
+    [BK, BN]. The keys are read again (from cache): held since L, they would spill."""
+    acc = tl.dot(tl.trans(_keys(p_k, m_k, row0, o_b, size, stride_k)), y0 * d0[:, None], input_precision="tf32")
+    acc = tl.dot(tl.trans(_keys(p_k, m_k, row0, o_b + 16, size, stride_k)), y1 * d1[:, None], acc,
+                 input_precision="tf32")
+    acc = tl.dot(tl.trans(_keys(p_k, m_k, row0, o_b + 32, size, stride_k)), y2 * d2[:, None], acc,
+                 input_precision="tf32")
+    return tl.dot(tl.trans(_keys(p_k, m_k, row0, o_b + 48, size, stride_k)), y3 * d3[:, None], acc,
+                  input_precision="tf32")
+
+
+@triton_kernel
+def _keys(p_k, m_k, row0, o_t, size, stride_k):
+    """Rows o_t of a chunk's keys, [16, BK] float32 (zeros past its size)."""
+    mask = (o_t < size)[:, None] & m_k
+    return tl.load(p_k + (row0 + o_t)[:, None] * stride_k, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton_kernel
 def _ordered_product_kernel(factors, out, span_firsts, span_counts, H: tl.constexpr, HV: tl.constexpr,
-                            K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr,
-                            PRECISION: tl.constexpr):
+                            K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr):
     """Columns [i_j BJ, (i_j + 1) BJ) of span i_b's [T | S0] (value head i_hv): [I | 0] through its chunks."""
     i_j, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_k, cols = tl.arange(0, BK), i_j * BJ + tl.arange(0, BJ)
@@ -194,7 +272,7 @@ def _ordered_product_kernel(factors, out, span_firsts, span_counts, H: tl.conste
     for i in range(tl.load(span_counts + i_b)):
         p_row = factors + (((first + i) * HV + i_hv) * K + o_k[:, None]) * (K + V)
         transition = tl.load(p_row + o_k[None, :], mask=m_k[:, None] & m_k[None, :], other=0.0)
-        acc = tl.dot(transition, acc, input_precision=PRECISION) + tl.load(p_row + cols[None, :], mask=m_state,
+        acc = tl.dot(transition, acc, input_precision="tf32") + tl.load(p_row + cols[None, :], mask=m_state,
                                                                             other=0.0)
     p_out = out + ((i_b.to(tl.int64) * HV + i_hv) * K + o_k[:, None]) * (K + V) + cols[None, :]
     tl.store(p_out, acc, mask=m_k[:, None] & m_cols[None, :])
