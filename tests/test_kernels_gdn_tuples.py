@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from kernel_cases import interpreted, rel_err
 
-from hypic.kernels.gdn_tuples import gdn_span_tuples, gdn_span_tuples_ref, gdn_span_tuples_triton
+from hypic.kernels.gdn_tuples import gdn_span_tuples_ref, gdn_span_tuples_triton
 from hypic.kernels.linear_families import DenseFamily, get_family
 from hypic.kernels.varlen import Operands, RowSpans
 
@@ -97,7 +97,7 @@ def test_gpu_matches_cpu_reference(dtype: torch.dtype, gate: str) -> None:
     x, spans = interiors(lens, (7, 1, 0, 2, 5, 3), (2, 4), (128, 128), gate, gen)
     x = as_dtype(x, dtype)
     cuda = Operands(*(t.cuda() for t in (x.q, x.k, x.v, x.g, x.beta)))
-    T, S0 = gdn_span_tuples(cuda.k, cuda.v, cuda.g, cuda.beta, RowSpans.build(spans.starts, spans.lens, "cuda"))
+    T, S0 = get_family("gdn").spans_tuple(cuda, RowSpans.build(spans.starts, spans.lens, "cuda"))  # capture's call
     expected = both(x, spans)
     assert T.is_cuda and T.dtype == torch.float32 and T.shape == (len(lens), 4, 128, 128)
     actual = torch.cat([T, S0], -1).cpu()
