@@ -165,10 +165,10 @@ def _chunk_factor_kernel(k, v, g, beta, factors, chunk_rows, chunk_sizes, stride
     c3 = tl.cumsum(g3, axis=0) + tl.sum(g2, axis=0) + tl.sum(g1, axis=0) + tl.sum(g0, axis=0)
     total = tl.sum(g3, axis=0) + tl.sum(g2, axis=0) + tl.sum(g1, axis=0) + tl.sum(g0, axis=0)
     below = o_b[:, None] > o_b[None, :]
-    x0 = _diagonal_inverse(tl.where(below, _coupling(k0, k0, c0, c0, b0), 0.0), o_b)
-    x1 = _diagonal_inverse(tl.where(below, _coupling(k1, k1, c1, c1, b1), 0.0), o_b)
-    x2 = _diagonal_inverse(tl.where(below, _coupling(k2, k2, c2, c2, b2), 0.0), o_b)
-    x3 = _diagonal_inverse(tl.where(below, _coupling(k3, k3, c3, c3, b3), 0.0), o_b)
+    x0, x1, x2, x3 = _diagonal_inverses(tl.where(below, _coupling(k0, k0, c0, c0, b0), 0.0),
+                                        tl.where(below, _coupling(k1, k1, c1, c1, b1), 0.0),
+                                        tl.where(below, _coupling(k2, k2, c2, c2, b2), 0.0),
+                                        tl.where(below, _coupling(k3, k3, c3, c3, b3), 0.0), o_b)
     p_v = v + i_hv * V + (cols - K)[None, :]
     p_kc, m_kc, m_vc = k + i_h * K + cols[None, :], (cols < K)[None, :], ((cols >= K) & (cols < K + V))[None, :]
     y0, y1, y2, y3 = _solve(x0, x1, x2, x3, _coupling(k1, k0, c1, c0, b1), _coupling(k2, k0, c2, c0, b2),
@@ -216,15 +216,25 @@ def _coupling(k_i, k_j, c_i, c_j, beta_i):
 
 
 @triton_kernel
-def _diagonal_inverse(strict_lower, o_t):
-    """(I + L)^-1 of a strictly lower-triangular [16, 16] L by forward substitution, a row at a time:
-    row t = e_t - sum_{s < t} L[t, s] row s."""
-    inverse = (o_t[:, None] == o_t[None, :]).to(tl.float32)
+def _diagonal_inverses(l0, l1, l2, l3, o_t):
+    """(I + L)^-1 of four strictly lower-triangular [16, 16] L by forward substitution, a row at a time
+    (row t = e_t - sum_{s < t} L[t, s] row s), the four side by side: one chain of 15 steps."""
+    x0 = (o_t[:, None] == o_t[None, :]).to(tl.float32)
+    x1, x2, x3 = x0, x0, x0
     for t in range(1, 16):
         at_t = o_t[:, None] == t
-        l_t = tl.sum(tl.where(at_t, strict_lower, 0.0), axis=0)  # L[t, :]
-        inverse = tl.where(at_t, inverse - tl.sum(l_t[:, None] * inverse, axis=0)[None, :], inverse)
-    return inverse
+        x0 = _substitute(x0, l0, at_t)
+        x1 = _substitute(x1, l1, at_t)
+        x2 = _substitute(x2, l2, at_t)
+        x3 = _substitute(x3, l3, at_t)
+    return x0, x1, x2, x3
+
+
+@triton_kernel
+def _substitute(inverse, strict_lower, at_t):
+    """Row t of the inverse from the rows above it."""
+    l_t = tl.sum(tl.where(at_t, strict_lower, 0.0), axis=0)  # L[t, :]
+    return tl.where(at_t, inverse - tl.sum(l_t[:, None] * inverse, axis=0)[None, :], inverse)
 
 
 @triton_kernel
