@@ -40,7 +40,7 @@ from hypic.kernels.varlen import RowSpans, expand_key_heads, to_chunks
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
-COLUMN_BLOCK = 64  # columns of [A_c | B_c] and of [T | S0] per program (tiles kept in registers)
+COLUMN_BLOCK = 64  # columns of [A_c | B_c] a step of the factor kernel, of [T | S0] a product program
 
 
 def gdn_span_tuples(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -115,7 +115,7 @@ def gdn_span_tuples_triton(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, be
     shape = {"H": heads, "HV": value_heads, "K": key_dim, "V": value_dim, "BK": _block(key_dim)}
     factors = torch.empty(num_chunks, value_heads, key_dim, width, dtype=torch.float32, device=k.device)
     if num_chunks:
-        _chunk_factor_kernel[(num_chunks, value_heads, -(-width // COLUMN_BLOCK))](
+        _chunk_factor_kernel[(num_chunks, value_heads)](
             k, v, g, beta, factors, table[0, :num_chunks], table[1, :num_chunks], k.stride(0), v.stride(0),
             g.stride(0), beta.stride(0), C=CHUNK, BN=COLUMN_BLOCK, **shape, num_warps=8)
     out = torch.empty(len(spans.lens), value_heads, key_dim, width, dtype=torch.float32, device=k.device)
@@ -145,14 +145,13 @@ def chunk_table(starts: tuple[int, ...], lens: tuple[int, ...], device: torch.de
 def _chunk_factor_kernel(k, v, g, beta, factors, chunk_rows, chunk_sizes, stride_k, stride_v, stride_g, stride_b,
                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                          BK: tl.constexpr, BN: tl.constexpr):
-    """Columns [i_n BN, (i_n + 1) BN) of [A_c | B_c] of chunk i_c, value head i_hv (rows past the chunk's
-    size read as zero tokens), in four blocks of 16 rows: (I + L)^-1 [beta exp(G) k | beta v] by block
-    forward substitution over the inverted diagonal blocks (each column block's program redoes L and
-    the inverses, which keeps its tiles in registers)."""
+    """[A_c | B_c] of chunk i_c, value head i_hv (rows past the chunk's size read as zero tokens), in four
+    blocks of 16 rows: (I + L)^-1 [beta exp(G) k | beta v] by block forward substitution over the
+    inverted diagonal blocks, BN columns at a time (so the tiles stay in registers)."""
     tl.static_assert(C == 4 * 16)
-    i_c, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    o_b, o_k, cols = tl.arange(0, 16), tl.arange(0, BK), i_n * BN + tl.arange(0, BN)
+    o_b, o_k = tl.arange(0, 16), tl.arange(0, BK)
     row0, size = tl.load(chunk_rows + i_c).to(tl.int64), tl.load(chunk_sizes + i_c)
     p_k, m_k = k + i_h * K + o_k[None, :], (o_k < K)[None, :]
     k0, g0, b0 = _rows(p_k, m_k, g + i_hv, beta + i_hv, row0, o_b, size, stride_k, stride_g, stride_b)
@@ -169,21 +168,23 @@ def _chunk_factor_kernel(k, v, g, beta, factors, chunk_rows, chunk_sizes, stride
                                         tl.where(below, _coupling(k1, k1, c1, c1, b1), 0.0),
                                         tl.where(below, _coupling(k2, k2, c2, c2, b2), 0.0),
                                         tl.where(below, _coupling(k3, k3, c3, c3, b3), 0.0), o_b)
-    p_v = v + i_hv * V + (cols - K)[None, :]
-    p_kc, m_kc, m_vc = k + i_h * K + cols[None, :], (cols < K)[None, :], ((cols >= K) & (cols < K + V))[None, :]
-    y0, y1, y2, y3 = _solve(x0, x1, x2, x3, _coupling(k1, k0, c1, c0, b1), _coupling(k2, k0, c2, c0, b2),
-                            _coupling(k2, k1, c2, c1, b2), _coupling(k3, k0, c3, c0, b3),
-                            _coupling(k3, k1, c3, c1, b3), _coupling(k3, k2, c3, c2, b3),
-                            _rhs(p_kc, m_kc, p_v, m_vc, row0, o_b, size, c0, b0, stride_k, stride_v),
-                            _rhs(p_kc, m_kc, p_v, m_vc, row0, o_b + 16, size, c1, b1, stride_k, stride_v),
-                            _rhs(p_kc, m_kc, p_v, m_vc, row0, o_b + 32, size, c2, b2, stride_k, stride_v),
-                            _rhs(p_kc, m_kc, p_v, m_vc, row0, o_b + 48, size, c3, b3, stride_k, stride_v))
+    l10, l20, l21 = _coupling(k1, k0, c1, c0, b1), _coupling(k2, k0, c2, c0, b2), _coupling(k2, k1, c2, c1, b2)
+    l30, l31, l32 = _coupling(k3, k0, c3, c0, b3), _coupling(k3, k1, c3, c1, b3), _coupling(k3, k2, c3, c2, b3)
     d0, d1, d2, d3 = tl.exp(total - c0), tl.exp(total - c1), tl.exp(total - c2), tl.exp(total - c3)  # to the end
-    to_end = _to_end(p_k, m_k, row0, o_b, size, stride_k, d0, d1, d2, d3, y0, y1, y2, y3)
-    decay = tl.where(o_k[:, None] == cols[None, :], tl.exp(total), 0.0)  # exp(G_C) I in A_c's columns
-    block = tl.where(m_kc, decay - to_end, to_end)  # A_c = exp(G_C) I - k_to_end^T W, B_c = k_to_end^T U
-    p_out = factors + ((i_c.to(tl.int64) * HV + i_hv) * K + o_k[:, None]) * (K + V) + cols[None, :]
-    tl.store(p_out, block, mask=(o_k < K)[:, None] & (cols < K + V)[None, :])
+    p_out = factors + ((i_c.to(tl.int64) * HV + i_hv) * K + o_k[:, None]) * (K + V)
+    for first in range(0, K + V, BN):  # L and the inverses serve every column block
+        cols = first + tl.arange(0, BN)
+        p_v = v + i_hv * V + (cols - K)[None, :]
+        p_kc, m_kc, m_vc = k + i_h * K + cols[None, :], (cols < K)[None, :], ((cols >= K) & (cols < K + V))[None, :]
+        y0, y1, y2, y3 = _solve(x0, x1, x2, x3, l10, l20, l21, l30, l31, l32,
+                                _rhs(p_kc, m_kc, p_v, m_vc, row0, o_b, size, c0, b0, stride_k, stride_v),
+                                _rhs(p_kc, m_kc, p_v, m_vc, row0, o_b + 16, size, c1, b1, stride_k, stride_v),
+                                _rhs(p_kc, m_kc, p_v, m_vc, row0, o_b + 32, size, c2, b2, stride_k, stride_v),
+                                _rhs(p_kc, m_kc, p_v, m_vc, row0, o_b + 48, size, c3, b3, stride_k, stride_v))
+        to_end = _to_end(p_k, m_k, row0, o_b, size, stride_k, d0, d1, d2, d3, y0, y1, y2, y3)
+        decay = tl.where(o_k[:, None] == cols[None, :], tl.exp(total), 0.0)  # exp(G_C) I in A_c's columns
+        block = tl.where(m_kc, decay - to_end, to_end)  # A_c = exp(G_C) I - k_to_end^T W, B_c = k_to_end^T U
+        tl.store(p_out + cols[None, :], block, mask=(o_k < K)[:, None] & (cols < K + V)[None, :])
 
 
 @triton_kernel
