@@ -9,6 +9,7 @@ prints cuobjdump's resource line (REG = registers a thread, STACK = bytes spille
     python scripts/kernel_resources.py --block-v 16 --num-warps 2   # another launch shape
     python scripts/kernel_resources.py --tuple-dtype bfloat16       # bf16 cached tuples (the bf16 compose)
     python scripts/kernel_resources.py --loops     # and the SASS's loops (a token, a compose step, ...)
+    python scripts/kernel_resources.py --tuple-kernels   # the GDN tuple kernels (hypic/kernels/gdn_tuples.py)
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from hypic.config import SEGMENT_STATE_DTYPES
-from hypic.kernels import compose
+from hypic.kernels import compose, gdn_tuples
 from hypic.kernels.linear_families import get_family
 from hypic.kernels.triton_lazy import bind_module
 
@@ -37,10 +38,6 @@ BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 
 def compile_walk(args: argparse.Namespace) -> bytes:
     """The cubin of the walk kernel as `compose_and_recur_triton` would launch it."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     kernel = bind_module(vars(compose))["_compose_recur_kernel"]
     family = get_family(args.family)
     tuple_dtype = getattr(torch, args.tuple_dtype)
@@ -49,14 +46,36 @@ def compile_walk(args: argparse.Namespace) -> bytes:
                                          config)
     constants["HAS_CHECKPOINTS"] = True  # the engine's walks always pass their (maybe empty) checkpoints
     pointers = dict(POINTERS, t_src=TRITON_TYPES[family.t_storage_dtype(tuple_dtype)], s0_src=TRITON_TYPES[tuple_dtype])
-    signature = {name: "constexpr" if name in constants else pointers[name] for name in kernel.arg_names}
+    return compile_kernel(kernel, pointers, constants, config.num_warps)
+
+
+def compile_tuple_kernels(args: argparse.Namespace) -> dict[str, bytes]:
+    """The cubins of the chunk-factor and ordered-product kernels as `gdn_span_tuples_triton` launches
+    them on bf16 operands."""
+    shape = {"H": args.key_heads, "HV": args.value_heads, "K": args.key_dim, "V": args.value_dim,
+             "BK": gdn_tuples.block_dim(args.key_dim)}
+    pointers = {"k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*bf16", "factors": "*fp32", "out": "*fp32",
+                "chunk_rows": "*i32", "chunk_sizes": "*i32", "span_firsts": "*i32", "span_counts": "*i32"}
+    extra = {"_chunk_factor_kernel": {"C": gdn_tuples.CHUNK, "BN": gdn_tuples.COLUMN_BLOCK},
+             "_ordered_product_kernel": {"BJ": gdn_tuples.COLUMN_BLOCK}}
+    return {name: compile_kernel(bind_module(vars(gdn_tuples))[name], pointers, {**shape, **constants},
+                                 gdn_tuples.NUM_WARPS)
+            for name, constants in extra.items()}
+
+
+def compile_kernel(kernel, types: dict[str, str], constants: dict, num_warps: int) -> bytes:
+    """A cubin for sm90: `types` of the arguments that are not constants (int32 if not named)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
     # pointers 16-byte aligned, as Triton's launcher specialises torch's allocations
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-               if POINTERS.get(name, "").startswith("*")}
+               if signature[name].startswith("*")}
     source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(n),): v for n, v in constants.items()},
                        attrs=aligned)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": config.num_warps}).asm["cubin"]
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["cubin"]
 
 
 def walk_config(args: argparse.Namespace) -> compose.WalkConfig:
@@ -107,7 +126,12 @@ def main() -> None:
     parser.add_argument("--tuple-dtype", choices=SEGMENT_STATE_DTYPES, default="float32",
                         help="storage of cached T and S0 (EngineConfig.segment_state_dtype)")
     parser.add_argument("--loops", action="store_true", help="also list the SASS's loops and their instructions")
+    parser.add_argument("--tuple-kernels", action="store_true", help="the GDN tuple kernels instead of the walk")
     args = parser.parse_args()
+    if args.tuple_kernels:
+        for name, cubin in compile_tuple_kernels(args).items():
+            print(f"{name} sm90 {vars(args)}: {resource_usage(cubin)}")
+        return
     cubin = compile_walk(args)
     print(f"_compose_recur_kernel sm90 {vars(args)} {walk_config(args)}: {resource_usage(cubin)}")
     if args.loops:

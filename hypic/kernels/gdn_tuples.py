@@ -41,6 +41,7 @@ from hypic.kernels.varlen import RowSpans, expand_key_heads, to_chunks
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
 COLUMN_BLOCK = 64  # columns of [A_c | B_c] a step of the factor kernel, of [T | S0] a product program
+NUM_WARPS = 8  # of both kernels (scripts/kernel_resources.py --tuple-kernels: registers and spills on sm90)
 
 
 def gdn_span_tuples(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -112,21 +113,21 @@ def gdn_span_tuples_triton(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, be
     g, beta = g.contiguous(), beta.contiguous()  # no copies for the layer's own [N, HV] gates
     table = chunk_table(spans.starts, spans.lens, k.device)
     num_chunks, width = table.shape[1] - len(spans.lens), key_dim + value_dim
-    shape = {"H": heads, "HV": value_heads, "K": key_dim, "V": value_dim, "BK": _block(key_dim)}
+    shape = {"H": heads, "HV": value_heads, "K": key_dim, "V": value_dim, "BK": block_dim(key_dim)}
     factors = torch.empty(num_chunks, value_heads, key_dim, width, dtype=torch.float32, device=k.device)
     if num_chunks:
         _chunk_factor_kernel[(num_chunks, value_heads)](
             k, v, g, beta, factors, table[0, :num_chunks], table[1, :num_chunks], k.stride(0), v.stride(0),
-            g.stride(0), beta.stride(0), C=CHUNK, BN=COLUMN_BLOCK, **shape, num_warps=8)
+            g.stride(0), beta.stride(0), C=CHUNK, BN=COLUMN_BLOCK, **shape, num_warps=NUM_WARPS)
     out = torch.empty(len(spans.lens), value_heads, key_dim, width, dtype=torch.float32, device=k.device)
     if len(spans.lens):
         grid = (-(-width // COLUMN_BLOCK), value_heads, len(spans.lens))  # column blocks of a head side by side
         _ordered_product_kernel[grid](factors, out, table[0, num_chunks:], table[1, num_chunks:], BJ=COLUMN_BLOCK,
-                                      **shape, num_warps=8)
+                                      **shape, num_warps=NUM_WARPS)
     return out
 
 
-def _block(dim: int) -> int:
+def block_dim(dim: int) -> int:
     return max(16, next_power_of_2(dim))  # tl.dot needs 16 or more along every dim
 
 
