@@ -13,6 +13,7 @@ thread) and, for MLA, the tensor-core instructions (HGMMA: wgmma; HMMA: mma.sync
     python scripts/kernel_resources.py --loops     # and the SASS's loops (a token, a compose step, ...)
     python scripts/kernel_resources.py --mla-tokens 1     # MLA at the 48B shape: decode tiles
     python scripts/kernel_resources.py --mla-tokens 150   # a PIC assembly step's seam tiles
+    python scripts/kernel_resources.py --tuple-kernels   # the GDN tuple kernels (hypic/kernels/gdn_tuples.py)
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from hypic.config import SEGMENT_STATE_DTYPES
-from hypic.kernels import compose, mla_attention
+from hypic.kernels import compose, gdn_tuples, mla_attention
 from hypic.kernels.linear_families import get_family
 from hypic.kernels.triton_lazy import bind_module
 
@@ -72,16 +73,31 @@ def compile_mla(tokens: int) -> tuple[mla_attention.LatentTiling, bytes]:
     return tiling, compile_sm90(kernel, constants, pointers, options)
 
 
+def compile_tuple_kernels(args: argparse.Namespace) -> dict[str, bytes]:
+    """The cubins of the chunk-factor and ordered-product kernels as `gdn_span_tuples_triton` launches
+    them on bf16 operands."""
+    shape = {"H": args.key_heads, "HV": args.value_heads, "K": args.key_dim, "V": args.value_dim,
+             "BK": gdn_tuples.block_dim(args.key_dim)}
+    pointers = {"k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*bf16", "factors": "*fp32", "out": "*fp32",
+                "chunk_rows": "*i32", "chunk_sizes": "*i32", "span_firsts": "*i32", "span_counts": "*i32"}
+    extra = {"_chunk_factor_kernel": {"C": gdn_tuples.CHUNK, "BN": gdn_tuples.COLUMN_BLOCK},
+             "_ordered_product_kernel": {"BJ": gdn_tuples.COLUMN_BLOCK}}
+    return {name: compile_sm90(bind_module(vars(gdn_tuples))[name], {**shape, **constants}, pointers,
+                               {"num_warps": gdn_tuples.NUM_WARPS})
+            for name, constants in extra.items()}
+
+
 def compile_sm90(kernel, constants: dict, pointers: dict[str, str], options: dict) -> bytes:
-    """A Triton kernel's cubin for Hopper: `constants` its constexprs, `pointers` the other arguments' types."""
+    """A Triton kernel's cubin for Hopper: `constants` its constexprs, `pointers` the other arguments'
+    types (int32 if not named)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature = {name: "constexpr" if name in constants else pointers[name] for name in kernel.arg_names}
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in kernel.arg_names}
     # pointers 16-byte aligned, as Triton's launcher specialises torch's allocations
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-               if pointers.get(name, "").startswith("*")}
+               if signature[name].startswith("*")}
     source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(n),): v for n, v in constants.items()},
                        attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
@@ -142,12 +158,17 @@ def main() -> None:
     parser.add_argument("--loops", action="store_true", help="also list the SASS's loops and their instructions")
     parser.add_argument("--mla-tokens", type=int, help="the MLA latent kernel instead, for a chunk of this many "
                         "queries (1: decodes) at the Kimi-Linear-48B shape")
+    parser.add_argument("--tuple-kernels", action="store_true", help="the GDN tuple kernels instead of the walk")
     args = parser.parse_args()
     if args.mla_tokens:
         tiling, cubin = compile_mla(args.mla_tokens)
         sass = Counter(op.split(".")[0] for _, op, _ in sass_code(cubin))
         print(f"_mla_kernel sm90 {MLA_SHAPE} {tiling}: {resource_usage(cubin)} "
               f"HGMMA {sass['HGMMA']} HMMA {sass['HMMA']}")
+        return
+    if args.tuple_kernels:
+        for name, cubin in compile_tuple_kernels(args).items():
+            print(f"{name} sm90 {vars(args)}: {resource_usage(cubin)}")
         return
     cubin = compile_walk(args)
     print(f"_compose_recur_kernel sm90 {vars(args)} {walk_config(args)}: {resource_usage(cubin)}")
