@@ -2,7 +2,8 @@
 
 For every case: median time (triton.testing.do_bench), the fewest bytes the kernel must move and
 the FLOPs it must do, and the fractions of this machine's ceilings they reach. Prints a table and
-writes JSON. Shapes: Qwen3.5-35B-A3B (default: GDN, conv, paged attention, MoE) and Nemotron 3 Nano
+writes JSON. Shapes: Qwen3.5-35B-A3B (default: GDN, conv, paged attention, MoE, and a GDN layer's
+tuple capture, the chunk-factor product against the chunk kernel's pass) and Nemotron 3 Nano
 (`--shape nemotron3_nano`: a Mamba2 layer's tuple capture, the chunk kernel's pass against the
 closed form).
 
@@ -22,11 +23,13 @@ import torch.nn.functional as F
 
 from hypic.kernels.conv1d import causal_conv1d
 from hypic.kernels.gdn import gated_delta_rule
+from hypic.kernels.gdn_tuples import gdn_span_tuples
+from hypic.kernels.linear_families import DenseFamily, get_family
 from hypic.kernels.moe import moe_grouped_mm, moe_triton
 from hypic.kernels.paged_attention import paged_attention
 from hypic.kernels.scalar_gated import scalar_gated_rule
 from hypic.kernels.span_states import span_tuples
-from hypic.kernels.varlen import RowSpans
+from hypic.kernels.varlen import Operands, RowSpans
 from results import device_label, result_path, run_record
 
 HBM_BYTES_PER_S = 4.3e12  # device-to-device copy measured on this workplace's H200 (KINDS.md)
@@ -166,6 +169,25 @@ def tuple_capture_case(seq_lens: tuple[int, ...], closed_form: bool) -> Case:
                 2 * n * MAMBA_HEADS * MAMBA_STATE * MAMBA_HEAD_DIM)
 
 
+def gdn_tuple_case(seq_lens: tuple[int, ...], product: bool) -> Case:
+    """T and S0 of cold GDN interiors: the ordered product of chunk factors (`gdn_span_tuples`), or the
+    chunk kernel's pass over [v | 0] from [0 | I] that the capture ran before (`DenseFamily.spans_tuple`)."""
+    n, b, chunks = sum(seq_lens), len(seq_lens), sum(-(-length // 64) for length in seq_lens)
+    k = F.normalize(torch.randn(n, LIN_HEADS, LIN_DIM, device="cuda"), dim=-1).to(DTYPE)
+    x = Operands(k, k, torch.randn(n, LIN_VALUE_HEADS, LIN_DIM, device="cuda", dtype=DTYPE),
+                 F.logsigmoid(torch.randn(n, LIN_VALUE_HEADS, device="cuda")),
+                 torch.rand(n, LIN_VALUE_HEADS, device="cuda", dtype=DTYPE))
+    spans, family = RowSpans.packed(varlen(seq_lens, 0, b)["cu_seqlens"], seq_lens), get_family("gdn")
+    run = ((lambda: gdn_span_tuples(x.k, x.v, x.g, x.beta, spans)) if product else
+           (lambda: DenseFamily.spans_tuple(family, x, spans)))
+    io = n * (LIN_HEADS * LIN_DIM + LIN_VALUE_HEADS * LIN_DIM) * 2 + n * LIN_VALUE_HEADS * 6
+    width, c = 2 * LIN_DIM, 64  # [T | S0] columns, tokens a chunk
+    per_chunk = 2 * c * c * 3 * LIN_DIM + 2 * c * LIN_DIM * width + 2 * LIN_DIM * LIN_DIM * width  # factors, product
+    return Case("gdn tuple " + ("(chunk-factor product)" if product else "(chunk kernel, [v | 0])"),
+                shape_name(seq_lens), run, io + b * LIN_VALUE_HEADS * LIN_DIM * width * 4,
+                chunks * LIN_VALUE_HEADS * per_chunk)
+
+
 def shape_name(lens: tuple[int, ...]) -> str:
     return f"{lens[0]}x{len(lens)}" if len(set(lens)) == 1 else "+".join(map(str, lens))
 
@@ -192,6 +214,9 @@ def qwen_cases() -> Iterator[Callable[[], Case]]:
     for tokens in (4096, 16384):
         yield lambda tokens=tokens: moe_case(tokens, moe_grouped_mm, "torch._grouped_mm")
         yield lambda tokens=tokens: moe_case(tokens, moe_triton, "triton")
+    for lens in ((2032,) * 8, (16368,)):  # bench_pic's tuple overhead: 8 interiors of 2048 - 2 x 8 seam tokens
+        for product in (False, True):
+            yield lambda lens=lens, product=product: gdn_tuple_case(lens, product)
 
 
 def main() -> None:

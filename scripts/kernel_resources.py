@@ -1,14 +1,19 @@
-"""Registers and spills of the PIC walk kernel on sm90, compiled here: no GPU needed.
+"""Registers and spills of the PIC walk kernel (or the MLA latent kernel) on sm90, compiled here: no
+GPU needed.
 
 A kernel that spills its tiles to the stack runs many times slower than its arithmetic suggests,
-and only ptxas knows: this compiles `_compose_recur_kernel` for Hopper with the local Triton and
-prints cuobjdump's resource line (REG = registers a thread, STACK = bytes spilled a thread).
+and only ptxas knows: this compiles `_compose_recur_kernel` (or `_mla_kernel`) for Hopper with the
+local Triton and prints cuobjdump's resource line (REG = registers a thread, STACK = bytes spilled a
+thread) and, for MLA, the tensor-core instructions (HGMMA: wgmma; HMMA: mma.sync).
 
     python scripts/kernel_resources.py                       # Qwen3-Next / Qwen3.5 GDN heads
     python scripts/kernel_resources.py --family scalar --key-dim 64
     python scripts/kernel_resources.py --block-v 16 --num-warps 2   # another launch shape
     python scripts/kernel_resources.py --tuple-dtype bfloat16       # bf16 cached tuples (the bf16 compose)
     python scripts/kernel_resources.py --loops     # and the SASS's loops (a token, a compose step, ...)
+    python scripts/kernel_resources.py --mla-tokens 1     # MLA at the 48B shape: decode tiles
+    python scripts/kernel_resources.py --mla-tokens 150   # a PIC assembly step's seam tiles
+    python scripts/kernel_resources.py --tuple-kernels   # the GDN tuple kernels (hypic/kernels/gdn_tuples.py)
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from pathlib import Path
 import torch
 
 from hypic.config import SEGMENT_STATE_DTYPES
-from hypic.kernels import compose
+from hypic.kernels import compose, gdn_tuples, mla_attention
 from hypic.kernels.linear_families import get_family
 from hypic.kernels.triton_lazy import bind_module
 
@@ -37,10 +42,6 @@ BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 
 def compile_walk(args: argparse.Namespace) -> bytes:
     """The cubin of the walk kernel as `compose_and_recur_triton` would launch it."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     kernel = bind_module(vars(compose))["_compose_recur_kernel"]
     family = get_family(args.family)
     tuple_dtype = getattr(torch, args.tuple_dtype)
@@ -48,15 +49,58 @@ def compile_walk(args: argparse.Namespace) -> bytes:
     constants = compose.launch_constants(family, args.key_heads, args.value_heads, args.key_dim, args.value_dim,
                                          config)
     constants["HAS_CHECKPOINTS"] = True  # the engine's walks always pass their (maybe empty) checkpoints
+    constants["L2_PREFETCH"] = True  # as on a GPU
     pointers = dict(POINTERS, t_src=TRITON_TYPES[family.t_storage_dtype(tuple_dtype)], s0_src=TRITON_TYPES[tuple_dtype])
-    signature = {name: "constexpr" if name in constants else pointers[name] for name in kernel.arg_names}
+    return compile_sm90(kernel, constants, pointers, {"num_warps": config.num_warps})
+
+
+# Kimi-Linear-48B-A3B's MLA: 32 heads, kv_lora_rank 512, rope 64; pages of 16 tokens
+MLA_SHAPE = {"heads": 32, "rank": 512, "rope": 64, "page": 16}
+
+
+def compile_mla(tokens: int) -> tuple[mla_attention.LatentTiling, bytes]:
+    """The cubin of the latent kernel as `mla_attention_triton` would launch it (bf16) for one chunk of
+    `tokens` queries (1: decodes) over 16k keys; `LatentTiling.choose` picks the tile."""
+    kernel = bind_module(vars(mla_attention))["_mla_kernel"]
+    s = MLA_SHAPE
+    q = torch.empty(1, s["heads"], s["rank"] + s["rope"], dtype=torch.bfloat16)
+    tiling = mla_attention.LatentTiling.choose(q, s["rank"], (1,) * 64 if tokens == 1 else (tokens,), 16384)
+    constants = mla_attention.launch_constants(s["heads"], s["rank"], s["rope"], s["page"], torch.bfloat16, tiling)
+    pointers = {"q": "*bf16", "pages": "*bf16", "block_tables": "*i32", "kv_lens": "*i32", "positions": "*i64",
+                "cu_seqlens": "*i32", "out": "*fp32" if tiling.splits > 1 else "*bf16", "lse": "*fp32",
+                "num_seqs": "i32", "scale_log2": "fp32", "stride_bt": "i32", "stride_os": "i32", "stride_ls": "i32"}
+    options = {"num_warps": tiling.warps, "num_stages": tiling.stages}
+    return tiling, compile_sm90(kernel, constants, pointers, options)
+
+
+def compile_tuple_kernels(args: argparse.Namespace) -> dict[str, bytes]:
+    """The cubins of the chunk-factor and ordered-product kernels as `gdn_span_tuples_triton` launches
+    them on bf16 operands."""
+    shape = {"H": args.key_heads, "HV": args.value_heads, "K": args.key_dim, "V": args.value_dim,
+             "BK": gdn_tuples.block_dim(args.key_dim)}
+    pointers = {"k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*bf16", "factors": "*fp32", "out": "*fp32",
+                "chunk_rows": "*i32", "chunk_sizes": "*i32", "span_firsts": "*i32", "span_counts": "*i32"}
+    extra = {"_chunk_factor_kernel": {"C": gdn_tuples.CHUNK, "BN": gdn_tuples.COLUMN_BLOCK},
+             "_ordered_product_kernel": {"BJ": gdn_tuples.COLUMN_BLOCK}}
+    return {name: compile_sm90(bind_module(vars(gdn_tuples))[name], {**shape, **constants}, pointers,
+                               {"num_warps": gdn_tuples.NUM_WARPS})
+            for name, constants in extra.items()}
+
+
+def compile_sm90(kernel, constants: dict, pointers: dict[str, str], options: dict) -> bytes:
+    """A Triton kernel's cubin for Hopper: `constants` its constexprs, `pointers` the other arguments'
+    types (int32 if not named)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in kernel.arg_names}
     # pointers 16-byte aligned, as Triton's launcher specialises torch's allocations
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-               if POINTERS.get(name, "").startswith("*")}
+               if signature[name].startswith("*")}
     source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(n),): v for n, v in constants.items()},
                        attrs=aligned)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": config.num_warps}).asm["cubin"]
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
 
 
 def walk_config(args: argparse.Namespace) -> compose.WalkConfig:
@@ -79,11 +123,16 @@ def resource_usage(cubin: bytes) -> str:
     return next(line.strip() for line in cuobjdump(cubin, "--dump-resource-usage").splitlines() if "REG:" in line)
 
 
+def sass_code(cubin: bytes) -> list[tuple[int, str, str]]:
+    """(address, opcode, line) of each SASS instruction."""
+    return [(int(m[1], 16), m[2], line) for line in cuobjdump(cubin, "-sass").splitlines()
+            if (m := SASS_LINE.search(line))]
+
+
 def sass_loops(cubin: bytes) -> list[str]:
     """The SASS's loops (backward branches), in program order: instructions from head to branch (an
     outer loop's count includes its inner loops' bodies once) and the most frequent opcodes."""
-    code = [(int(m[1], 16), m[2], line) for line in cuobjdump(cubin, "-sass").splitlines()
-            if (m := SASS_LINE.search(line))]
+    code = sass_code(cubin)
     start = {address: i for i, (address, _, _) in enumerate(code)}
     loops = []
     for end, (address, opcode, line) in enumerate(code):
@@ -107,7 +156,20 @@ def main() -> None:
     parser.add_argument("--tuple-dtype", choices=SEGMENT_STATE_DTYPES, default="float32",
                         help="storage of cached T and S0 (EngineConfig.segment_state_dtype)")
     parser.add_argument("--loops", action="store_true", help="also list the SASS's loops and their instructions")
+    parser.add_argument("--mla-tokens", type=int, help="the MLA latent kernel instead, for a chunk of this many "
+                        "queries (1: decodes) at the Kimi-Linear-48B shape")
+    parser.add_argument("--tuple-kernels", action="store_true", help="the GDN tuple kernels instead of the walk")
     args = parser.parse_args()
+    if args.mla_tokens:
+        tiling, cubin = compile_mla(args.mla_tokens)
+        sass = Counter(op.split(".")[0] for _, op, _ in sass_code(cubin))
+        print(f"_mla_kernel sm90 {MLA_SHAPE} {tiling}: {resource_usage(cubin)} "
+              f"HGMMA {sass['HGMMA']} HMMA {sass['HMMA']}")
+        return
+    if args.tuple_kernels:
+        for name, cubin in compile_tuple_kernels(args).items():
+            print(f"{name} sm90 {vars(args)}: {resource_usage(cubin)}")
+        return
     cubin = compile_walk(args)
     print(f"_compose_recur_kernel sm90 {vars(args)} {walk_config(args)}: {resource_usage(cubin)}")
     if args.loops:

@@ -105,6 +105,26 @@ def by_number(figures: dict) -> dict:
     return dict(sorted(figures.items(), key=lambda item: [int(n) for n in re.findall(r"\d+", item[0])]))
 
 
+def graph_ms(call: Callable[[], object], calls_per_graph: int = 20, replays: int = 10) -> float:
+    """Milliseconds a call of a CUDA kernel launcher, from replays of a graph of `calls_per_graph` calls
+    (the GPU's time, not the host's launch cost); the call runs once first (compiles, autotunes)."""
+    import torch
+
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls_per_graph):
+            call()
+    graph.replay()  # warm
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / (replays * calls_per_graph)
+
+
 def median(values: Iterable[float]) -> float:
     """The middle value (the upper one of an even count): a time some request actually took."""
     ordered = sorted(values)

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from hypic.kernels.compose import WalkConfig, _tf32_high, compose_and_recur_ref, compose_and_recur_triton
+from hypic.kernels.compose import (WalkConfig, _share_lines, _tf32_high, compose_and_recur_ref,
+                                   compose_and_recur_triton)
 from hypic.kernels.linear_families import get_family
 from hypic.kernels.triton_lazy import triton_kernel
 from kernel_cases import interpreted, rel_err
@@ -101,6 +102,27 @@ def test_tf32_split_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not (high.view(torch.int32) & 0x1FFF).any()
     low = x - high
     assert torch.equal(high + low, x) and bool((low.abs() <= x.abs() * 2.0 ** -10).all())
+
+
+@triton_kernel
+def _share_kernel(out, LINES: tl.constexpr, NV: tl.constexpr, STEPS: tl.constexpr):
+    i_v = tl.program_id(0)
+    for m in tl.static_range(0, STEPS * 32, 32):
+        tl.store(out + i_v * STEPS * 32 + m + tl.arange(0, 32), _share_lines(m, i_v, LINES, NV))
+
+
+@interpreted
+@pytest.mark.parametrize(("lines", "programs"), [(256, 16), (1, 16), (7, 3), (100, 3)])
+def test_prefetch_shares_cover_every_line_within_the_block(lines: int, programs: int,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The V tiles of a head prefetch a tuple's lines between them (a scalar T is one line; 100 lines
+    on 3 programs take two steps of 32): every line, and none past the block."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    per_program = -(-lines // programs)
+    steps = -(-per_program // 32)  # as _prefetch_share's static_range takes them
+    out = torch.full((programs, steps * 32), -1, dtype=torch.int32)
+    _share_kernel[(programs,)](out, LINES=lines, NV=programs, STEPS=steps)
+    assert set(out.flatten().tolist()) == set(range(lines))
 
 
 def test_launch_shape_must_be_powers_of_two() -> None:

@@ -141,47 +141,57 @@ def test_moe_combine_matches_reference(device: str, indexed: bool, monkeypatch: 
     weights = torch.rand(tokens, top_k, generator=gen)
     rows = torch.randperm(tokens * top_k, generator=gen) if indexed else None
     shared = (randn(tokens, hidden, gen=gen, dtype=torch.bfloat16), randn(tokens, 1, gen=gen, dtype=torch.bfloat16))
-    for extra in (None, shared):
+    valid = torch.tensor([6], dtype=torch.int32)  # tokens 6.. are padding: zero, whatever their y rows hold
+    for extra, valid_tokens in ((None, None), (shared, None), (shared, valid)):
         moved = None if extra is None else tuple(t.to(dev) for t in extra)
         out = moe_combine_triton(y.to(dev), weights.to(dev), None if rows is None else rows.to(dev),
-                                 torch.bfloat16, moved)
-        assert rel_err(out.cpu(), moe_combine(y, weights, rows, torch.bfloat16, extra)) <= 1e-2
+                                 torch.bfloat16, moved, None if valid_tokens is None else valid_tokens.to(dev))
+        expected = moe_combine(y, weights, rows, torch.bfloat16, extra, valid_tokens)
+        assert rel_err(out.cpu(), expected) <= 1e-2
+        assert valid_tokens is None or not out[6:].any()
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sigmoid", [False, True])  # softmax (Qwen); biased sigmoid, scaled (Nemotron 3, Kimi)
-@pytest.mark.parametrize("tokens,block", [(1, 16), (3, 4), (6, 2)])
+@pytest.mark.parametrize("tokens,block,valid", [(1, 16, None), (3, 4, None), (6, 2, 4)])  # valid: padding from 4 on
 def test_route_blocks_match_routing_and_reference_layout(device: str, sigmoid: bool, tokens: int, block: int,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+                                                         valid: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     dev, gen = on(device, monkeypatch), torch.Generator().manual_seed(5 + tokens)
     logits = randn(tokens, 24, gen=gen) * 3  # float32: no ties
     logits[:, 7] = logits[:, 7].abs() + 20  # every token picks expert 7: a run longer than a block
     bias = randn(24, gen=gen) if sigmoid else None
-    weights, ids, blocks = route_blocks_triton(logits.to(dev), Routing(5, True, None if bias is None else bias.to(dev),
-                                                                       scaling=2.5 if sigmoid else 1.0), block)
+    routing = Routing(5, True, None if bias is None else bias.to(dev), scaling=2.5 if sigmoid else 1.0)
+    valid_tokens = None if valid is None else torch.tensor([valid])
+    weights, ids, blocks = route_blocks_triton(logits.to(dev), routing, block,
+                                               None if valid is None else valid_tokens.to(dev))
     if sigmoid:
         weights_ref, ids_ref = route_grouped_sigmoid(logits, bias, 5, 1, 1, True, 2.5)
     else:
         weights_ref, ids_ref = route_topk_ref(logits, 5, True)
     assert torch.equal(ids.cpu(), ids_ref) and rel_err(weights.cpu(), weights_ref) <= 1e-5
-    ref = expert_blocks_ref(ids_ref, 24, block)
+    ref = expert_blocks_ref(ids_ref, 24, block, valid_tokens)
     assert blocks.block == block and torch.equal(blocks.block_expert.cpu(), ref.block_expert)
     assert torch.equal(blocks.rows.cpu(), ref.rows)  # pairs in order within each expert: the very layout
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("tokens,block", [(1, 16), (37, 16), (300, 64)])
+@pytest.mark.parametrize("tokens,block,valid", [(1, 16, None), (37, 16, None), (300, 64, None), (37, 16, 30),
+                                                (300, 64, 0)])
 def test_expert_blocks_triton_cover_every_pair_once_within_its_expert(device: str, tokens: int, block: int,
+                                                                     valid: int | None,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every pair of a real token (before `valid`, if given) once, in its expert's blocks."""
     dev, gen = on(device, monkeypatch), torch.Generator().manual_seed(tokens)
     experts, top_k = 20, 4
     ids = torch.rand(tokens, experts, generator=gen).topk(top_k).indices
-    blocks, ref = expert_blocks_triton(ids.to(dev), experts, block), expert_blocks_ref(ids, experts, block)
+    valid_tokens = None if valid is None else torch.tensor([valid], dtype=torch.int32)
+    blocks = expert_blocks_triton(ids.to(dev), experts, block, None if valid is None else valid_tokens.to(dev))
+    ref = expert_blocks_ref(ids, experts, block, valid_tokens)
     assert torch.equal(blocks.block_expert.cpu(), ref.block_expert)
     rows, pairs = blocks.rows.cpu().view(-1, block), ids.numel()
     real = rows < pairs
     assert torch.equal(real, ref.rows.view(-1, block) < pairs)  # same padding layout; order within may differ
-    assert sorted(rows[real].tolist()) == list(range(pairs))
+    assert sorted(rows[real].tolist()) == list(range(pairs if valid is None else valid * top_k))
     for j, expert in enumerate(blocks.block_expert.tolist()):
         assert (ids.flatten()[rows[j][real[j]]] == expert).all()
 

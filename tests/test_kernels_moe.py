@@ -2,9 +2,12 @@
 (torch._grouped_mm, our Triton kernels over expert-padded blocks) against the reference."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
+from hypic.kernels import moe
 from hypic.kernels.moe import (Routing, expert_blocks, fused_moe, fused_moe_ref, moe_grouped_mm, moe_triton,
                                route, route_blocks_triton, route_topk_ref, routed_moe)
 from kernel_cases import interpreted, moe_dense_f64, rel_err
@@ -35,6 +38,17 @@ def test_relu2_reference_matches_dense_per_token(tokens: int, experts: int, topk
     torch.testing.assert_close(fused_moe_ref(*case, activation="relu2").double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_reference_padding_rows_come_out_zero() -> None:
+    """Rows from valid_tokens on (a captured step's padding) go to no expert; shared output included."""
+    x, w_gate_up, w_down, weights, ids = make_case(13, 6, 3, hidden=32, inter=16, seed=7)
+    shared = (torch.randn(13, 32), torch.randn(13, 1))
+    out = fused_moe_ref(x, w_gate_up, w_down, weights, ids, shared=shared, valid_tokens=torch.tensor([9]))
+    real = moe_dense_f64(x[:9], w_gate_up, w_down, weights[:9], ids[:9])
+    real = real + torch.sigmoid(shared[1][:9].double()) * shared[0][:9].double()
+    torch.testing.assert_close(out[:9].double(), real, rtol=1e-5, atol=1e-5)
+    assert not out[9:].any()
+
+
 def test_reference_keeps_dtype() -> None:
     case = make_case(5, 4, 2, hidden=32, inter=16, seed=0, dtype=torch.bfloat16)
     out = fused_moe(*case)
@@ -42,13 +56,16 @@ def test_reference_keeps_dtype() -> None:
 
 
 @pytest.mark.parametrize("block", [4, 16])
-def test_expert_blocks_cover_every_pair_once_within_its_expert(block: int) -> None:
+@pytest.mark.parametrize("valid", [None, 0, 15])
+def test_expert_blocks_cover_every_pair_once_within_its_expert(block: int, valid: int | None) -> None:
+    """Every pair of a real token once (tokens from `valid` on are padding and in no block)."""
     *_, ids = make_case(23, 7, 3, hidden=8, inter=8, seed=block)
-    blocks = expert_blocks(ids, 7, block)
+    blocks = expert_blocks(ids, 7, block, None if valid is None else torch.tensor([valid], dtype=torch.int32))
     pairs = ids.numel()
     rows = blocks.rows.view(-1, block)
     real = rows < pairs
-    assert sorted(rows[real].tolist()) == list(range(pairs))
+    assert blocks.num_blocks == pairs // block + 7  # the bound fixed by shapes alone, padding or not
+    assert sorted(rows[real].tolist()) == list(range(pairs if valid is None else 3 * valid))
     for j in range(blocks.num_blocks):
         expert = int(blocks.block_expert[j])
         assert expert <= 7 and (expert < 7 or not real[j].any())
@@ -56,22 +73,50 @@ def test_expert_blocks_cover_every_pair_once_within_its_expert(block: int) -> No
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm missing")
-def test_grouped_mm_path_matches_reference_on_cpu() -> None:
-    """The sort / offsets / un-permute logic of the CUTLASS path (torch runs _grouped_mm on CPU too)."""
+@pytest.mark.parametrize("valid", [None, 11])
+def test_grouped_mm_path_matches_reference_on_cpu(valid: int | None) -> None:
+    """The sort / offsets / un-permute logic of the CUTLASS path (torch runs _grouped_mm on CPU too);
+    padding rows' pairs sort past the last expert's group."""
     case = make_case(17, 8, 3, hidden=32, inter=16, seed=2)
+    valid_tokens = None if valid is None else torch.tensor([valid], dtype=torch.int32)
     try:
-        out = moe_grouped_mm(*case)
+        out = moe_grouped_mm(*case, valid_tokens=valid_tokens)
     except RuntimeError as exc:  # older CPU builds lack the op's CPU kernel
         pytest.skip(f"torch._grouped_mm on CPU: {exc}")
-    torch.testing.assert_close(out, fused_moe_ref(*case), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, fused_moe_ref(*case, valid_tokens=valid_tokens), rtol=1e-5, atol=1e-5)
 
 
 @interpreted
-@pytest.mark.parametrize("tokens", [3, 40])
-def test_triton_interpreted_matches_reference(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("tokens,valid", [(3, None), (40, None), (40, 26)])
+def test_triton_interpreted_matches_reference(tokens: int, valid: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     case = make_case(tokens, 6, 3, hidden=48, inter=24, seed=tokens)
-    torch.testing.assert_close(moe_triton(*case), fused_moe_ref(*case), rtol=1e-5, atol=1e-5)
+    valid_tokens = None if valid is None else torch.tensor([valid], dtype=torch.int32)
+    torch.testing.assert_close(moe_triton(*case, valid_tokens=valid_tokens),
+                               fused_moe_ref(*case, valid_tokens=valid_tokens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pairs,dtype,rows", [
+    (6, torch.bfloat16, 16),  # a decode: 16-row blocks
+    (1536, torch.bfloat16, 16),  # Nemotron 3 Nano (128 experts), 256 tokens: 12 pairs an expert
+    (2304, torch.bfloat16, 32),  # 384 tokens: 18 an expert, one block of 32 rather than two of 16
+    (4096, torch.bfloat16, 64),
+    (4096, torch.float32, 16),  # float32's wider tiles spill
+])
+def test_block_rows_cover_an_average_expert(pairs: int, dtype: torch.dtype, rows: int) -> None:
+    assert moe._block_rows(pairs, 128, dtype) == rows
+
+
+@interpreted
+def test_triton_interpreted_blocks_of_32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels in 32-row blocks (bf16 batches of 16 to 32 pairs an expert take them; the
+    interpreter runs float32 only, whose rule keeps 16), padding rows included."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(moe, "_block_rows", lambda pairs, experts, dtype: 32)
+    case = make_case(40, 6, 3, hidden=48, inter=24, seed=5)
+    valid_tokens = torch.tensor([31], dtype=torch.int32)
+    torch.testing.assert_close(moe_triton(*case, valid_tokens=valid_tokens),
+                               fused_moe_ref(*case, valid_tokens=valid_tokens), rtol=1e-5, atol=1e-5)
 
 
 @interpreted
@@ -95,13 +140,46 @@ def test_triton_interpreted_over_the_routers_blocks_matches_reference(monkeypatc
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", [fused_moe, moe_triton])
-@pytest.mark.parametrize("tokens", [1, 37, 2048])
+@pytest.mark.parametrize("tokens", [1, 37, 400, 2048])
 def test_gpu_relu2_matches_reference(path, tokens: int) -> None:
     """Nemotron 3 Nano's experts: 128 of width 1856 over hidden 2688, top-6, bf16."""
     case = make_case(tokens, 128, 6, 2688, 1856, seed=tokens, dtype=torch.bfloat16, device="cuda",
                      activation="relu2")
     out = path(*case, activation="relu2")
     assert out.dtype == torch.bfloat16 and rel_err(out, fused_moe_ref(*case, activation="relu2")) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", [fused_moe, moe_triton])
+@pytest.mark.parametrize("tokens,valid", [(48, 37), (512, 384), (1024, 700)])
+def test_gpu_padding_rows_come_out_zero(path, tokens: int, valid: int) -> None:
+    """A captured step's padding rows (Nemotron 3 Nano's experts): real rows as the reference, padding
+    rows zero; 512 x 6 pairs run in 32-row blocks, 1024 x 6 take the CUTLASS path through fused_moe."""
+    case = make_case(tokens, 128, 6, 2688, 1856, seed=valid, dtype=torch.bfloat16, device="cuda",
+                     activation="relu2")
+    valid_tokens = torch.tensor([valid], dtype=torch.int32, device="cuda")
+    out = path(*case, activation="relu2", valid_tokens=valid_tokens)
+    expected = fused_moe_ref(*case, activation="relu2", valid_tokens=valid_tokens)
+    assert rel_err(out[:valid], expected[:valid]) < 2e-2 and not out[valid:].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", [fused_moe, moe_triton])
+def test_gpu_padding_count_is_read_at_replay(path) -> None:
+    """The count of real rows is device data: a replay with another count skips other rows."""
+    x, w_gate_up, w_down, weights, ids = make_case(96, 128, 6, 2688, 1856, seed=3, dtype=torch.bfloat16,
+                                                   device="cuda", activation="relu2")
+    valid_tokens = torch.tensor([90], dtype=torch.int32, device="cuda")
+    run = functools.partial(path, x, w_gate_up, w_down, weights, ids, activation="relu2", valid_tokens=valid_tokens)
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    valid_tokens.fill_(41)
+    ids.copy_(torch.randn(96, 128, device="cuda").topk(6).indices)
+    graph.replay()
+    expected = fused_moe_ref(x, w_gate_up, w_down, weights, ids, activation="relu2", valid_tokens=valid_tokens)
+    assert rel_err(out[:41], expected[:41]) < 2e-2 and not out[41:].any()
 
 
 # ----------------------------------------------------------------------------- GPU (Qwen3.5-35B-A3B MoE)

@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 
-from hypic.kernels.paged_attention import (PREFILL_SPLIT_MIN_KV, WIDE_SPLIT_TILING, Tiling, paged_attention,
-                                           paged_attention_ref, paged_attention_triton, write_kv)
+from hypic.kernels.paged_attention import (NARROW_PREFILL_TILINGS, PREFILL_SPLIT_MIN_KV, SPLIT_TILING, Tiling,
+                                           paged_attention, paged_attention_ref, paged_attention_triton, write_kv)
 from kernel_cases import PagedBatch, dense_causal_attention, interpreted, make_paged, rel_err
 
 
@@ -146,6 +146,18 @@ def test_triton_interpreted_short_prefill_splits(monkeypatch: pytest.MonkeyPatch
 
 
 @interpreted
+def test_triton_interpreted_split_tile_of_a_wide_head_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPLIT_TILING on Nemotron 3's head layout (32 query heads over 2 KV heads: 128 rows are 8
+    tokens x 16 heads) in three splits: seam windows of a few tokens over 700 keys, the last tokens."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pb = make_paged([700], [14], 32, 2, head_dim=16, block_size=16, gen=torch.Generator().manual_seed(2))
+    pb = with_positions(pb, [0, 1, 2, 3, 230, 231, 232, 233, 466, 467, 468, 697, 698, 699])
+    rows, kv_block, warps, stages = SPLIT_TILING
+    out = run_triton(pb, 0, scale=0.2, splits=3, shape=Tiling(rows, 16, kv_block, 1, warps, stages))
+    torch.testing.assert_close(out, call(paged_attention_ref, pb, 0, scale=0.2), rtol=1e-5, atol=1e-5)
+
+
+@interpreted
 def test_triton_interpreted_forced_splits_mixed_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Five splits forced on decodes and two prefills over pages, 6 heads over 2 KV heads (tiles of
     4 tokens). Sequence 2 (1300 keys, splits of 272): a tile at 542-545 whose first two rows see
@@ -162,11 +174,12 @@ def test_triton_interpreted_forced_splits_mixed_batch(monkeypatch: pytest.Monkey
 # ----------------------------------------------------------------------------- GPU (Qwen3.5-35B-A3B full attention)
 
 GPU_HEADS, GPU_KV_HEADS, GPU_HEAD_DIM, GPU_BLOCK = 16, 2, 256, 16
+NEMOTRON_HEADS = (32, 2, 128)  # Nemotron 3 Nano's attention: narrow heads in a group of 16
 
 
-def gpu_batch(kv_lens: list[int], q_lens: list[int], dtype: torch.dtype, seed: int) -> PagedBatch:
-    pb = make_paged(kv_lens, q_lens, GPU_HEADS, GPU_KV_HEADS, GPU_HEAD_DIM, GPU_BLOCK,
-                    torch.Generator().manual_seed(seed), dtype)
+def gpu_batch(kv_lens: list[int], q_lens: list[int], dtype: torch.dtype, seed: int,
+              heads: tuple[int, int, int] = (GPU_HEADS, GPU_KV_HEADS, GPU_HEAD_DIM)) -> PagedBatch:
+    pb = make_paged(kv_lens, q_lens, *heads, GPU_BLOCK, torch.Generator().manual_seed(seed), dtype)
     return PagedBatch(*(t.cuda() for t in (pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.kv_lens,
                                             pb.positions, pb.cu_seqlens)), pb.seq_lens, [], [])
 
@@ -211,23 +224,44 @@ def test_gpu_decode_replays_in_cuda_graph() -> None:
     assert rel_err(out, call(paged_attention_ref, pb, 4, scale)) < 1e-2
 
 
-def assembly_positions(kv_len: int) -> list[int]:
-    """A warm PIC assembly step's queries: 8 seam tokens at the start of each of 16 cached segments
-    spread over the prompt, then the last 64 tokens (192 tokens)."""
+def assembly_positions(kv_len: int, seam: int = 8) -> list[int]:
+    """A warm PIC assembly step's queries: `seam` tokens at the start of each of 16 cached segments
+    spread over the prompt, then the last 64 tokens (192 tokens at seam 8)."""
     prompt = kv_len - 64
-    return [k * prompt // 16 + i for k in range(16) for i in range(8)] + list(range(prompt, kv_len))
+    return [k * prompt // 16 + i for k in range(16) for i in range(seam)] + list(range(prompt, kv_len))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_len", [4096, 16384])
-def test_gpu_short_prefill_splits(kv_len: int) -> None:
-    """The assembly step splits its KV range in WIDE_SPLIT_TILING's tiles (12 tiles x 2 KV heads
-    cannot fill the GPU)."""
-    pb = with_positions(gpu_batch([kv_len], [192], torch.bfloat16, seed=4), assembly_positions(kv_len))
+@pytest.mark.parametrize("heads,seam", [((GPU_HEADS, GPU_KV_HEADS, GPU_HEAD_DIM), 8), (NEMOTRON_HEADS, 20)])
+def test_gpu_short_prefill_splits(kv_len: int, heads: tuple[int, int, int], seam: int) -> None:
+    """The assembly step splits its KV range in SPLIT_TILING's tiles (Qwen3.5: 12 tiles x 2 KV heads;
+    Nemotron 3, 384 tokens: 48 tiles x 2 KV heads; neither fills the GPU)."""
+    positions = assembly_positions(kv_len, seam)
+    pb = with_positions(gpu_batch([kv_len], [len(positions)], torch.bfloat16, seed=4, heads=heads), positions)
     tiling = Tiling.choose(pb.q, pb.k_cache, pb.seq_lens, kv_len)
-    assert tiling.splits > 1 and (tiling.rows, tiling.kv_block) == WIDE_SPLIT_TILING[:2]
-    scale = GPU_HEAD_DIM ** -0.5
+    assert tiling.splits > 1 and (tiling.rows, tiling.kv_block) == SPLIT_TILING[:2]
+    scale = heads[2] ** -0.5
     assert rel_err(run_triton(pb, 0, scale), call(paged_attention_ref, pb, 0, scale)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiling", NARROW_PREFILL_TILINGS, ids=str)
+def test_gpu_narrow_prefill_tilings_match_reference(tiling: tuple[int, int, int, int]) -> None:
+    """Each tile the narrow-head prefill may time, forced unsplit on a chunk continuing its KV."""
+    pb = gpu_batch([3000, 1100], [700, 1100], torch.bfloat16, seed=6, heads=NEMOTRON_HEADS)
+    rows, kv_block, warps, stages = tiling
+    out = run_triton(pb, 0, 128 ** -0.5, splits=1, shape=Tiling(rows, 16, kv_block, 1, warps, stages))
+    assert rel_err(out, call(paged_attention_ref, pb, 0, 128 ** -0.5)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_narrow_prefill_times_its_tilings() -> None:
+    """A long narrow-head prefill fills the GPU unsplit and runs the fastest of its timed tiles."""
+    pb = gpu_batch([4096], [4096], torch.bfloat16, seed=7, heads=NEMOTRON_HEADS)
+    tiling = Tiling.choose(pb.q, pb.k_cache, pb.seq_lens, 4096)
+    assert tiling.splits == 1 and len(tiling.candidates) == len(NARROW_PREFILL_TILINGS)
+    assert rel_err(call(paged_attention, pb, 0, 128 ** -0.5), call(paged_attention_ref, pb, 0, 128 ** -0.5)) < 1e-2
 
 
 @pytest.mark.gpu

@@ -1,13 +1,16 @@
 """Kimi-Linear on CUDA (FLA chunk_kda, the Triton KDA decode, the Triton latent MLA kernel, the
 DeepSeek-style MoE) against the CPU path on the same weights: prefill chunks, mixed batches and
-decodes per dtype; a decode step replayed from a CUDA graph; the whole engine in every cache mode."""
+decodes per dtype; chunks long enough that MLA expands (flash attention over expanded K/V) beside
+latent ones; a decode step replayed from a CUDA graph; the whole engine in every cache mode."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import kimi_models
-from models_util import assert_cuda_graph_decode_replays, assert_cuda_matches_cpu, save_checkpoint
+from hypic.models.registry import load_model
+from models_util import (BatchBuilder, assert_cuda_graph_decode_replays, assert_cuda_matches_cpu, random_ids, rel_err,
+                         run, save_checkpoint)
 from pic_util import assert_gpu_engine_matches_cpu_engine
 
 pytestmark = pytest.mark.gpu
@@ -23,6 +26,27 @@ def checkpoint(request, tmp_path_factory):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_chunks_batches_and_decodes_match_cpu(checkpoint, dtype) -> None:
     assert_cuda_matches_cpu(checkpoint, dtype, TOLERANCE[dtype])
+
+
+def expanding_steps_logits(checkpoint, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+    """A 330-token prompt in chunks of 200 (expands: square) and 130 (expands over 330 keys) beside a
+    short latent chunk of another sequence, then a decode of each: every step's logits."""
+    model = load_model(str(checkpoint), device=device, dtype=dtype)
+    mla = model.layers[model.config.full_layers[0]].mixer
+    assert 30 < mla.expand_from <= 130
+    builder = BatchBuilder(model.config, block_size=16, num_blocks=64, num_slots=8, dtype=dtype, device=device)
+    long, short = builder.new_seq(slot=2), builder.new_seq(slot=6)
+    prompt, other = random_ids(330, seed=21), random_ids(31, seed=22)
+    steps = [[(long, prompt[:200]), (short, other[:30])], [(short, other[30:]), (long, prompt[200:])],
+             [(long, [5]), (short, [9])]]
+    return [run(model, builder, pieces).float().cpu() for pieces in steps]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_expanded_prefill_matches_cpu(checkpoint, dtype) -> None:
+    expected = expanding_steps_logits(checkpoint, torch.device("cpu"), torch.float32)
+    for step, (got, want) in enumerate(zip(expanding_steps_logits(checkpoint, torch.device("cuda"), dtype), expected)):
+        assert rel_err(got, want) < TOLERANCE[dtype], f"step {step}"
 
 
 def test_decode_step_replays_from_a_cuda_graph(checkpoint) -> None:

@@ -124,7 +124,7 @@ def test_state_rope_rerotation_equals_recomputing_at_shifted_positions() -> None
 
 
 def test_gdn_kernel_extraction_matches_float64_oracle() -> None:
-    """float32 tuples come from the chunked GDN kernel (torch reference on CPU)."""
+    """float32 tuples are the ordered products of the chunk factors (`gdn_span_tuples`, torch on CPU)."""
     family, gen = get_family("gdn"), torch.Generator().manual_seed(5)
     lens = [70, 9]  # one span crosses a chunk boundary of the reference
     tokens = random_tokens(family, sum(lens), gen)
@@ -147,7 +147,7 @@ def test_t_storage_shapes_and_bytes() -> None:
 
 @pytest.mark.gpu
 def test_gdn_extraction_on_gpu_matches_float64_oracle() -> None:
-    """The identity trick through FLA's chunk kernel (value dim K, initial state I), bf16 inputs."""
+    """The chunk-factor product's Triton kernels (`gdn_span_tuples`), bf16 inputs."""
     family, gen = get_family("gdn"), torch.Generator().manual_seed(6)
     lens = [100, 30]  # the first crosses a chunk boundary
     tokens = random_tokens(family, sum(lens), gen, heads=(2, 4), dims=(128, 128))

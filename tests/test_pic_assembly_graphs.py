@@ -2,9 +2,10 @@
 page, zero tuples) must not change the request's logits nor its state."""
 from __future__ import annotations
 
+import mamba2_models
 import pytest
 from engine_util import greedy
-from pic_util import DOCS, SEP, pic_config, prompt
+from pic_util import DOCS, QUERY, SEP, pic_config, prompt
 
 from hypic.engine.pic.graphs import MAX_PIECES, AssemblyGraphs
 from hypic.engine.llm_engine import LLMEngine
@@ -48,17 +49,45 @@ def test_padded_assembly_step_gives_the_eager_tokens_and_logprobs(slow_decay_mod
     assert_padded_steps_give_the_eager_tokens_and_logprobs(slow_decay_model_dir)
 
 
-def assert_padded_steps_give_the_eager_tokens_and_logprobs(model_dir) -> None:
+def assert_padded_steps_give_the_eager_tokens_and_logprobs(model_dir, query: str = QUERY,
+                                                           sizes: tuple[int, ...] = (32, 40, 48, 56, 64, 88, 96, 128)
+                                                           ) -> list[int]:
+    """A cold request, then two warm ones, eagerly and with their assembly steps padded to `sizes`:
+    the same tokens and logprobs. Returns the padded sizes used."""
     config = pic_config(model_dir)
-    cold_then_warm = [prompt(*DOCS), prompt(DOCS[2], DOCS[0], DOCS[1]), prompt(DOCS[1], DOCS[2])]
+    cold_then_warm = [prompt(*docs, query=query) for docs in (DOCS, (DOCS[2], DOCS[0], DOCS[1]), (DOCS[1], DOCS[2]))]
     eager = LLMEngine(config)
     expected = [generate(eager, p, 5) for p in cold_then_warm]
-    padded, sizes_used = padded_engine(config, sizes=(32, 40, 48, 56, 64, 88, 96, 128))
+    padded, sizes_used = padded_engine(config, sizes=sizes)
     got = [generate(padded, p, 5) for p in cold_then_warm]
     assert len(sizes_used) >= 2 and len(set(sizes_used)) >= 2  # the warm requests ran padded, at two sizes
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected):
         assert tokens == want_tokens
         assert logprobs == pytest.approx(want_logprobs, abs=1e-5)
+    return sizes_used
+
+
+def test_moe_blocks_skip_exactly_the_padding_rows(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """Nemotron 3 style (relu2 experts): each padded step's MoE is told where its padding starts,
+    and the tokens stay the eager engine's."""
+    import hypic.models.layers as layers
+    seen: list[tuple[int, int]] = []
+    moe = layers.fused_moe
+
+    def recording_moe(x, *args, valid_tokens=None, **kwargs):
+        if valid_tokens is not None:
+            seen.append((int(valid_tokens), x.shape[0]))
+        return moe(x, *args, valid_tokens=valid_tokens, **kwargs)
+    monkeypatch.setattr(layers, "fused_moe", recording_moe)
+    config = pic_config(mamba2_models.make_model_dir(tmp_path, "nemotron_h", slow_decay=True))
+    cold, warm = prompt(*DOCS), prompt(DOCS[2], DOCS[0], DOCS[1])
+    eager = LLMEngine(config)
+    expected = [generate(eager, p, 3)[0] for p in (cold, warm)]
+    padded, sizes_used = padded_engine(config, sizes=(32, 64, 96, 128))
+    seen.clear()  # the capture's warm-up steps
+    assert [generate(padded, p, 3)[0] for p in (cold, warm)] == expected
+    assert sizes_used and {rows for _, rows in seen} == set(sizes_used)
+    assert all(0 < valid < rows for valid, rows in seen)
 
 
 def test_requests_a_graph_cannot_hold_run_eagerly(slow_decay_model_dir):

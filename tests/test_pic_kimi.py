@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import kimi_models
+from hypic.engine.llm_engine import LLMEngine
 from engine_util import greedy
 from pic_util import (DOCS, assert_blocks_slots_and_pins_return, assert_composed_first_state_exact,
                       assert_reordered_hit_and_other_salts_miss, assert_scattered_first_pages_exact,
@@ -36,6 +37,17 @@ def test_the_conv_tails_are_what_make_it_exact(kimi_dir, monkeypatch: pytest.Mon
 def test_padded_assembly_step_as_captured_gives_the_eager_tokens_and_logprobs(kimi_dir) -> None:
     """The warm step as AssemblyGraphs captures it (padded; in_graph: MLA in one latent pass), run eagerly."""
     assert_padded_steps_give_the_eager_tokens_and_logprobs(kimi_dir)
+
+
+def test_a_warm_chunk_longer_than_expand_from_attends_latent_as_captured(kimi_dir) -> None:
+    """A long question makes the warm chunk (seams and question, its positions jumping over the cached
+    interiors) longer than MLA's expand_from: eager, it must still attend in the latent space (the
+    expanded form masks a chunk as its sequence's last tokens), as its padded step does."""
+    sizes_used = assert_padded_steps_give_the_eager_tokens_and_logprobs(kimi_dir, query=DOCS[1],
+                                                                        sizes=tuple(range(120, 260, 8)))
+    model = LLMEngine(pic_config(kimi_dir)).runner.model
+    expand_from = model.layers[model.config.full_layers[0]].mixer.expand_from
+    assert min(sizes_used) > expand_from + 8  # the chunks themselves outnumber it
 
 
 def test_seam_wide_enough_to_recompute_everything_equals_none(kimi_dir) -> None:

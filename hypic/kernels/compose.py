@@ -172,6 +172,8 @@ class _Walk:
 # walks the request. Value columns are independent in every family (T acts on the K dim), so
 # tiling V needs no communication between programs. The walk is latency-bound (one request fills
 # few SMs; its tokens are sequential), so the launch shape is chosen for the latency of one token.
+# The arena of cached tuples is far larger than L2: a head's V tiles prefetch the next piece's T and S0
+# between them (a dense T is K x K, read whole by every tile) while the tokens before it run.
 
 @dataclass(frozen=True)
 class WalkConfig:
@@ -230,16 +232,16 @@ def compose_and_recur_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         g if beta is None else beta.contiguous(), o, ssm_pool, slots, has_state, cu_seqlens,
         pieces.ptr, pieces.at, pieces.t_off, pieces.s0_off, t_src, s0_src, scale,
         slots if checkpoints is None else checkpoints.at, slots if checkpoints is None else checkpoints.slots,
-        HAS_CHECKPOINTS=checkpoints is not None, **constants, num_warps=config.num_warps)
+        HAS_CHECKPOINTS=checkpoints is not None, L2_PREFETCH=v.is_cuda, **constants, num_warps=config.num_warps)
     return o
 
 
 @triton_kernel
 def _compose_recur_kernel(q, k, v, g, beta, o, pool, slots, has_state, cu_seqlens,
                           ptr, at, t_off, s0_off, t_src, s0_src, scale, save_at, save_slots,
-                          HAS_CHECKPOINTS: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
-                          K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                          KC: tl.constexpr, FAMILY: tl.constexpr):
+                          HAS_CHECKPOINTS: tl.constexpr, L2_PREFETCH: tl.constexpr, H: tl.constexpr,
+                          HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                          BV: tl.constexpr, KC: tl.constexpr, FAMILY: tl.constexpr):
     i_v, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     ok = tl.arange(0, BK)
@@ -253,10 +255,21 @@ def _compose_recur_kernel(q, k, v, g, beta, o, pool, slots, has_state, cu_seqlen
     S = tl.where(tl.load(has_state + i_b) != 0, S, 0.0)
     # token indices in int64 (N * HV * V may pass 2^31), one loop-carried type whatever the index dtypes
     cursor = tl.load(cu_seqlens + i_b).to(tl.int64)
-    for p in range(tl.load(ptr + i_b), tl.load(ptr + i_b + 1)):
-        stop = tl.load(at + p).to(tl.int64)
+    # a piece's table row is read an iteration ahead: its loads wait behind the tokens before it,
+    # not in front of them, and its tuple is asked into L2 (a GPU hint) before its compose starts
+    first, last = tl.load(ptr + i_b), tl.load(ptr + i_b + 1) - 1
+    stop_n, t_n, s0_n = _piece(first, first <= last, at, t_off, s0_off)
+    if L2_PREFETCH:  # nested, not `and`: a constexpr and a runtime condition
+        if first <= last:
+            _prefetch_piece(t_n, s0_n, t_src, s0_src, i_v, i_hv, K, V, BV, FAMILY)
+    for p in range(first, last + 1):
+        stop, t_at, s0_at = stop_n, t_n, s0_n
+        stop_n, t_n, s0_n = _piece(p + 1, p < last, at, t_off, s0_off)
         S = _tokens(S, cursor, stop, q, k, v, g, beta, o, scale, i_h, i_hv, ok, ov, H, HV, K, V, FAMILY)
-        S = _compose(S, p, t_off, s0_off, t_src, s0_src, home, i_hv, ok, ov, mk, mv, K, V, KC, FAMILY)
+        if L2_PREFETCH:
+            if p < last:
+                _prefetch_piece(t_n, s0_n, t_src, s0_src, i_v, i_hv, K, V, BV, FAMILY)
+        S = _compose(S, t_at, s0_at, t_src, s0_src, home, i_hv, ok, ov, mk, mv, K, V, KC, FAMILY)
         cursor = stop
     if HAS_CHECKPOINTS:
         save = tl.load(save_at + i_b)
@@ -341,11 +354,18 @@ def _token(S, t, stop, operands, o, scale, i_hv, ov, HV: tl.constexpr, V: tl.con
 
 
 @triton_kernel
-def _compose(S, p, t_off, s0_off, t_src, s0_src, home, i_hv, ok, ov, mk, mv,
+def _piece(p, live, at, t_off, s0_off):
+    """Piece p's row of the table: (at, t_off, s0_off), zeros where not live (no row p)."""
+    return (tl.load(at + p, mask=live, other=0).to(tl.int64), tl.load(t_off + p, mask=live, other=0),
+            tl.load(s0_off + p, mask=live, other=0))
+
+
+@triton_kernel
+def _compose(S, t_at, s0_at, t_src, s0_src, home, i_hv, ok, ov, mk, mv,
              K: tl.constexpr, V: tl.constexpr, KC: tl.constexpr, FAMILY: tl.constexpr):
-    """S <- T . S + S0 for cached piece p."""
-    t_base = t_src + tl.load(t_off + p)
-    s0_base = s0_src + tl.load(s0_off + p) + i_hv * K * V
+    """S <- T . S + S0 for the cached piece whose tuple is at t_src[t_at], s0_src[s0_at]."""
+    t_base = t_src + t_at
+    s0_base = s0_src + s0_at + i_hv * K * V
     S0 = tl.load(s0_base + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
     if FAMILY == 0:
         S = S * tl.exp(tl.load(t_base + i_hv).to(tl.float32))
@@ -353,9 +373,37 @@ def _compose(S, p, t_off, s0_off, t_src, s0_src, home, i_hv, ok, ov, mk, mv,
         T = tl.load(t_base + i_hv * K + ok, mask=mk, other=0.0).to(tl.float32)
         S = S * tl.exp(T)[:, None]
     else:  # a 16-element aligned block start lets T's rows load 16 bytes at a time, not element by element
-        T = t_src + tl.multiple_of(tl.load(t_off + p) + i_hv * K * K, 16 if K % 4 == 0 else 1)
+        T = t_src + tl.multiple_of(t_at + i_hv * K * K, 16 if K % 4 == 0 else 1)
         S = _dense_apply(S, T, home, ok, ov, mk, mv, K, V, KC)
     return S + S0.to(tl.float32)
+
+
+@triton_kernel
+def _prefetch_piece(t_at, s0_at, t_src, s0_src, i_v, i_hv,
+                    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, FAMILY: tl.constexpr):
+    """Bring a piece's T and S0 at this head from HBM into L2, this program's share of their lines:
+    a compose's loads (a dense T's chunks one after another) then wait on L2, not HBM. The arena
+    holds far more than L2, so a piece's tuple is cold until its walk reaches it."""
+    t_elems: tl.constexpr = 1 if FAMILY == 0 else (K if FAMILY == 1 else K * K)
+    _prefetch_share(t_src + t_at + i_hv * t_elems, t_elems, i_v, (V + BV - 1) // BV)
+    _prefetch_share(s0_src + s0_at + i_hv * K * V, K * V, i_v, (V + BV - 1) // BV)
+
+
+@triton_kernel
+def _prefetch_share(base, N: tl.constexpr, i_v, NV: tl.constexpr):
+    """L2 prefetches of program i_v's share (of NV programs) of the 128-byte lines of N elements at base."""
+    LINE: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth  # elements in 128 bytes
+    LINES: tl.constexpr = (N + LINE - 1) // LINE
+    for m in tl.static_range(0, (LINES + NV - 1) // NV, 32):
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [base + _share_lines(m, i_v, LINES, NV) * LINE],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton_kernel
+def _share_lines(m, i_v, LINES: tl.constexpr, NV: tl.constexpr):
+    """Lines i_v + NV * (m + j), j < 32, of LINES: the NV programs' shares cover every line once;
+    lines past the end repeat the last one, so every address lies in the block."""
+    return tl.minimum(i_v + NV * (m + tl.arange(0, 32)), LINES - 1)
 
 
 @triton_kernel

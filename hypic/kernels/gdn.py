@@ -18,7 +18,8 @@ import torch
 
 from hypic.kernels.host_copy import host_to_device
 from hypic.kernels.triton_lazy import triton_kernel
-from hypic.kernels.varlen import decode_launch, decode_program, expand_key_heads, initial_states, to_chunks
+from hypic.kernels.varlen import (decode_launch, decode_program, expand_key_heads, fla_cu_seqlens, initial_states,
+                                  to_chunks)
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -42,18 +43,15 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         gdn_decode_triton(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm_pool, slots[:nd], has_state[:nd],
                           scale=scale, out=o[:nd])
     if len(seq_lens_cpu) > nd:
-        # float32 means float32: FLA's float32 dots run as tf32 (~1e-3 off), the chunked torch reference not
-        prefill = _prefill_fla if v.dtype != torch.float32 else _prefill_ref
-        o[nd:] = prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], ssm_pool, slots[nd:], has_state[nd:],
-                         cu_seqlens[nd:], scale=scale, seq_lens=seq_lens_cpu[nd:])
+        rows, lens = slice(nd, None), seq_lens_cpu[nd:]
+        if v.dtype == torch.float32:  # float32 means float32: FLA's float32 dots run as tf32 (~1e-3 off)
+            o[rows] = gated_delta_rule_ref(q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_pool, slots[rows],
+                                           has_state[rows], cu_seqlens[rows], scale=scale, num_decodes=0,
+                                           seq_lens_cpu=lens)
+        else:
+            o[rows] = _prefill_fla(q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_pool, slots[rows],
+                                   has_state[rows], scale=scale, seq_lens=lens)
     return o
-
-
-def _prefill_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
-                 cu_seqlens: torch.Tensor, *, scale: float, seq_lens: tuple[int, ...]) -> torch.Tensor:
-    return gated_delta_rule_ref(q, k, v, g, beta, ssm_pool, slots, has_state, cu_seqlens, scale=scale,
-                                num_decodes=0, seq_lens_cpu=seq_lens)
 
 
 # ----------------------------------------------------------------------------- torch reference
@@ -99,15 +97,9 @@ def _chunked_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     E = U - W S0 with U, W independent of S0; outputs and end state follow by matmuls."""
     length = q.shape[0]
     q, k, v, g, beta = (to_chunks(t, length, CHUNK) for t in (q * scale, k, v, g, beta))  # [HV, n, C, ...]
-    cum = g.cumsum(-1)
-    decay = _pairwise_decay(cum)
-    coupling = ((k @ k.transpose(-1, -2)) * decay * beta[..., None]).tril(-1)
-    inverse = _unit_lower_inverse(coupling)
-    w = inverse @ ((beta * cum.exp())[..., None] * k)
-    u = inverse @ (beta[..., None] * v)
+    cum, decay, w, u, k_to_end = chunk_wy(k, v, g, beta)
     attn = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * cum.exp()[..., None]
-    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
     outs = []
     for i in range(q.shape[1]):  # only the state hand-off between chunks is sequential
         err = u[:, i] - w[:, i] @ state
@@ -116,6 +108,19 @@ def _chunked_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     o = torch.stack(outs, 1).flatten(1, 2)[:, :length]
     return o.transpose(0, 1), state
 
+
+def chunk_wy(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The WY factors of chunks (k [..., C, K], v [..., C, V], g, beta [..., C]): the cumulative log-decay
+    G, exp(G_t - G_s) (s <= t), W and U, and the keys decayed to the chunk's end. A chunk maps its
+    entry state S to exp(G_C) S + k_to_end^T (U - W S)."""
+    cum = g.cumsum(-1)
+    decay = _pairwise_decay(cum)
+    coupling = ((k @ k.transpose(-1, -2)) * decay * beta[..., None]).tril(-1)
+    inverse = _unit_lower_inverse(coupling)
+    w = inverse @ ((beta * cum.exp())[..., None] * k)
+    u = inverse @ (beta[..., None] * v)
+    return cum, decay, w, u, k * (cum[..., -1:] - cum).exp()[..., None]
 
 
 def _pairwise_decay(cum: torch.Tensor) -> torch.Tensor:
@@ -134,13 +139,13 @@ def _unit_lower_inverse(strict_lower: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- GPU: FLA prefill
 
 def _prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
-                 cu_seqlens: torch.Tensor, *, scale: float, seq_lens: tuple[int, ...]) -> torch.Tensor:
-    """FLA's varlen chunk kernel (B = 1); states are gathered from and scattered to the slab."""
+                 ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, *, scale: float,
+                 seq_lens: tuple[int, ...]) -> torch.Tensor:
+    """FLA's varlen chunk kernel (B = 1; spans from seq_lens, as `fla_cu_seqlens` says: the same offsets
+    for every layer of a step, no host copy per layer); states are gathered from and scattered to the slab."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    cu = (cu_seqlens - cu_seqlens[0]).long()  # prefill tokens start at 0 in the sliced tensors
-    cu_cpu = torch.tensor(list(itertools.accumulate(seq_lens, initial=0)), dtype=torch.long)
+    cu, cu_cpu = fla_cu_seqlens(seq_lens, q.device)
     o, final = chunk_gated_delta_rule(
         q[None], k[None], v[None], g[None].float(), beta[None], scale=scale,
         initial_state=initial_states(ssm_pool, slots, has_state), output_final_state=True,

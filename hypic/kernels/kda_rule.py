@@ -40,22 +40,19 @@ def kda_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         kda_decode_triton(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm_pool, slots[:nd], has_state[:nd],
                           scale=scale, out=o[:nd])
     if len(seq_lens_cpu) > nd:
-        prefill = _prefill_fla if v.dtype != torch.float32 else _prefill_ref
-        o[nd:] = prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], ssm_pool, slots[nd:], has_state[nd:],
-                         cu_seqlens[nd:], scale=scale, seq_lens=seq_lens_cpu[nd:])
+        rows, lens = slice(nd, None), seq_lens_cpu[nd:]
+        if v.dtype == torch.float32:  # FLA would compute it in tf32
+            o[rows] = kda_rule_ref(q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_pool, slots[rows],
+                                   has_state[rows], cu_seqlens[rows], scale=scale, num_decodes=0, seq_lens_cpu=lens)
+        else:
+            o[rows] = _prefill_fla(q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_pool, slots[rows],
+                                   has_state[rows], scale=scale, seq_lens=lens)
     return o
 
 
-def _prefill_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, cu_seqlens: torch.Tensor, *,
-                 scale: float, seq_lens: tuple[int, ...]) -> torch.Tensor:
-    return kda_rule_ref(q, k, v, g, beta, ssm_pool, slots, has_state, cu_seqlens, scale=scale, num_decodes=0,
-                        seq_lens_cpu=seq_lens)
-
-
 def _prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, cu_seqlens: torch.Tensor, *,
-                 scale: float, seq_lens: tuple[int, ...]) -> torch.Tensor:
+                 ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, *, scale: float,
+                 seq_lens: tuple[int, ...]) -> torch.Tensor:
     """FLA's varlen KDA chunk kernel (B = 1, key heads expanded to the value heads, the gate already in
     log space and per key; spans from seq_lens, as `fla_cu_seqlens` says); states are gathered from
     and scattered to the slab."""

@@ -30,6 +30,7 @@ from torch import Tensor
 from hypic.kernels.host_copy import host_to_device
 from hypic.errors import UnsupportedModelError
 from hypic.kernels.gdn import gated_delta_rule
+from hypic.kernels.gdn_tuples import gdn_span_tuples
 from hypic.kernels.kda_rule import kda_rule
 from hypic.kernels.scalar_gated import scalar_gated_rule
 from hypic.kernels.scatter_kv import apply_rope
@@ -355,6 +356,19 @@ class GatedDeltaFamily(DenseFamily):
 
     def token_T(self, k: Tensor, g: Tensor, beta: Tensor | None) -> Tensor:
         return g.exp()[:, None, None] * self._householder(k, beta)
+
+    def extract_tuple(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, cu_seqlens: Tensor,
+                      seq_lens: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        if k.dtype == torch.float64:
+            return super().extract_tuple(k, v, g, beta, cu_seqlens, seq_lens)
+        return gdn_span_tuples(k, v, g, beta, RowSpans.packed(cu_seqlens, seq_lens))
+
+    def spans_tuple(self, x: Operands, spans: RowSpans) -> tuple[Tensor, Tensor]:
+        """The ordered product of each span's chunk factors (`gdn_span_tuples`), rows read in place;
+        float64 keeps the token recurrence (the exact oracle)."""
+        if x.k.dtype == torch.float64:
+            return super().spans_tuple(x, spans)
+        return gdn_span_tuples(x.k, x.v, x.g, x.beta, spans)
 
     def recur_spans(self, x: Operands, pool: Tensor, spans: StateSpans, *, scale: float) -> Tensor:
         return gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, pool, spans.slots, spans.has_state, spans.cu_seqlens,

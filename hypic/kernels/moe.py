@@ -8,6 +8,10 @@ where it needs no device-to-host copy; our Triton grouped GEMM over expert-padde
 decode-sized batches (a handful of launches: what a CUDA-graph step pays per kernel) and elsewhere.
 Both end in one fused combine: the weighted sum over each token's k experts, plus the shared
 expert's gated output when the caller passes it.
+
+A CUDA graph's step is padded to a captured size; `valid_tokens` (a device count, read by the kernels:
+no host sync) marks the rows from it on as padding: they go to no expert (no expert weights loaded,
+no rows computed for them) and come out zero.
 """
 from __future__ import annotations
 
@@ -25,22 +29,26 @@ tl: Any  # triton.language, bound by triton_lazy on first GPU use
 TRITON_MAX_PAIRS = 4096  # token-expert pairs up to which the Triton path beats CUTLASS's sort and launches
 ROUTE_BLOCKS_MAX_PAIRS = 128  # pairs up to which one program routes and lays out a batch (decode steps)
 Shared = tuple[torch.Tensor, torch.Tensor]  # (shared expert output [N, H], its gate logit [N, 1])
+Valid = torch.Tensor | None  # [1] int on the batch's device: rows from it on are padding; None: no padding
 ACTIVATIONS = ("silu", "relu2")  # gated SwiGLU experts, ungated relu^2 experts
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, *, shared: Shared | None = None, activation: str = "silu") -> torch.Tensor:
+              topk_ids: torch.Tensor, *, shared: Shared | None = None, activation: str = "silu",
+              valid_tokens: Valid = None) -> torch.Tensor:
     """x: [N, H]; w_gate_up: [E, 2I, H] (gate rows, then up rows; relu2: [E, I, H], up rows only);
     w_down: [E, H, I]; topk_weights: [N, k] float; topk_ids: [N, k] int64. Returns [N, H] in x's
-    dtype, plus sigmoid(gate logit) * shared output when `shared` is given."""
+    dtype, plus sigmoid(gate logit) * shared output when `shared` is given; rows from
+    `valid_tokens` on (padding) are zero."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_moe activation must be one of {ACTIVATIONS}, got {activation!r}")
     args = (x, w_gate_up, w_down, topk_weights, topk_ids)
+    options = dict(shared=shared, activation=activation, valid_tokens=valid_tokens)
     if x.device.type != "cuda":
-        return fused_moe_ref(*args, shared=shared, activation=activation)
+        return fused_moe_ref(*args, **options)
     if _cutlass_grouped_mm_applies(x, w_down) and topk_ids.numel() > TRITON_MAX_PAIRS:
-        return moe_grouped_mm(*args, shared=shared, activation=activation)
-    return moe_triton(*args, shared=shared, activation=activation)
+        return moe_grouped_mm(*args, **options)
+    return moe_triton(*args, **options)
 
 
 @dataclass(frozen=True)
@@ -66,15 +74,18 @@ def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.T
 
 
 def routed_moe(x: torch.Tensor, logits: torch.Tensor, routing: Routing, w_gate_up: torch.Tensor,
-               w_down: torch.Tensor, *, shared: Shared | None = None, activation: str = "silu") -> torch.Tensor:
+               w_down: torch.Tensor, *, shared: Shared | None = None, activation: str = "silu",
+               valid_tokens: Valid = None) -> torch.Tensor:
     """`fused_moe` after `route(logits, routing)`. On CUDA a decode-sized batch (up to
     ROUTE_BLOCKS_MAX_PAIRS token-expert pairs, no group-limited choice) routes and lays out its expert
     blocks in one launch (`route_blocks_triton`) instead of five (softmax) or about eighteen (sigmoid)."""
     pairs = logits.shape[0] * routing.top_k
+    options = dict(shared=shared, activation=activation, valid_tokens=valid_tokens)
     if x.device.type != "cuda" or pairs > ROUTE_BLOCKS_MAX_PAIRS or routing.n_group != 1:
-        return fused_moe(x, w_gate_up, w_down, *route(logits, routing), shared=shared, activation=activation)
-    weights, ids, blocks = route_blocks_triton(logits, routing, _block_rows(pairs, w_down.shape[0], x.dtype))
-    return moe_triton(x, w_gate_up, w_down, weights, ids, shared=shared, activation=activation, blocks=blocks)
+        return fused_moe(x, w_gate_up, w_down, *route(logits, routing), **options)
+    block = _block_rows(pairs, w_down.shape[0], x.dtype)
+    weights, ids, blocks = route_blocks_triton(logits, routing, block, valid_tokens)
+    return moe_triton(x, w_gate_up, w_down, weights, ids, blocks=blocks, **options)
 
 
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,15 +111,17 @@ def route_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
 # ----------------------------------------------------------------------------- torch reference
 
 def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, *, shared: Shared | None = None, activation: str = "silu") -> torch.Tensor:
+                  topk_ids: torch.Tensor, *, shared: Shared | None = None, activation: str = "silu",
+                  valid_tokens: Valid = None) -> torch.Tensor:
     """Same contract as `fused_moe`, float32 math, one matmul pair per expert that has tokens."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for expert in topk_ids.unique().tolist():
-        token, which = (topk_ids == expert).nonzero(as_tuple=True)
+    ids = topk_ids[:_num_valid(x.shape[0], valid_tokens)]
+    for expert in ids.unique().tolist():
+        token, which = (ids == expert).nonzero(as_tuple=True)
         h = x[token].float() @ w_gate_up[expert].float().T
         y = expert_activation(h, activation) @ w_down[expert].float().T
         out.index_add_(0, token, y * topk_weights[token, which, None].float())
-    return _add_shared(out.to(x.dtype), shared)
+    return _zero_padding(_add_shared(out.to(x.dtype), shared), valid_tokens)
 
 
 def expert_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -145,6 +158,16 @@ def route_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple
     return weights, ids
 
 
+def _num_valid(rows: int, valid_tokens: Valid) -> int:
+    """The rows before the padding (host sync: references only)."""
+    return rows if valid_tokens is None else min(rows, int(valid_tokens))
+
+
+def _zero_padding(out: torch.Tensor, valid_tokens: Valid) -> torch.Tensor:
+    out[_num_valid(out.shape[0], valid_tokens):] = 0
+    return out
+
+
 def _add_shared(out: torch.Tensor, shared: Shared | None) -> torch.Tensor:
     if shared is None:
         return out
@@ -154,38 +177,46 @@ def _add_shared(out: torch.Tensor, shared: Shared | None) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- GPU: shared
 
-def _sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order, counts): pair indices (token * k + slot) grouped by expert, and pairs per expert."""
+def _sort_by_expert(topk_ids: torch.Tensor, num_experts: int, valid_tokens: Valid
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, counts): pair indices (token * k + slot) grouped by expert, and pairs per expert
+    [E]. Padding rows' pairs go to a sentinel expert E, so they sort last and no count has them."""
     flat = topk_ids.flatten()
+    if valid_tokens is not None:
+        pair = torch.arange(flat.shape[0], device=flat.device)
+        flat = torch.where(pair < valid_tokens * topk_ids.shape[1], flat, num_experts)
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
     counts.index_add_(0, flat, torch.ones_like(flat))  # bincount would sync to size its output
-    return order, counts
+    return order, counts[:num_experts]
 
 
 def moe_combine(y: torch.Tensor, topk_weights: torch.Tensor, row_of_pair: torch.Tensor | None,
-                dtype: torch.dtype, shared: Shared | None) -> torch.Tensor:
+                dtype: torch.dtype, shared: Shared | None, valid_tokens: Valid = None) -> torch.Tensor:
     """Expert outputs y (pair p = token * k + slot in row row_of_pair[p], or row p when None) ->
     [N, H]: each token's k outputs weighted in float32, rounded to dtype, plus the gated shared
-    expert (rounded as torch's bf16 ops round). CUDA: one Triton pass, no [N, k, H] float32 copy."""
+    expert (rounded as torch's bf16 ops round); padding rows zero, their y rows unread. CUDA: one
+    Triton pass, no [N, k, H] float32 copy."""
     if y.device.type != "cuda":
         pair_out = y if row_of_pair is None else y[row_of_pair]
         per_token = pair_out.view(*topk_weights.shape, -1).float()
-        return _add_shared((per_token * topk_weights[..., None].float()).sum(1).to(dtype), shared)
-    return moe_combine_triton(y, topk_weights, row_of_pair, dtype, shared)
+        out = _add_shared((per_token * topk_weights[..., None].float()).sum(1).to(dtype), shared)
+        return _zero_padding(out, valid_tokens)
+    return moe_combine_triton(y, topk_weights, row_of_pair, dtype, shared, valid_tokens)
 
 
 def moe_combine_triton(y: torch.Tensor, topk_weights: torch.Tensor, row_of_pair: torch.Tensor | None,
-                       dtype: torch.dtype, shared: Shared | None) -> torch.Tensor:
+                       dtype: torch.dtype, shared: Shared | None, valid_tokens: Valid = None) -> torch.Tensor:
     tokens, top_k = topk_weights.shape
     hidden = y.shape[1]
     out = torch.empty((tokens, hidden), dtype=dtype, device=y.device)
     shared_out, gate_logit = shared if shared is not None else (None, None)
     block_h = min(1024, next_power_of_2(hidden))
     _combine_kernel[(tokens, -(-hidden // block_h))](
-        y, topk_weights.contiguous(), row_of_pair, shared_out, gate_logit, out, y.stride(0),
+        y, topk_weights.contiguous(), row_of_pair, shared_out, gate_logit, out, valid_tokens, y.stride(0),
         shared_out.stride(0) if shared is not None else 0, gate_logit.stride(0) if shared is not None else 0,
-        H=hidden, K=top_k, BH=block_h, HAS_INDEX=row_of_pair is not None, HAS_SHARED=shared is not None)
+        H=hidden, K=top_k, BH=block_h, HAS_INDEX=row_of_pair is not None, HAS_SHARED=shared is not None,
+        HAS_VALID=valid_tokens is not None)
     return out
 
 
@@ -200,21 +231,23 @@ def _cutlass_grouped_mm_applies(x: torch.Tensor, w_down: torch.Tensor) -> bool:
 
 
 def moe_grouped_mm(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor, *, shared: Shared | None = None, activation: str = "silu") -> torch.Tensor:
-    order, counts = _sort_by_expert(topk_ids, w_gate_up.shape[0])
-    offsets = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
+                   topk_ids: torch.Tensor, *, shared: Shared | None = None, activation: str = "silu",
+                   valid_tokens: Valid = None) -> torch.Tensor:
+    order, counts = _sort_by_expert(topk_ids, w_gate_up.shape[0], valid_tokens)
+    offsets = counts.cumsum(0).to(torch.int32)  # end row of each expert's group (padding pairs: past the last)
     rows = x[order // topk_ids.shape[1]]
     h = torch._grouped_mm(rows, w_gate_up.transpose(1, 2), offs=offsets)
     y_sorted = torch._grouped_mm(expert_activation(h, activation), w_down.transpose(1, 2), offs=offsets)
     row_of_pair = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return moe_combine(y_sorted, topk_weights, row_of_pair, x.dtype, shared)
+    return moe_combine(y_sorted, topk_weights, row_of_pair, x.dtype, shared, valid_tokens)
 
 
 # ----------------------------------------------------------------------------- GPU: Triton
 
 @dataclass(frozen=True)
 class ExpertBlocks:
-    """Pairs sorted by expert, each expert's run padded to a multiple of `block` rows.
+    """Pairs sorted by expert, each expert's run padded to a multiple of `block` rows; the pairs of
+    padding tokens (from valid_tokens on) are in none.
 
     Invariant: rows[i] is a pair index, or num_pairs for padding; block j serves
     expert block_expert[j] (num_experts past the last used block). The block count is an upper
@@ -229,22 +262,24 @@ class ExpertBlocks:
         return self.block_expert.shape[0]
 
 
-def expert_blocks(topk_ids: torch.Tensor, num_experts: int, block: int) -> ExpertBlocks:
+def expert_blocks(topk_ids: torch.Tensor, num_experts: int, block: int, valid_tokens: Valid = None) -> ExpertBlocks:
     """The blocks of a batch; CUDA: four launches (counting by atomics, one scan, one scatter), and a
     pair's place inside its expert's run is the order its atomic landed in: any order is valid."""
     if topk_ids.device.type == "cuda":
-        return expert_blocks_triton(topk_ids, num_experts, block)
-    return expert_blocks_ref(topk_ids, num_experts, block)
+        return expert_blocks_triton(topk_ids, num_experts, block, valid_tokens)
+    return expert_blocks_ref(topk_ids, num_experts, block, valid_tokens)
 
 
-def expert_blocks_ref(topk_ids: torch.Tensor, num_experts: int, block: int) -> ExpertBlocks:
-    order, counts = _sort_by_expert(topk_ids, num_experts)
+def expert_blocks_ref(topk_ids: torch.Tensor, num_experts: int, block: int, valid_tokens: Valid = None
+                      ) -> ExpertBlocks:
+    order, counts = _sort_by_expert(topk_ids, num_experts, valid_tokens)
     pairs = order.shape[0]
     padded = (counts + block - 1) // block * block
     padded_end = padded.cumsum(0)
     padded_start = padded_end - padded
+    order = order[: int(counts.sum())]  # padding tokens' pairs sort last
     expert = topk_ids.flatten()[order]
-    rank = torch.arange(pairs, device=order.device) - (counts.cumsum(0) - counts)[expert]
+    rank = torch.arange(order.shape[0], device=order.device) - (counts.cumsum(0) - counts)[expert]
     num_blocks = pairs // block + min(num_experts, pairs)
     rows = torch.full((num_blocks * block,), pairs, dtype=torch.long, device=order.device)
     rows.index_copy_(0, padded_start[expert] + rank, order)
@@ -252,7 +287,8 @@ def expert_blocks_ref(topk_ids: torch.Tensor, num_experts: int, block: int) -> E
     return ExpertBlocks(rows, torch.searchsorted(padded_end, starts, right=True), block)
 
 
-def expert_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block: int) -> ExpertBlocks:
+def expert_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block: int, valid_tokens: Valid = None
+                         ) -> ExpertBlocks:
     pairs, device = topk_ids.numel(), topk_ids.device
     num_blocks = pairs // block + min(num_experts, pairs)  # the bound of ExpertBlocks' invariant
     counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
@@ -262,23 +298,19 @@ def expert_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block: int) -
     block_expert = torch.empty(num_blocks, dtype=torch.long, device=device)
     ids = topk_ids.contiguous()
     grid = (-(-pairs // 1024),)
-    _count_kernel[grid](ids, counts, rank, pairs, BP=1024)
+    real = dict(TOPK=topk_ids.shape[1], HAS_VALID=valid_tokens is not None, BP=1024)  # which pairs count
+    _count_kernel[grid](ids, counts, rank, pairs, valid_tokens, **real)
     _layout_kernel[(1,)](counts, starts, block_expert, rows, pairs, num_blocks, E=num_experts,
                          BE=next_power_of_2(num_experts), BLOCK=block, BJ=32, BP=1024)
-    _place_kernel[grid](ids, rank, starts, rows, pairs, BP=1024)
+    _place_kernel[grid](ids, rank, starts, rows, pairs, valid_tokens, **real)
     return ExpertBlocks(rows, block_expert, block)
 
 
-def _block_rows(pairs: int, num_experts: int, dtype: torch.dtype) -> int:
-    """64-row blocks once experts average 32+ rows; float32 always 16 (its 64-row tiles spill)."""
-    return 64 if pairs >= 32 * num_experts and dtype != torch.float32 else 16
-
-
-def route_blocks_triton(logits: torch.Tensor, routing: Routing, block: int
+def route_blocks_triton(logits: torch.Tensor, routing: Routing, block: int, valid_tokens: Valid = None
                         ) -> tuple[torch.Tensor, torch.Tensor, ExpertBlocks]:
     """`route` (without group-limited choice) and `expert_blocks_ref`'s layout of its ids (pairs in order
-    within each expert) in one program, for up to ROUTE_BLOCKS_MAX_PAIRS pairs: no atomics, so the
-    layout is the reference's."""
+    within each expert; padding tokens' in none) in one program, for up to ROUTE_BLOCKS_MAX_PAIRS pairs:
+    no atomics, so the layout is the reference's."""
     tokens, experts = logits.shape
     pairs, top_k = tokens * routing.top_k, routing.top_k
     num_blocks = pairs // block + min(experts, pairs)  # the bound of ExpertBlocks' invariant
@@ -289,23 +321,24 @@ def route_blocks_triton(logits: torch.Tensor, routing: Routing, block: int
     tile = next_power_of_2(tokens) * next_power_of_2(top_k)  # the pair-by-pair tiles are tile x tile
     _route_blocks_kernel[(1,)](
         logits, routing.bias, weights, ids, rows, block_expert, tokens, logits.stride(0), num_blocks,
-        routing.scaling, E=experts, K=top_k, BE=next_power_of_2(experts), BT=next_power_of_2(tokens),
+        routing.scaling, valid_tokens, E=experts, K=top_k, BE=next_power_of_2(experts), BT=next_power_of_2(tokens),
         BK=next_power_of_2(top_k), BLOCK=block, BJ=32, BRW=64, RENORM=routing.renormalize,
-        SIGMOID=routing.bias is not None, num_warps=8 if tile >= 128 else 4)  # 128 x 128 spills at 4 warps (sm90)
+        SIGMOID=routing.bias is not None, HAS_VALID=valid_tokens is not None,
+        num_warps=8 if tile >= 128 else 4)  # 128 x 128 spills at 4 warps (sm90)
     return weights, ids, ExpertBlocks(rows, block_expert, block)
 
 
 def moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                topk_ids: torch.Tensor, *, shared: Shared | None = None, activation: str = "silu",
-               blocks: ExpertBlocks | None = None) -> torch.Tensor:
+               valid_tokens: Valid = None, blocks: ExpertBlocks | None = None) -> torch.Tensor:
     """The Triton path; `blocks` is the pairs' layout when the router made it already."""
     num_experts, inter, hidden = w_down.shape[0], w_down.shape[2], x.shape[1]
     pairs = topk_ids.numel()
     if blocks is None:
-        blocks = expert_blocks(topk_ids, num_experts, _block_rows(pairs, num_experts, x.dtype))
-    many_rows = blocks.block == 64
+        blocks = expert_blocks(topk_ids, num_experts, _block_rows(pairs, num_experts, x.dtype), valid_tokens)
     block_n = 32 if pairs <= 64 else 64  # a few pairs: narrower tiles, more programs streaming weights
-    launch = dict(BM=blocks.block, BN=block_n, BK=64, num_warps=8 if many_rows else 4,
+    # blocks of 32+ rows in 8 warps: in 4, 32 rows spill the gated kernel's tiles (ptxas, sm90)
+    launch = dict(BM=blocks.block, BN=block_n, BK=64, num_warps=4 if blocks.block == 16 else 8,
                   DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
     _moe_gate_up_kernel[(blocks.num_blocks, -(-inter // block_n))](
@@ -316,7 +349,16 @@ def moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, t
     _moe_down_kernel[(blocks.num_blocks, -(-hidden // block_n))](
         act, w_down, blocks.rows, blocks.block_expert, pair_out, pairs, act.stride(0), w_down.stride(0),
         w_down.stride(1), pair_out.stride(0), NUM_EXPERTS=num_experts, I=inter, H=hidden, **launch)
-    return moe_combine(pair_out, topk_weights, None, x.dtype, shared)
+    return moe_combine(pair_out, topk_weights, None, x.dtype, shared, valid_tokens)
+
+
+def _block_rows(pairs: int, num_experts: int, dtype: torch.dtype) -> int:
+    """Rows of an expert block: the power of two above the rows an expert averages, 16 to 64. Each
+    block streams its expert's weights, so an expert should mostly fit one (Nemotron 3 Nano, 2304
+    pairs over 128 experts: 32, not two blocks of 16); float32 always 16 (its wider tiles spill)."""
+    if dtype == torch.float32:
+        return 16
+    return min(64, max(16, next_power_of_2(pairs // num_experts + 1)))
 
 
 @triton_kernel
@@ -382,10 +424,20 @@ def _moe_down_kernel(act, w, rows, block_expert, out, num_pairs, stride_a, strid
 
 
 @triton_kernel
-def _count_kernel(ids, counts, rank, num_pairs, BP: tl.constexpr):
-    """counts[e] += 1 per pair of expert e; the value it found is the pair's rank within e."""
-    i = tl.program_id(0) * BP + tl.arange(0, BP)
+def _real_pairs(i, num_pairs, valid_tokens, TOPK: tl.constexpr, HAS_VALID: tl.constexpr):
+    """Which of the pairs i exist and belong to a real token (every pair without valid_tokens)."""
     m = i < num_pairs
+    if HAS_VALID:
+        m = m & (i < tl.load(valid_tokens).to(tl.int32) * TOPK)
+    return m
+
+
+@triton_kernel
+def _count_kernel(ids, counts, rank, num_pairs, valid_tokens, TOPK: tl.constexpr, HAS_VALID: tl.constexpr,
+                  BP: tl.constexpr):
+    """counts[e] += 1 per real pair of expert e; the value it found is the pair's rank within e."""
+    i = tl.program_id(0) * BP + tl.arange(0, BP)
+    m = _real_pairs(i, num_pairs, valid_tokens, TOPK, HAS_VALID)
     expert = tl.load(ids + i, mask=m, other=0)
     tl.store(rank + i, tl.atomic_add(counts + expert, 1, mask=m), mask=m)
 
@@ -410,21 +462,26 @@ def _layout_kernel(counts, starts, block_expert, rows, num_pairs, num_blocks, E:
 
 
 @triton_kernel
-def _place_kernel(ids, rank, starts, rows, num_pairs, BP: tl.constexpr):
+def _place_kernel(ids, rank, starts, rows, num_pairs, valid_tokens, TOPK: tl.constexpr, HAS_VALID: tl.constexpr,
+                  BP: tl.constexpr):
     i = tl.program_id(0) * BP + tl.arange(0, BP)
-    m = i < num_pairs
+    m = _real_pairs(i, num_pairs, valid_tokens, TOPK, HAS_VALID)
     expert = tl.load(ids + i, mask=m, other=0)
     row = tl.load(starts + expert, mask=m, other=0) + tl.load(rank + i, mask=m, other=0)
     tl.store(rows + row, i.to(tl.int64), mask=m)
 
 
 @triton_kernel
-def _combine_kernel(y, weights, row_of_pair, shared, gate_logit, out, stride_y, stride_s, stride_g,
+def _combine_kernel(y, weights, row_of_pair, shared, gate_logit, out, valid_tokens, stride_y, stride_s, stride_g,
                     H: tl.constexpr, K: tl.constexpr, BH: tl.constexpr, HAS_INDEX: tl.constexpr,
-                    HAS_SHARED: tl.constexpr):
+                    HAS_SHARED: tl.constexpr, HAS_VALID: tl.constexpr):
+    """A padding token (from valid_tokens on) reads nothing (its pairs have no output) and stores 0."""
     t = tl.program_id(0).to(tl.int64)
     o_h = tl.program_id(1) * BH + tl.arange(0, BH)
-    m_h = o_h < H
+    m_out = o_h < H
+    m_h = m_out
+    if HAS_VALID:  # compared as a vector: Triton's interpreter takes no 0-d mask
+        m_h = m_h & (tl.zeros((BH,), dtype=tl.int64) + t < tl.load(valid_tokens))
     acc = tl.zeros((BH,), dtype=tl.float32)
     for j in tl.static_range(K):
         row = t * K + j
@@ -438,7 +495,7 @@ def _combine_kernel(y, weights, row_of_pair, shared, gate_logit, out, stride_y, 
         b_s = tl.load(shared + t * stride_s + o_h, mask=m_h, other=0.0)
         product = (gate.to(tl.float32) * b_s.to(tl.float32)).to(out.dtype.element_ty)
         total = (total.to(tl.float32) + product.to(tl.float32)).to(out.dtype.element_ty)
-    tl.store(out + t * H + o_h, total, mask=m_h)
+    tl.store(out + t * H + o_h, total, mask=m_out)
 
 
 @triton_kernel
@@ -492,9 +549,9 @@ def _top_k(logits, bias, weights, ids, t, tokens, stride_l, scaling, E: tl.const
 
 @triton_kernel
 def _route_blocks_kernel(logits, bias, weights, ids, rows, block_expert, tokens, stride_l, num_blocks, scaling,
-                         E: tl.constexpr, K: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                         BLOCK: tl.constexpr, BJ: tl.constexpr, BRW: tl.constexpr, RENORM: tl.constexpr,
-                         SIGMOID: tl.constexpr):
+                         valid_tokens, E: tl.constexpr, K: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
+                         BK: tl.constexpr, BLOCK: tl.constexpr, BJ: tl.constexpr, BRW: tl.constexpr,
+                         RENORM: tl.constexpr, SIGMOID: tl.constexpr, HAS_VALID: tl.constexpr):
     """One program: every token's top-k, then the layout from pair-by-pair comparisons (pair p = t * K + j):
     its expert's pair count and its rank among them, its expert's first padded row (the padded runs
     of the experts of lower id), each block's expert and each row's pair."""
@@ -502,7 +559,10 @@ def _route_blocks_kernel(logits, bias, weights, ids, rows, block_expert, tokens,
     picked = _top_k(logits, bias, weights, ids, t, tokens, stride_l, scaling, E, K, BE, BK, RENORM, SIGMOID)
     o_k = tl.arange(0, BK)
     pair = tl.reshape(t[:, None].to(tl.int32) * K + o_k[None, :], (BT * BK,))
-    valid = tl.reshape(((t < tokens)[:, None] & (o_k < K)[None, :]).to(tl.int32), (BT * BK,)) != 0
+    real = t < tokens
+    if HAS_VALID:  # a captured step's padding tokens: their pairs go to no expert
+        real = real & (t < tl.load(valid_tokens))
+    valid = tl.reshape((real[:, None] & (o_k < K)[None, :]).to(tl.int32), (BT * BK,)) != 0
     expert = tl.reshape(picked, (BT * BK,))
     same = (expert[:, None] == expert[None, :]) & valid[:, None] & valid[None, :]  # [p, q]
     count = tl.sum(same.to(tl.int32), axis=1)

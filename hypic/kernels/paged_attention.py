@@ -135,14 +135,17 @@ def merge_splits_triton(partial: torch.Tensor, lse: torch.Tensor, out: torch.Ten
                                    BS=next_power_of_2(splits), D=dim, BD=next_power_of_2(dim))
 
 
-# Prefill tiles for wide heads (D > 128), all spill-free on sm90 (ptxas): (rows, kv_block, warps, stages).
-# Which is fastest depends on the chip and the chunk, so the first chunk of each size times them.
+# Prefill tiles (rows, kv_block, warps, stages) for wide heads (D > 128) and narrow ones (D <= 128;
+# 128 x 64 is FlashAttention's tile for D = 128), all spill-free on sm90 (ptxas). Which is fastest
+# depends on the chip and the chunk, so the first chunk of each size times them.
 WIDE_PREFILL_TILINGS = ((64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 8, 3),
                         (128, 32, 8, 3))
-# A split wide-head prefill (a warm assembly step) re-reads its keys once per query tile: the widest
-# tile re-reads least (H200, 320 seam and query tokens over 16k keys: 0.29 ms vs 0.58 in 64 x 32;
-# bench/results/attention_h200_qwen3_5_moe.json).
-WIDE_SPLIT_TILING = (128, 64, 8, 2)
+NARROW_PREFILL_TILINGS = ((128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 3))
+# A split prefill (a warm assembly step) re-reads its keys once per query tile: the widest tile
+# re-reads least (H200, Qwen3.5's 256-wide heads, 320 seam and query tokens over 16k keys: 0.29 ms vs
+# 0.58 in 64 x 32; bench/results/attention_h200_qwen3_5_moe.json). Narrow heads in a group of 16
+# (Nemotron 3: 32 query heads over 2 KV heads) fit only 4 tokens in 64 rows: 128 rows halve the re-reads.
+SPLIT_TILING = (128, 64, 8, 2)
 _FASTEST: dict[tuple, Tiling] = {}
 
 
@@ -189,14 +192,14 @@ class Tiling:
                splits: int | None = None, shape: Tiling | None = None) -> Tiling:
         """Sizes that compile without register spills on sm90 (checked with ptxas, D = 128 and 256)
         unless `shape` forces rows, KV tile, warps and stages (its group must be the heads'); KV
-        splits as `_kv_splits` picks them for that tile unless `splits` forces a count. A wide-head
-        prefill that splits takes WIDE_SPLIT_TILING, split for that tile's programs."""
+        splits as `_kv_splits` picks them for that tile unless `splits` forces a count. A prefill
+        with timed candidates that splits takes SPLIT_TILING, split for that tile's programs."""
         decode = max(seq_lens) == 1
         tiling = _tile_shape(q, k_cache, decode) if shape is None else _forced_shape(shape, q, k_cache)
         if splits is None:
             splits = _kv_splits(_programs(tiling, seq_lens, k_cache), max_kv_len, q.device, decode)
-            if splits > 1 and tiling.candidates:  # a wide-head prefill that splits: its own tile and count
-                rows, kv_block, warps, stages = WIDE_SPLIT_TILING
+            if splits > 1 and tiling.candidates:  # a timed prefill that splits: its own tile and count
+                rows, kv_block, warps, stages = SPLIT_TILING
                 tiling = Tiling(rows, tiling.group, kv_block, 1, warps, stages)
                 splits = _kv_splits(_programs(tiling, seq_lens, k_cache), max_kv_len, q.device, decode)
         if splits < 1:
@@ -206,17 +209,19 @@ class Tiling:
 
 
 def _tile_shape(q: torch.Tensor, k_cache: torch.Tensor, decode: bool) -> Tiling:
-    """The unsplit tiling: rows, KV tile, warps (the split count changes none of them)."""
+    """The unsplit tiling: rows, KV tile, warps (the split count changes none of them). A 16-bit
+    prefill on the GPU has candidates to time; the first sizes the split rule's grid."""
     group = next_power_of_2(q.shape[1] // k_cache.shape[2])
     if q.dtype == torch.float32:  # twice the bytes per element: small tiles
         return Tiling(max(16, group), group, 16, 1, 4)
     if decode:
         return Tiling(max(16, group), group, 32, 1, 4)
-    if q.shape[2] <= 128 or group > 64 or q.device.type != "cuda":
-        return Tiling(max(64, group), group, 64 if q.shape[2] <= 128 else 32, 1, 8)
-    wide = tuple(Tiling(rows, group, kv_block, 1, warps, stages)
-                 for rows, kv_block, warps, stages in WIDE_PREFILL_TILINGS)
-    return Tiling(64, group, 32, 1, 8, 2, wide)
+    narrow = q.shape[2] <= 128
+    if group > 64 or q.device.type != "cuda":
+        return Tiling(max(64, group), group, 64 if narrow else 32, 1, 8)
+    table = NARROW_PREFILL_TILINGS if narrow else WIDE_PREFILL_TILINGS
+    candidates = tuple(Tiling(rows, group, kv_block, 1, warps, stages) for rows, kv_block, warps, stages in table)
+    return dataclasses.replace(candidates[0], candidates=candidates)
 
 
 def _programs(tiling: Tiling, seq_lens: tuple[int, ...], k_cache: torch.Tensor) -> int:

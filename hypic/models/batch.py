@@ -47,6 +47,9 @@ class ForwardBatch:
     # captured into a CUDA graph: the host copies above are the capture batch's, not each replay's, so
     # layers must not split the step by them (they may size grids); every length comes from the device
     in_graph: bool = False
+    # [1] int32 on the device, rows from it on pad a captured step (never read back): MoE blocks route
+    # them to no expert. None: every row is real
+    valid_tokens: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -73,6 +76,7 @@ class Assembly:
     the tokens after each walk, which continue from the composed state through the mixer's ordinary
     chunked path)."""
 
+    seqs: tuple[int, ...]  # the step's sequence index of each assembling sequence (host copy)
     walk: StateSpans  # the assembling sequences over their walk rows (no decodes)
     walk_rows: torch.Tensor  # [R] their walk tokens' rows in the flat batch, in order
     walks_every_row: bool  # walk_rows is every row of the step (a warm request alone): no gathers

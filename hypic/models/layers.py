@@ -5,10 +5,11 @@ import torch
 from torch import nn
 
 from hypic.kernels.activation import silu_and_mul
-from hypic.kernels.moe import Routing, routed_moe
+from hypic.kernels.moe import Routing, Valid, routed_moe
 from hypic.kernels.norms import (add_rms_norm, gated_rms_norm, grouped_gated_rms_norm, rms_norm, rms_norm_rope,
                                  rms_norm_rope_write)
 from hypic.kernels.scatter_kv import rope_inv_freq
+from hypic.models.batch import ForwardBatch
 
 
 class RMSNorm(nn.Module):
@@ -108,13 +109,14 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = SwiGLUMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, valid_tokens: Valid = None) -> torch.Tensor:
+        """Rows from `valid_tokens` on (a captured step's padding) come out zero."""
         logits = self.gate(x)
         shared = None
         if self.shared_expert is not None:  # added inside the MoE's combine pass
             shared = (self.shared_expert(x), self.shared_expert_gate(x))
         return routed_moe(x, logits, Routing(self.top_k, self.norm_topk_prob), self.experts_gate_up,
-                          self.experts_down, shared=shared)
+                          self.experts_down, shared=shared, valid_tokens=valid_tokens)
 
 
 class ReluSquaredMLP(nn.Module):
@@ -173,7 +175,16 @@ class RoutedMoeBlock(nn.Module):
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, rows, hidden_size))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, valid_tokens: Valid = None) -> torch.Tensor:
+        """Rows from `valid_tokens` on (a captured step's padding) go to no expert."""
         logits, routing = self.router(x)
-        out = routed_moe(x, logits, routing, self.experts_gate_up, self.experts_down, activation=self.activation)
+        out = routed_moe(x, logits, routing, self.experts_gate_up, self.experts_down, activation=self.activation,
+                         valid_tokens=valid_tokens)
         return out if self.shared is None else out + self.shared(x)
+
+
+def feed_forward(mlp: nn.Module, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """A layer's MLP on the step's rows; a MoE block skips the padding rows of a captured step."""
+    if isinstance(mlp, (SparseMoeBlock, RoutedMoeBlock)):
+        return mlp(x, batch.valid_tokens)
+    return mlp(x)

@@ -14,7 +14,7 @@ from hypic.cache.model_caches import CacheShape, ModelCaches
 from hypic.models.attention import GatedAttention
 from hypic.models.batch import ForwardBatch
 from hypic.models.layers import (GroupedSigmoidRouter, ReluSquaredMLP, RMSNorm, RoutedMoeBlock, SoftmaxRouter,
-                                 SwiGLUMLP)
+                                 SwiGLUMLP, feed_forward)
 from hypic.models.mamba2 import Mamba2Mixer
 from hypic.models.mamba2_config import Mamba2HybridConfig
 from hypic.models.stack import DecoderStack, add_norm
@@ -61,7 +61,7 @@ class Block(nn.Module):
             return self.mixer(normed, batch, *caches.state(self.index), self.linear_index)
         if self.kind == "attention":
             return self.mixer(normed, batch, *caches.kv(self.index))
-        return self.mixer(normed)
+        return feed_forward(self.mixer, normed, batch)
 
     def forward(self, delta: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                 caches: ModelCaches) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,9 +5,11 @@ without a LoRA, softmax scale (nope + rope)^-1/2.
 The pages hold the per-token latent [c | k_pe] (kv_lora_rank + rope channels, one row for all
 heads). Decode tokens and short chunks attend in the latent space with the up-projections absorbed
 (q_nope through W_uk, the output through W_uv); a long chunk of an eager step expands its sequence's
-latents to per-head K/V once, which costs less when its queries outnumber `expand_from` (see
-`LatentAttention`). A step captured into a CUDA graph attends in the latent space throughout: its host
-lengths are the capture batch's, so it reads every length from the device.
+latents to per-head K/V once and runs flash attention over them (`mla_expanded_attention`), which
+costs less when its queries outnumber `expand_from` (see `LatentAttention`). A chunk that composes
+cached PIC pieces stays latent: its positions jump over the pieces, and only the latent kernel masks
+by each token's own position. A step captured into a CUDA graph attends in the latent space
+throughout: its host lengths are the capture batch's, so it reads every length from the device.
 """
 from __future__ import annotations
 
@@ -17,8 +19,7 @@ import math
 import torch
 from torch import nn
 
-from hypic.kernels.mla_attention import gather_latents, mla_attention, write_latents
-from hypic.kernels.paged_attention import attend_ref
+from hypic.kernels.mla_attention import gather_latents, mla_attention, mla_expanded_attention, write_latents
 from hypic.models.batch import ForwardBatch
 from hypic.models.kimi_config import KimiLinearConfig
 from hypic.models.layers import RMSNorm
@@ -81,12 +82,13 @@ class LatentAttention(nn.Module):
 
     def attend_expanded(self, q: torch.Tensor, pages: torch.Tensor, batch: ForwardBatch, seq: int,
                         rows: slice) -> torch.Tensor:
-        """One sequence with its latents expanded to per-head K [L, H, nope + rope] and V [L, H, v]."""
+        """One sequence with its latents expanded to per-head K [L, H, nope + rope] and V [L, H, v]; its
+        chunk's tokens are its last ones (positions L - n .. L - 1: a chunk that composes no pieces)."""
         latent = gather_latents(pages, batch.block_tables[seq], batch.kv_lens_cpu[seq])
         kv = self.kv_b_proj(latent[:, :self.rank]).view(-1, self.num_heads, self.nope + self.v_dim)
         k_pe = latent[:, None, self.rank:].expand(-1, self.num_heads, -1)
         keys = torch.cat([kv[..., :self.nope], k_pe], dim=-1)
-        return attend_ref(q[rows], keys, kv[..., self.nope:], batch.positions[rows], self.scale)
+        return mla_expanded_attention(q[rows], keys, kv[..., self.nope:], self.scale)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
@@ -105,15 +107,17 @@ class LatentAttention(nn.Module):
         return self.attend_eager(q, pages, batch)
 
     def attend_eager(self, q: torch.Tensor, pages: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Decodes in one latent pass, each prefill chunk latent or expanded by its length (host lengths)."""
+        """Decodes in one latent pass, each prefill chunk latent or expanded by its length (host lengths);
+        chunks that compose cached pieces latent."""
         o = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
         nd = batch.num_decodes
         if nd:
             o[:nd] = self.attend_absorbed(q, pages, batch, slice(0, nd), slice(0, nd))
         starts = list(itertools.accumulate(batch.seq_lens_cpu, initial=0))
+        composing = batch.pic.assembly.seqs if batch.pic is not None and batch.pic.assembly is not None else ()
         for b in range(nd, batch.num_seqs):
             rows = slice(starts[b], starts[b + 1])
-            if batch.seq_lens_cpu[b] >= self.expand_from:
+            if batch.seq_lens_cpu[b] >= self.expand_from and b not in composing:
                 o[rows] = self.attend_expanded(q, pages, batch, b, rows)
             else:
                 o[rows] = self.attend_absorbed(q, pages, batch, slice(b, b + 1), rows)

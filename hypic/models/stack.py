@@ -13,7 +13,7 @@ from hypic.cache.model_caches import ModelCaches
 from hypic.models.batch import ForwardBatch
 from hypic.models.config import HybridConfig
 from hypic.models.kimi_config import KimiLinearConfig
-from hypic.models.layers import RMSNorm
+from hypic.models.layers import RMSNorm, feed_forward
 from hypic.models.mamba2_config import Mamba2HybridConfig
 
 StackConfig = HybridConfig | KimiLinearConfig | Mamba2HybridConfig
@@ -83,4 +83,4 @@ class PreNormLayer(nn.Module):
         """Returns this layer's (mlp output, stream before it)."""
         normed, residual = add_norm(self.input_layernorm, delta, residual)
         normed, residual = self.post_attention_layernorm(self.mix(normed, batch, caches), residual)
-        return self.mlp(normed), residual
+        return feed_forward(self.mlp, normed, batch), residual

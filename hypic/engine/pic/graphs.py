@@ -6,8 +6,9 @@ time to first token.
 A graph is captured per token count of a ladder, with room for MAX_PIECES + 1 cached pieces. A
 step that assembles one request runs in the smallest one with room for one more token: a padding
 sequence takes the other rows in the scratch slot and page (it walks its tokens, then composes the
-store's zero tuple once, so it is walked like the request). Token tensors have the captured shape;
-piece tables fill a leading part of theirs, and the piece pointers keep the kernels inside it.
+store's zero tuple once, so it is walked like the request; MoE blocks route its rows to no expert,
+so they load no expert weights). Token tensors have the captured shape; piece tables fill a
+leading part of theirs, and the piece pointers keep the kernels inside it.
 """
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ from hypic.engine.pic.state import PicState
 from hypic.engine.scheduler import ScheduledBatch, ScheduledChunk
 from hypic.models.batch import ForwardBatch
 
-SIZES = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+# Steps of at most a quarter past 128 tokens (a warm step's seams and question: 384 tokens pad to 448,
+# not 512): a padding row still costs the dense layers (the MoE skips it), while a graph more costs
+# only a warm-up and a capture at start, in the memory pool all sizes share.
+SIZES = (32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 MAX_PIECES = 32  # cached pieces of the request; one with more runs eagerly
 
 
@@ -56,9 +60,11 @@ class AssemblyGraphs:
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         for size in sorted(self.sizes, reverse=True):
-            # sized for the longest KV range: attention picks its KV splits from it, not from the capture batch
-            forward = dataclasses.replace(self._build(self._capture_batch(size)), max_kv_len=self.max_kv_len,
-                                          in_graph=True)
+            # sized for the longest KV range: attention picks its KV splits from it, not from the capture
+            # batch; the padding sequence's rows (from its first one, read at each replay) skip the MoE
+            built = self._build(self._capture_batch(size))
+            forward = dataclasses.replace(built, max_kv_len=self.max_kv_len, in_graph=True,
+                                          valid_tokens=built.cu_seqlens[-2:-1])
             self.static[size] = forward
             self.logits[size] = self._forward(forward)  # warm-up outside the graph (compiles, autotunes)
             if self.use_graphs:

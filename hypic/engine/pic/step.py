@@ -48,6 +48,7 @@ def build_assembly(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, co
     walk_lens = [walk_len[i] for i in composing]
     rest_lens = tuple(end - start for start, end in rest_spans)
     return Assembly(
+        seqs=tuple(composing),
         walk=StateSpans(_long([chunks[i].seq.slot for i in composing], device),
                         host_to_device([chunks[i].chunk.start > 0 for i in composing], torch.bool, device),
                         _cumsum(walk_lens, device), 0, tuple(walk_lens)),
