@@ -19,7 +19,10 @@ run), are served by a second one. qps: the server runs in this process (engine t
 event loop), one engine with the host tier and one without (same pool, same seeded requests,
 preheated with every document).
 
-Each figure is printed as soon as it is measured, each phase's start and end with its wall seconds.
+Each figure is printed as soon as it is measured, each phase's start and end with its wall seconds,
+and at the start of each part and engine the host's memory (MemAvailable, the pinned bytes torch
+holds, the live host tiers' bytes). During qps a watchdog prints every thread's stack when the
+engine has requests but runs no step for STALL_S (at most MAX_STALL_DUMPS times a sweep).
 The result is written after each part (a timeout keeps what was measured; hypic.bench.report's
 ResultFile). The file lists each run (date, commit, command, the parts asked for and the wall seconds
 of those measured) and each part under the run that measured it; a run of some parts replaces those
@@ -52,12 +55,14 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import faulthandler
 import gc
 import itertools
 import math
 import os
 import random
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,6 +78,7 @@ from hypic import EngineConfig
 from hypic.bench.report import ResultFile, measured_by
 from hypic.bench.serve import add_bench_arguments, build_workload, run_sweeps
 from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentTuple
+from hypic.cache.tiers import HostArena
 from hypic.engine.client import InProcessEngineClient
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.setup import BUNDLED_MODEL, resolve_dtype, resolve_segment_state_dtype
@@ -86,6 +92,8 @@ PARTS = ("copy", "ttft", "disk", "qps")  # in the order they run
 COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}  # copy: bytes per timed copy
 TWENTY_PERCENT_AT = "4x4096"  # the prompt shape where the issue asks for a host hit within 20 % of recompute
 TIERS = ("pool", "host", "none")  # measured by ttft; "disk" by the disk part's restarted engine
+STALL_S = 1.0  # qps: an engine with requests that runs no step this long is stalled
+MAX_STALL_DUMPS = 3  # stacks printed per sweep, at most
 # what differs between the H200 run and the CPU smoke run (the bundled model, ~1 MB per entry)
 DEVICE_DEFAULTS = {
     "cuda": dict(pool_bytes=4 << 30, host_bytes=40 << 30, disk_bytes=24 << 30, prompts="4x4096,16x1024",
@@ -131,9 +139,69 @@ def parts_list(text: str) -> tuple[str, ...]:
 def part(record: ResultFile, name: str, settings: dict) -> Iterator[dict]:
     """A part: its figures (filled into the dict yielded) and settings, saved under parts[name] when it ends."""
     with group(record, name) as saved:
+        host_memory(f"at the start of {name}")
         figures: dict = {}
         yield figures
         saved[("parts", name)] = {"settings": settings, **figures}
+
+
+def host_memory(when: str) -> None:
+    """What the host has left, what torch's pinned allocator holds (in tensors, or cached for the
+    next engine) and what the live host tiers hold: an engine that outlived its part shows as a
+    host tier too many."""
+    arenas = [o for o in gc.get_objects() if type(o) is HostArena]  # type(): isinstance asks lazy modules for __class__
+    say(f"host memory {when}: MemAvailable {mem_available() / 2**30:.1f} GiB, {pinned()}, {len(arenas)} live "
+        f"host tiers holding {sum(a.allocated_bytes for a in arenas) / 2**30:.1f} GiB")
+
+
+def mem_available() -> int:
+    lines = Path("/proc/meminfo").read_text().splitlines()
+    return next(int(line.split()[1]) << 10 for line in lines if line.startswith("MemAvailable:"))
+
+
+def pinned() -> str:
+    """torch's pinned-memory figures (a torch without them, or without CUDA, says so)."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_available():
+        return "pinned bytes not reported"
+    s = stats()
+    return (f"pinned {s.get('allocated_bytes.current', 0) / 2**30:.1f} GiB ({s.get('active_bytes.current', 0) / 2**30:.1f}"
+            f" GiB in use; {s.get('num_host_alloc', 0)} cudaHostAlloc calls took "
+            f"{s.get('host_alloc_time.total', 0) / 1e6:.1f} s, the longest {s.get('host_alloc_time.max', 0) / 1e3:.0f} ms)")
+
+
+class StallWatch:
+    """While a sweep runs: when the engine has requests but runs no step for STALL_S, every
+    thread's stack (and the host's memory), once a stall and at most MAX_STALL_DUMPS times."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine, self.dumps = engine, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="bench-stall-watch", daemon=True)
+
+    def __enter__(self) -> StallWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        steps, since, reported = self.engine.steps, time.monotonic(), False
+        while not self._stop.wait(STALL_S / 4) and self.dumps < MAX_STALL_DUMPS:
+            if self.engine.steps != steps or not self.engine.requests:
+                steps, since, reported = self.engine.steps, time.monotonic(), False
+            elif not reported and time.monotonic() - since > STALL_S:
+                self._dump(time.monotonic() - since)
+                reported = True
+
+    def _dump(self, seconds: float) -> None:
+        self.dumps += 1
+        say(f"engine stall {self.dumps}/{MAX_STALL_DUMPS}: no step for {seconds:.1f} s with "
+            f"{len(self.engine.requests)} requests in; every thread's stack:")
+        faulthandler.dump_traceback(all_threads=True)
+        host_memory("at the stall")
 
 
 def in_run_order(data: dict) -> None:
@@ -282,17 +350,28 @@ def first_engine(config: EngineConfig, shapes: list[PromptShape], rng: random.Ra
                  repeats: int) -> dict:
     """ttft's figures and the host tier's counters (when ttft runs); with disk among the parts, the
     disk sets cached on the way and written down to disk."""
-    with phase("first engine start"):
+    with started("first engine", config) as engine:
+        filler = fillers(engine, max(len(shape.warm[0]) for shape in shapes), rng)
+        figures, disk_keys = {}, []
+        for shape in shapes:
+            disk_keys += cache_disk_sets(engine, shape, rng) if "disk" in parts else []
+            if "ttft" in parts:
+                figures[shape.name] = measure_tiers(engine, shape, filler, rng, repeats)
+        push_out(engine, disk_keys, filler)
+        engine.store.lower.drain()
+        return {"prompts": figures, "host_stats": dataclasses.asdict(engine.store.lower.stats())}
+
+
+@contextlib.contextmanager
+def started(name: str, config: EngineConfig) -> Iterator[LLMEngine]:
+    """An engine, closed when the block ends (its pinned host memory goes back then)."""
+    host_memory(f"before the {name} starts")
+    with phase(f"{name} start"):
         engine = LLMEngine(config)
-    filler = fillers(engine, max(len(shape.warm[0]) for shape in shapes), rng)
-    figures, disk_keys = {}, []
-    for shape in shapes:
-        disk_keys += cache_disk_sets(engine, shape, rng) if "disk" in parts else []
-        if "ttft" in parts:
-            figures[shape.name] = measure_tiers(engine, shape, filler, rng, repeats)
-    push_out(engine, disk_keys, filler)
-    engine.store.lower.drain()
-    return {"prompts": figures, "host_stats": dataclasses.asdict(engine.store.lower.stats())}
+    try:
+        yield engine
+    finally:
+        engine.close()
 
 
 def measure_disk(engine: LLMEngine, shape: PromptShape, rng: random.Random) -> dict:
@@ -308,10 +387,9 @@ def measure_disk(engine: LLMEngine, shape: PromptShape, rng: random.Random) -> d
 
 def restarted_engine(config: EngineConfig, shapes: list[PromptShape], rng: random.Random) -> dict:
     """Disk figures of an engine restarted on the first one's directory; its disk counters."""
-    with phase("restarted engine start"):
-        engine = LLMEngine(config)
-    figures = {shape.name: measure_disk(engine, shape, rng) for shape in shapes}
-    return {"prompts": figures, "disk_stats_after_restart": dataclasses.asdict(engine.stats().segment_disk)}
+    with started("restarted engine", config) as engine:
+        figures = {shape.name: measure_disk(engine, shape, rng) for shape in shapes}
+        return {"prompts": figures, "disk_stats_after_restart": dataclasses.asdict(engine.stats().segment_disk)}
 
 
 def drop_from_page_cache(directory: Path) -> None:
@@ -404,6 +482,7 @@ def corpus_options(args: argparse.Namespace, model: Path, documents: int) -> lis
 async def served_sweep(config: EngineConfig, options: list[str]) -> dict:
     """One rate sweep of `hypic bench serve` against an in-process server of `config`, and the
     server's /admin/cache afterwards."""
+    host_memory("before the engine starts")
     client = InProcessEngineClient(config)
     await client.start()
     runner = runner_for(build_app(client, ServerSettings()), access_log=False)
@@ -414,7 +493,9 @@ async def served_sweep(config: EngineConfig, options: list[str]) -> dict:
         parser = argparse.ArgumentParser()
         add_bench_arguments(parser)
         bench = parser.parse_args(options)
-        swept = await run_sweeps(url, build_workload(Tokenizer.from_dir(bench.tokenizer), bench), bench, {})
+        workload = build_workload(Tokenizer.from_dir(bench.tokenizer), bench)
+        with StallWatch(client.core):
+            swept = await run_sweeps(url, workload, bench, {})
         async with aiohttp.ClientSession() as session, session.get(url + "/admin/cache") as response:
             cache = await response.json()
     finally:

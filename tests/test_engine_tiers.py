@@ -190,7 +190,7 @@ def test_a_disk_entry_slower_to_read_than_to_recompute_is_recomputed(tiny_model_
     caplog.set_level(logging.INFO, logger="hypic")
 
     def disk_speed(core: LLMEngine) -> None:  # the injected read rate; the prefill rate as it is measured
-        core.pic.costs.read_bytes_per_s = read_bytes_per_s
+        core.pic.costs.read_bytes_per_s = lambda: read_bytes_per_s
     warm, core = serve(config, jobs()[len(DOCS):], before=disk_speed)
     assert_same_outputs(warm, ref[len(DOCS):])
     assert kinds(warm)[:2] == [kind] * 2

@@ -7,7 +7,10 @@ name and is never read. Reads and writes run on threads of their own; the index 
 thread's. Each file is a header (magic, version, identity, key digest, a hash of the
 salt — never the salt itself —, interior, byte count, checksum) and the entry's bytes. A file that
 fails any check is deleted and counts as a miss: it costs a recompute, never a wrong answer. A
-file is written under a temporary name, then renamed.
+file is written under a temporary name, then renamed. The read rate is measured at start-up (a
+probe file), then from every read (its buffer, the read and the checksum: what a read costs).
+Beside the files, `rates.json` keeps the figures an engine measured on this directory for the
+next one (`rates_path`).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ FORMAT_VERSION = 1
 _MAGIC = b"HYPICSEG"
 _HEADER = struct.Struct("<8sI16s16s16sQQQQ")  # magic, version, identity, digest, salt hash, start, end, bytes, sum
 _PROBE_BYTES = 4 << 20
+_SMOOTHING = 0.2  # weight of the newest read in the running read rate
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class DiskStats(TierStats):
     """`pinned`: writes under way; `demotions`: files written; `errors`: failed writes, and files
     found missing, truncated or corrupt. The engine fills in the last two fields."""
 
-    read_bytes_per_s: float = 0.0  # measured at start-up
+    read_bytes_per_s: float = 0.0  # measured at start-up, then from every read
     recompute_tokens_per_s: float = 0.0  # the engine's prefill rate it weighs reads against
     recomputed: int = 0  # entries recomputed rather than read: cheaper so (short segments, a slow disk)
 
@@ -78,6 +82,12 @@ class DiskTier:
         self._counts = dict.fromkeys(("hits", "misses", "promotions", "demotions", "evictions", "errors"), 0)
         self._scan()
         self.read_bytes_per_s = self._measure_read_rate()
+        self._reads_measured = False  # the probe's rate stands until the first read of an entry
+
+    @property
+    def rates_path(self) -> Path:
+        """Where an engine keeps what it measured on this directory (JSON), for the next one."""
+        return self.directory / "rates.json"
 
     def __contains__(self, key: SegmentKey) -> bool:
         found = self._index.get(key.digest)
@@ -111,7 +121,15 @@ class DiskTier:
         self._index.move_to_end(key.digest)
         self._counts["hits"] += 1
         self._counts["promotions"] += 1
-        return self._index[key.digest].interior, read.result()
+        data, seconds = read.result()
+        self._observe_read(data.numel(), seconds)
+        return self._index[key.digest].interior, data
+
+    def close(self) -> None:
+        """Wait for the writes and reads under way, then stop the threads (an engine shutting down)."""
+        self._writer.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+        self.reap()
 
     def flush(self, salt: str | None = None) -> int:
         wanted = salt_hash(salt)
@@ -173,8 +191,16 @@ class DiskTier:
             f.write(payload)
         os.replace(temporary, path)
 
-    def _read_file(self, digest: bytes, record: _File) -> torch.Tensor:
-        """The entry's bytes, read straight into their buffer (no copies holding the GIL)."""
+    def _observe_read(self, nbytes: int, seconds: float) -> None:
+        rate = nbytes / max(seconds, 1e-9)
+        smoothed = (1 - _SMOOTHING) * self.read_bytes_per_s + _SMOOTHING * rate
+        self.read_bytes_per_s = smoothed if self._reads_measured else rate
+        self._reads_measured = True
+
+    def _read_file(self, digest: bytes, record: _File) -> tuple[torch.Tensor, float]:
+        """The entry's bytes, read straight into their buffer (no copies holding the GIL), and the
+        seconds it took."""
+        start = time.perf_counter()
         data = torch.empty(record.nbytes, dtype=torch.uint8, pin_memory=self._pin_reads)
         with open(self._path(digest), "rb") as f:
             header, read, rest = f.read(_HEADER.size), f.readinto(data.numpy()), f.read(1)
@@ -182,11 +208,13 @@ class DiskTier:
             raise ValueError(f"segment file {digest.hex()} is truncated")
         if header != self._header(digest, record, xxhash.xxh3_64_intdigest(data.numpy())):
             raise ValueError(f"segment file {digest.hex()} fails its checksum or header")
-        return data
+        return data, time.perf_counter() - start
 
     def _scan(self) -> None:
         """Index this identity's files (oldest first) from their headers; drop what cannot be trusted."""
         for path in sorted(self.directory.iterdir(), key=lambda p: p.stat().st_mtime):
+            if path == self.rates_path:
+                continue
             record = self._parse(path)
             if record is None:
                 path.unlink(missing_ok=True)

@@ -80,7 +80,8 @@ class HostArena:
     entries need it (a demotion that finds the next one not yet pinned evicts below instead of
     waiting); elsewhere a slab is made when needed. Slabs sit a gap apart in the offset space, so
     holes never merge across two and an entry never spans them. A slab the host cannot allocate
-    ends the growth."""
+    ends the growth. `close` stops the pinning and lets every slab go (torch's pinned allocator
+    keeps them for the next engine of the process, which then pins nothing anew)."""
 
     def __init__(self, capacity_bytes: int, slab_bytes: int, pin: bool) -> None:
         self.slab_bytes = min(slab_bytes, capacity_bytes // ALIGN * ALIGN)
@@ -93,11 +94,12 @@ class HostArena:
         if self.capacity_bytes:
             self._add(_new_slab(self.slab_bytes, pin))
         self._pinner: threading.Thread | None = None
+        self._closed = threading.Event()
         if pin and self.capacity_bytes > self.slab_bytes:
             self._pinned = queue.SimpleQueue()
             count = self.capacity_bytes // self.slab_bytes - 1
-            self._pinner = threading.Thread(target=_pin_ahead, args=(weakref.ref(self), self._pinned, count),
-                                            name="hypic-host-pin", daemon=True)
+            self._pinner = threading.Thread(target=_pin_ahead, name="hypic-host-pin", daemon=True,
+                                            args=(weakref.ref(self), self._pinned, count, self._closed))
 
     @property
     def slabs(self) -> tuple[torch.Tensor, ...]:
@@ -136,6 +138,15 @@ class HostArena:
             self._start_pinning()
             self._spare = self._pinned.get()
 
+    def close(self) -> None:
+        """Stop pinning (the slab being pinned, if any, is finished first) and drop every slab;
+        the arena holds nothing afterwards."""
+        self._closed.set()
+        if self._pinner is not None and self._pinner.ident is not None:
+            self._pinner.join()
+        self._slabs, self._spare, self._pinned = [], None, None
+        self.free, self.capacity_bytes = FreeList(0), 0
+
     def _start_pinning(self) -> None:
         if self._pinner.ident is None:
             self._pinner.start()
@@ -151,12 +162,13 @@ class HostArena:
         return True
 
 
-def _pin_ahead(arena: weakref.ref[HostArena], pinned: queue.SimpleQueue, count: int) -> None:
-    """Pins `count` slabs for `arena` (the pinning thread); stops once the arena is gone (an engine
-    closed), so that it pins nothing for nobody, nor beside the next engine's graph capture."""
+def _pin_ahead(arena: weakref.ref[HostArena], pinned: queue.SimpleQueue, count: int,
+               closed: threading.Event) -> None:
+    """Pins `count` slabs for `arena` (the pinning thread); stops once the arena is closed or gone
+    (an engine closed), so that it pins nothing for nobody, nor beside the next engine's graph capture."""
     for _ in range(count):
         owner = arena()
-        if owner is None:
+        if owner is None or closed.is_set():
             return
         nbytes, owner = owner.slab_bytes, None
         slab = _new_slab(nbytes, pin=True)
@@ -285,8 +297,22 @@ class LowerTiers:
             self.disk.reap()
 
     def drain(self) -> None:
-        """Wait for every copy, disk write, disk read and slab pinning under way (shutdown, tests)."""
+        """Wait for every copy, disk write, disk read and slab pinning under way (tests, benchmarks)."""
         self.arena.wait()
+        self._settle()
+
+    def close(self) -> None:
+        """Let the host memory go (an engine shutting down): once the copies, disk writes and reads
+        under way are done, every entry is dropped from host memory (the disk keeps its files) and
+        the arena's slabs are released; the counters stay."""
+        self._settle()
+        self._index.clear()
+        self._flushed, self._reads, self._read = [], {}, {}  # finished reads hold their buffers
+        self.arena.close()
+        if self.disk is not None:
+            self.disk.close()
+
+    def _settle(self) -> None:
         for event, _, _ in self._in_flight:
             if event is not None:
                 event.synchronize()

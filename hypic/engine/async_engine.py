@@ -118,6 +118,8 @@ class AsyncEngine:
             self._inbox.put(_Stop())
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        if self._core is not None:
+            self._core.close()  # its pinned host memory goes now, not whenever the engine is collected
 
     # -- public API ------------------------------------------------------------------------------
 
