@@ -3,6 +3,8 @@ flush by salt across tiers, salts on disk only as hashes, identity of a disk dir
 from __future__ import annotations
 
 import threading
+import time
+import weakref
 
 import pytest
 import torch
@@ -177,6 +179,51 @@ def test_a_slab_the_host_cannot_allocate_ends_the_growth_not_the_engine(monkeypa
     assert "cannot allocate another" in caplog.text and store.lower.capacity_bytes == 2 * entry
     assert [store.tier(key(name)) for name in "abcd"] == [None, "host", "host", "pool"]
     assert store.lower.stats().evictions == 1 and store.lower.stats().bytes == 2 * entry
+
+
+def test_close_stops_the_pinning_and_lets_every_slab_go(monkeypatch) -> None:
+    made = []
+
+    def new_slab(nbytes: int, pin: bool) -> torch.Tensor:
+        if threading.current_thread().name == "hypic-host-pin":
+            arena._closed.wait()  # this slab is being pinned when the engine closes
+        made.append(torch.zeros(nbytes, dtype=torch.uint8))
+        return made[-1]
+    monkeypatch.setattr(tiers, "_new_slab", new_slab)
+    arena = tiers.HostArena(4 * ALIGN, ALIGN, pin=True)
+    assert not arena.grow()  # the pinning starts; the next slab is not pinned yet
+    arena.close()
+    assert len(made) == 2 and not arena._pinner.is_alive()  # the slab under way finished, no other began
+    assert arena.slabs == () and arena.allocated_bytes == arena.capacity_bytes == 0 and not arena.grow()
+    slabs = [weakref.ref(slab) for slab in made]
+    made.clear()
+    assert all(slab() is None for slab in slabs)  # the one taken and the one pinned ahead
+
+
+def test_closed_tiers_hold_no_host_memory_keep_their_counters_and_the_disk_its_files(tmp_path) -> None:
+    store = tiered(pool=1, host=2, disk_dir=tmp_path)
+    fill(store, "abc")  # a and b go down to host memory and to disk
+    before = store.lower.stats()
+    store.lower.close()
+    after = store.lower.stats()
+    assert (after.entries, after.bytes, after.capacity_bytes, after.pinned) == (0, 0, 0, 0)
+    assert (after.demotions, after.hits, after.evictions) == (before.demotions, before.hits, before.evictions) != (0, 0, 0)
+    assert store.lower.arena.slabs == () and [store.tier(key(n)) for n in "abc"] == ["disk", "disk", "pool"]
+    restarted = DiskTier(tmp_path, 1 << 30, "fp", store.layout)
+    assert key("a") in restarted and key("b") in restarted
+
+
+def test_the_read_rate_is_measured_at_start_up_then_from_each_read(tmp_path) -> None:
+    store = tiered(pool=1, host=1, disk_dir=tmp_path)
+    fill(store, "abc")  # a on disk only
+    disk = store.lower.disk
+    assert disk.read_bytes_per_s > 0 and disk.stats().read_bytes_per_s == disk.read_bytes_per_s
+    disk.read_bytes_per_s = 1.0  # as if the probe had found a hopeless disk
+    began = time.perf_counter()
+    entry = get(store, key("a"))
+    elapsed = time.perf_counter() - began
+    assert entry.source == "disk" and disk.read_bytes_per_s >= entry.nbytes / elapsed  # the read's own rate
+    store.unpin(entry)
 
 
 @pytest.mark.gpu

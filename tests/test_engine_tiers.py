@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 
 import pytest
 import torch
@@ -203,6 +204,21 @@ def test_a_disk_entry_slower_to_read_than_to_recompute_is_recomputed(tiny_model_
     line = "segment tiers (1k-token segments): " + ", ".join(
         f"{name} {n}" for name, n in zip(("pool", "host", "disk"), capacities))  # every tier is on
     assert any(line + " (disk reads " in r.getMessage() and " GB/s)" in r.getMessage() for r in caplog.records)
+
+
+def test_shutdown_lets_host_memory_go_and_the_next_engine_starts_from_the_kept_prefill_rate(tiny_model_dir,
+                                                                                            reference, tmp_path):
+    _, entry = reference
+    config = tier_config(tiny_model_dir, segment_pool_bytes=entry * 3 // 2, segment_host_bytes=entry * 4,
+                         segment_disk_dir=tmp_path)
+    slabs = []
+    _, core = serve(config, jobs(1), before=lambda core: slabs.extend(map(weakref.ref, core.store.lower.arena.slabs)))
+    assert slabs and all(slab() is None for slab in slabs)  # gone with the shutdown, though the core lives on
+    assert core.store.lower.stats().entries == 0 and core.store.lower.stats().demotions > 0
+    assert core.pic.costs.measured
+    restarted = LLMEngine(config)
+    assert restarted.pic.costs.tokens_per_s == core.pic.costs.tokens_per_s and not restarted.pic.costs.measured
+    restarted.close()
 
 
 def test_a_peer_pulling_an_entry_held_only_on_disk_gets_it_read(tiny_model_dir, reference, tmp_path):

@@ -34,6 +34,21 @@ def test_the_prefill_rate_is_a_constant_until_measured_then_follows_the_steps():
     assert 10_000 < costs.tokens_per_s < 20_000
 
 
+def test_a_kept_prefill_rate_starts_the_next_engine_until_its_own_steps_replace_it(tmp_path):
+    kept = tmp_path / "rates.json"
+    first = ReadOrRecompute(lambda: 1e9, kept=kept)
+    first.keep()
+    assert not kept.exists()  # nothing measured: nothing kept
+    first.observe(_work(1000), 0.1)
+    first.keep()
+    second = ReadOrRecompute(lambda: 1e9, kept=kept)
+    assert second.tokens_per_s == pytest.approx(10_000) and not second.measured
+    second.observe(_work(1000), 0.5)  # its own first step replaces the kept rate
+    assert second.tokens_per_s == pytest.approx(2000)
+    kept.write_text('{"prefill_tokens_per_s": ')  # torn
+    assert ReadOrRecompute(lambda: 1e9, kept=kept).tokens_per_s == UNMEASURED_TOKENS_PER_S
+
+
 def test_the_step_clock_hands_measured_steps_to_the_cost_model():
     costs = ReadOrRecompute(lambda: 1e9)
     clock = StepClock(torch.device("cpu"), [costs])

@@ -31,7 +31,7 @@ from hypic.cache.tier_stats import TierStats
 FORMAT_VERSION = 1
 _MAGIC = b"HYPICSEG"
 _HEADER = struct.Struct("<8sI16s16s16sQQQQ")  # magic, version, identity, digest, salt hash, start, end, bytes, sum
-_PROBE_BYTES = 4 << 20
+_PROBE_BYTES = 16 << 20  # well past the OS's read-ahead: a rate, not a latency
 _SMOOTHING = 0.2  # weight of the newest read in the running read rate
 
 
@@ -198,17 +198,23 @@ class DiskTier:
         self._reads_measured = True
 
     def _read_file(self, digest: bytes, record: _File) -> tuple[torch.Tensor, float]:
-        """The entry's bytes, read straight into their buffer (no copies holding the GIL), and the
-        seconds it took."""
-        start = time.perf_counter()
-        data = torch.empty(record.nbytes, dtype=torch.uint8, pin_memory=self._pin_reads)
-        with open(self._path(digest), "rb") as f:
-            header, read, rest = f.read(_HEADER.size), f.readinto(data.numpy()), f.read(1)
-        if len(header) < _HEADER.size or read != record.nbytes or rest:
-            raise ValueError(f"segment file {digest.hex()} is truncated")
-        if header != self._header(digest, record, xxhash.xxh3_64_intdigest(data.numpy())):
+        """The entry's bytes (checked) and the seconds it took to read them."""
+        data, header, checksum, seconds = self._read_payload(self._path(digest), record.nbytes)
+        if header != self._header(digest, record, checksum):
             raise ValueError(f"segment file {digest.hex()} fails its checksum or header")
-        return data, time.perf_counter() - start
+        return data, seconds
+
+    def _read_payload(self, path: Path, nbytes: int) -> tuple[torch.Tensor, bytes, int, float]:
+        """(payload, header, payload checksum, seconds) of a file of `nbytes` after its header: the
+        payload read straight into its buffer (no copies holding the GIL)."""
+        start = time.perf_counter()
+        data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin_reads)
+        with open(path, "rb") as f:
+            header, read, rest = f.read(_HEADER.size), f.readinto(data.numpy()), f.read(1)
+        if len(header) < _HEADER.size or read != nbytes or rest:
+            raise ValueError(f"segment file {path.name} is truncated")
+        checksum = xxhash.xxh3_64_intdigest(data.numpy())
+        return data, header, checksum, time.perf_counter() - start
 
     def _scan(self) -> None:
         """Index this identity's files (oldest first) from their headers; drop what cannot be trusted."""
@@ -241,16 +247,15 @@ class DiskTier:
 
     def _measure_read_rate(self) -> float:
         """Bytes per second of reading a freshly written file (dropped from the page cache where
-        the OS allows), so that a slow disk is known before it is relied on."""
+        the OS allows) the way an entry is read (its buffer, the read, the checksum), so that a
+        slow disk is known before it is relied on."""
         probe = self.directory / "read-rate.probe"
         with open(probe, "wb") as f:
-            f.write(os.urandom(_PROBE_BYTES))
+            f.write(bytes(_HEADER.size) + os.urandom(_PROBE_BYTES))
             f.flush()
             os.fsync(f.fileno())
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        start = time.perf_counter()
-        probe.read_bytes()
-        seconds = time.perf_counter() - start
+        seconds = self._read_payload(probe, _PROBE_BYTES)[-1]
         probe.unlink()
         return _PROBE_BYTES / max(seconds, 1e-9)

@@ -132,6 +132,14 @@ class HostArena:
         slab, start = divmod(offset, self._stride)
         return self._slabs[slab][start: start + nbytes]
 
+    def fill(self) -> None:
+        """Take every slab of the budget now, waiting for their pinning (a benchmark that measures
+        serving, not the pinning, calls it before the first request)."""
+        while self.allocated_bytes < self.capacity_bytes:
+            self.wait()
+            if not self.grow():  # the host could not allocate one: the budget ends here
+                return
+
     def wait(self) -> None:
         """Until the next slab is pinned (tests, benchmarks)."""
         if self._pinned is not None and self._spare is None and self.allocated_bytes < self.capacity_bytes:
