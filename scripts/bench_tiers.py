@@ -165,8 +165,8 @@ def pinned() -> str:
     if stats is None or not torch.cuda.is_available():
         return "pinned bytes not reported"
     s = stats()
-    return (f"pinned {s.get('allocated_bytes.current', 0) / 2**30:.1f} GiB ({s.get('active_bytes.current', 0) / 2**30:.1f}"
-            f" GiB in use; {s.get('num_host_alloc', 0)} cudaHostAlloc calls took "
+    held, used = s.get("allocated_bytes.current", 0) / 2**30, s.get("active_bytes.current", 0) / 2**30
+    return (f"pinned {held:.1f} GiB ({used:.1f} GiB in use; {s.get('num_host_alloc', 0)} cudaHostAlloc calls took "
             f"{s.get('host_alloc_time.total', 0) / 1e6:.1f} s, the longest {s.get('host_alloc_time.max', 0) / 1e3:.0f} ms)")
 
 
