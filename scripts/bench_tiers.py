@@ -61,6 +61,7 @@ import itertools
 import math
 import os
 import random
+import sys
 import tempfile
 import threading
 import time
@@ -172,10 +173,13 @@ def pinned() -> str:
 
 class StallWatch:
     """While a sweep runs: when the engine has requests but runs no step for STALL_S, every
-    thread's stack (and the host's memory), once a stall and at most MAX_STALL_DUMPS times."""
+    thread's stack (and the host's memory), once a stall and at most MAX_STALL_DUMPS times; at the
+    end, its steps a second while it had requests, its stalls and the longest (a slow engine and a
+    stalled one read differently)."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine, self.dumps = engine, 0
+        self.engine = engine
+        self.busy_s, self.busy_steps, self.stalls, self.longest_s = 0.0, 0, 0, 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="bench-stall-watch", daemon=True)
 
@@ -186,21 +190,32 @@ class StallWatch:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        say(f"stall watch: {self.busy_steps} steps in {self.busy_s:.1f} s with requests in "
+            f"({self.busy_steps / max(self.busy_s, 1e-9):.1f} a second), {self.stalls} stalls of over "
+            f"{STALL_S:g} s, the longest {self.longest_s:.1f} s")
 
     def _watch(self) -> None:
-        steps, since, reported = self.engine.steps, time.monotonic(), False
-        while not self._stop.wait(STALL_S / 4) and self.dumps < MAX_STALL_DUMPS:
-            if self.engine.steps != steps or not self.engine.requests:
-                steps, since, reported = self.engine.steps, time.monotonic(), False
-            elif not reported and time.monotonic() - since > STALL_S:
-                self._dump(time.monotonic() - since)
-                reported = True
+        steps, last, since, stalled = self.engine.steps, time.monotonic(), time.monotonic(), False
+        while not self._stop.wait(STALL_S / 4):
+            now, count, busy = time.monotonic(), self.engine.steps, bool(self.engine.requests)
+            if busy:
+                self.busy_s, self.busy_steps = self.busy_s + now - last, self.busy_steps + count - steps
+            last = now
+            if count != steps or not busy:
+                steps, since, stalled = count, now, False
+            elif now - since > STALL_S:
+                self.longest_s = max(self.longest_s, now - since)
+                if not stalled:
+                    stalled = True
+                    self._stalled(now - since)
 
-    def _dump(self, seconds: float) -> None:
-        self.dumps += 1
-        say(f"engine stall {self.dumps}/{MAX_STALL_DUMPS}: no step for {seconds:.1f} s with "
-            f"{len(self.engine.requests)} requests in; every thread's stack:")
-        faulthandler.dump_traceback(all_threads=True)
+    def _stalled(self, seconds: float) -> None:
+        self.stalls += 1
+        if self.stalls > MAX_STALL_DUMPS:
+            return
+        say(f"engine stall {self.stalls} (stacks printed for the first {MAX_STALL_DUMPS}): no step for "
+            f"{seconds:.1f} s with {len(self.engine.requests)} requests in; every thread's stack:")
+        faulthandler.dump_traceback(sys.__stderr__, all_threads=True)
         host_memory("at the stall")
 
 
