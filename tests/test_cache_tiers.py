@@ -163,6 +163,23 @@ def test_slabs_pinned_ahead_on_a_thread_are_taken_in_order_as_entries_need_them(
     assert arena.view(2 * (ALIGN + ALIGN) + 7, 3).tolist() == [3, 3, 3]  # offsets of slab k start k gaps apart
 
 
+def test_the_thread_pins_one_slab_ahead_of_the_entries_not_the_whole_budget(monkeypatch) -> None:
+    made = []
+
+    def new_slab(nbytes: int, pin: bool) -> torch.Tensor:
+        made.append(threading.current_thread().name)
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    monkeypatch.setattr(tiers, "_new_slab", new_slab)
+    arena = tiers.HostArena(5 * ALIGN, ALIGN, pin=True)
+    arena.wait()  # the first full: the second is pinned
+    assert made == ["MainThread", "hypic-host-pin"]  # and no third while the second is not taken
+    assert arena.grow()  # taken: the third is pinned
+    arena.wait()
+    assert made == ["MainThread"] + ["hypic-host-pin"] * 2 and len(arena.slabs) == 2
+    arena.close()
+    assert made == ["MainThread"] + ["hypic-host-pin"] * 2  # of a budget of five
+
+
 def test_a_slab_the_host_cannot_allocate_ends_the_growth_not_the_engine(monkeypatch, caplog) -> None:
     lay = layout()
     entry, real_empty, slabs = lay.entry_bytes(LEN), torch.empty, []
