@@ -15,9 +15,14 @@ tier of 40 GB. ttft: each measured request puts its documents in a new order, wi
 imported until the pool has demoted every document. The target: a host hit costs at most the pool
 hit + the entries' bytes / the copy rate + 3 ms, and at most 20 % of recompute at 4 x 4k. disk:
 other document sets, cached and demoted (so written to disk) by a first engine (ttft's, when both
-run), are served by a second one. qps: the server runs in this process (engine thread, HTTP on this
-event loop), one engine with the host tier and one without (same pool, same seeded requests,
-preheated with every document).
+run), are served by a second one, which reads each from disk or recomputes it, whichever its
+rates say is cheaper (the read rate measured at its start and from its reads, the prefill rate the
+first engine measured and kept beside the files; `disk_stats_after_restart` has both and the count
+recomputed). qps: the server runs in this process (engine thread, HTTP on this event loop), one
+engine with the host tier and one without (same pool, same seeded requests, preheated with every
+document); the host tier is pinned whole before its sweep (the time it took is printed). Each
+engine is closed when its part is done: its pinned slabs go back to torch's pinned allocator, and
+the next engine takes them from there instead of pinning anew.
 
 Each figure is printed as soon as it is measured, each phase's start and end with its wall seconds,
 and at the start of each part and engine the host's memory (MemAvailable, the pinned bytes torch
@@ -42,7 +47,9 @@ chunk kernels autotune); a later engine starts in ~15 s, ~7 s more with a disk t
         document sets per shape and writes ~15 GB, synced before the restart; the restarted engine
         serves 4 prompts per shape. Alone ~3-4 min: an engine of its own writes the sets first.
   qps   ~1.5 min after another part, ~3-4 min alone: two engines, each a start, a preheat of ~500
-        documents of 1k tokens (~15 s) and 5 rates x 32 requests (~10-20 s).
+        documents of 1k tokens (~15 s) and 5 rates x 32 requests (~10-20 s); before the host
+        tier's sweep, the pinning of what earlier engines did not leave in torch's pinned cache
+        (40 GiB of cudaHostAlloc: estimated 10-40 s).
 So --parts copy,ttft ~2-3 min; disk or qps alone ~3-4 min each; all parts in one run ~5-6 min.
 
     python scripts/bench_tiers.py --parts copy,ttft    # H200: bench/results/tiers_h200_qwen3_5_moe.json
@@ -469,7 +476,7 @@ def disk_part(record: ResultFile, config: EngineConfig, args: argparse.Namespace
 
 
 def free_memory() -> None:
-    """Give the engine just gone's device memory back (its pinned host slabs stay cached by torch
+    """Give the engine just closed's device memory back (its pinned host slabs stay cached by torch
     for the next engine)."""
     gc.collect()
     if torch.cuda.is_available():
