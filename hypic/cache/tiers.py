@@ -80,10 +80,10 @@ class HostArena:
     invalidate), each next one once the last pinned is taken (a demotion that finds the next one
     not yet pinned evicts below instead of waiting). Pinning holds the CUDA driver's lock, and the
     engine's launches wait while it does: an engine pins only as fast as its entries need slabs,
-    and no more than they need. Elsewhere a slab is made when needed. Slabs sit a gap apart in the offset space, so
-    holes never merge across two and an entry never spans them. A slab the host cannot allocate
-    ends the growth. `close` stops the pinning and lets every slab go (torch's pinned allocator
-    keeps them for the next engine of the process, which then pins nothing anew)."""
+    and no more than they need. Elsewhere a slab is made when needed. Slabs sit a gap apart in the
+    offset space, so holes never merge across two and an entry never spans them. A slab the host
+    cannot allocate ends the growth. `close` stops the pinning and lets every slab go (torch's
+    pinned allocator keeps them for the next engine of the process, which then pins nothing anew)."""
 
     def __init__(self, capacity_bytes: int, slab_bytes: int, pin: bool) -> None:
         self.slab_bytes = min(slab_bytes, capacity_bytes // ALIGN * ALIGN)
@@ -101,8 +101,8 @@ class HostArena:
         if pin and self.capacity_bytes > self.slab_bytes:
             self._pinned = queue.SimpleQueue()
             count = self.capacity_bytes // self.slab_bytes - 1
-            self._pinner = threading.Thread(target=_pin_ahead, name="hypic-host-pin", daemon=True,
-                                            args=(weakref.ref(self), self._pinned, count, self._closed, self._wanted))
+            args = (weakref.ref(self), self._pinned, count, self._closed, self._wanted)
+            self._pinner = threading.Thread(target=_pin_ahead, args=args, name="hypic-host-pin", daemon=True)
             weakref.finalize(self, _stop_pinning, self._closed, self._wanted)  # collected unclosed
 
     @property

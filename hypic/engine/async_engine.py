@@ -119,7 +119,7 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
         if self._core is not None:
-            self._core.close()  # its pinned host memory goes now, not whenever the engine is collected
+            await asyncio.to_thread(self._core.close)  # its pinned host memory goes now, not when collected
 
     # -- public API ------------------------------------------------------------------------------
 
