@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import faulthandler
@@ -102,6 +103,8 @@ TWENTY_PERCENT_AT = "4x4096"  # the prompt shape where the issue asks for a host
 TIERS = ("pool", "host", "none")  # measured by ttft; "disk" by the disk part's restarted engine
 STALL_S = 1.0  # qps: an engine with requests that runs no step this long is stalled
 MAX_STALL_DUMPS = 3  # stacks printed per sweep, at most
+SAMPLE_S = 0.02  # qps: how often the stall watch looks at the engine thread
+PROFILE_LINES = 8  # the places it was most often, printed after each sweep
 # what differs between the H200 run and the CPU smoke run (the bundled model, ~1 MB per entry)
 DEVICE_DEFAULTS = {
     "cuda": dict(pool_bytes=4 << 30, host_bytes=40 << 30, disk_bytes=24 << 30, prompts="4x4096,16x1024",
@@ -182,11 +185,13 @@ class StallWatch:
     """While a sweep runs: when the engine has requests but runs no step for STALL_S, every
     thread's stack (and the host's memory), once a stall and at most MAX_STALL_DUMPS times; at the
     end, its steps a second while it had requests, its stalls and the longest (a slow engine and a
-    stalled one read differently)."""
+    stalled one read differently), and where its thread was, sampled every SAMPLE_S (a profile of
+    the engine thread: waiting on the device, on a lock, or working on the host)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.busy_s, self.busy_steps, self.stalls, self.longest_s = 0.0, 0, 0, 0.0
+        self.samples: collections.Counter[str] = collections.Counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="bench-stall-watch", daemon=True)
 
@@ -199,14 +204,19 @@ class StallWatch:
         self._thread.join()
         say(f"stall watch: {self.busy_steps} steps in {self.busy_s:.1f} s with requests in "
             f"({self.busy_steps / max(self.busy_s, 1e-9):.1f} a second), {self.stalls} stalls of over "
-            f"{STALL_S:g} s, the longest {self.longest_s:.1f} s")
+            f"{STALL_S:g} s, the longest {self.longest_s:.1f} s; the engine thread, in "
+            f"{sum(self.samples.values())} samples:")
+        for where, count in self.samples.most_common(PROFILE_LINES):
+            say(f"  {count / sum(self.samples.values()):6.1%}  {where}")
 
     def _watch(self) -> None:
+        engine_thread = next((t.ident for t in threading.enumerate() if t.name == "hypic-engine"), None)
         steps, last, since, stalled = self.engine.steps, time.monotonic(), time.monotonic(), False
-        while not self._stop.wait(STALL_S / 4):
+        while not self._stop.wait(SAMPLE_S):
             now, count, busy = time.monotonic(), self.engine.steps, bool(self.engine.requests)
             if busy:
                 self.busy_s, self.busy_steps = self.busy_s + now - last, self.busy_steps + count - steps
+                self._sample(engine_thread)
             last = now
             if count != steps or not busy:
                 steps, since, stalled = count, now, False
@@ -216,6 +226,11 @@ class StallWatch:
                     stalled = True
                     self._stalled(now - since)
 
+    def _sample(self, engine_thread: int | None) -> None:
+        frame = sys._current_frames().get(engine_thread)
+        if frame is not None:
+            self.samples[frame_line(frame)] += 1
+
     def _stalled(self, seconds: float) -> None:
         self.stalls += 1
         if self.stalls > MAX_STALL_DUMPS:
@@ -224,6 +239,16 @@ class StallWatch:
             f"{seconds:.1f} s with {len(self.engine.requests)} requests in; every thread's stack:")
         faulthandler.dump_traceback(sys.__stderr__, all_threads=True)
         host_memory("at the stall")
+
+
+def frame_line(frame) -> str:
+    """A stack's innermost frame, and the innermost of hypic's under it (where the call came from)."""
+    def named(f) -> str:
+        return f"{Path(f.f_code.co_filename).name}:{f.f_lineno} {f.f_code.co_name}"
+    ours = frame
+    while ours is not None and f"{os.sep}hypic{os.sep}" not in ours.f_code.co_filename:
+        ours = ours.f_back
+    return named(frame) if ours is None or ours is frame else f"{named(frame)} <- {named(ours)}"
 
 
 def in_run_order(data: dict) -> None:
