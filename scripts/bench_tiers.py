@@ -105,6 +105,7 @@ STALL_S = 1.0  # qps: an engine with requests that runs no step this long is sta
 MAX_STALL_DUMPS = 3  # stacks printed per sweep, at most
 SAMPLE_S = 0.02  # qps: how often the stall watch looks at the engine thread
 PROFILE_LINES = 8  # the places it was most often, printed after each sweep
+PINNED_FIGURES = ("reserved_bytes", "allocated_bytes", "active_bytes")  # of torch.cuda.host_memory_stats
 # what differs between the H200 run and the CPU smoke run (the bundled model, ~1 MB per entry)
 DEVICE_DEFAULTS = {
     "cuda": dict(pool_bytes=4 << 30, host_bytes=40 << 30, disk_bytes=24 << 30, prompts="4x4096,16x1024",
@@ -171,14 +172,17 @@ def mem_available() -> int:
 
 
 def pinned() -> str:
-    """torch's pinned-memory figures (a torch without them, or without CUDA, says so)."""
+    """torch's pinned-memory figures under their own names (their meaning moved between torch
+    versions: `reserved_bytes` or `allocated_bytes` counts what the allocator holds, cached
+    included); a torch without them, or without CUDA, says so."""
     stats = getattr(torch.cuda, "host_memory_stats", None)
     if stats is None or not torch.cuda.is_available():
         return "pinned bytes not reported"
     s = stats()
-    held, used = s.get("allocated_bytes.current", 0) / 2**30, s.get("active_bytes.current", 0) / 2**30
-    return (f"pinned {held:.1f} GiB ({used:.1f} GiB in use; {s.get('num_host_alloc', 0)} cudaHostAlloc calls took "
-            f"{s.get('host_alloc_time.total', 0) / 1e6:.1f} s, the longest {s.get('host_alloc_time.max', 0) / 1e3:.0f} ms)")
+    sizes = ", ".join(f"{name} {s[name + '.current'] / 2**30:.1f} GiB" for name in PINNED_FIGURES
+                      if name + ".current" in s)
+    took, longest = s.get("host_alloc_time.total", 0) / 1e6, s.get("host_alloc_time.max", 0) / 1e3
+    return f"pinned ({sizes}; {s.get('num_host_alloc', 0)} host allocations took {took:.1f} s, the longest {longest:.0f} ms)"
 
 
 class StallWatch:
