@@ -182,7 +182,8 @@ def pinned() -> str:
     sizes = ", ".join(f"{name} {s[name + '.current'] / 2**30:.1f} GiB" for name in PINNED_FIGURES
                       if name + ".current" in s)
     took, longest = s.get("host_alloc_time.total", 0) / 1e6, s.get("host_alloc_time.max", 0) / 1e3
-    return f"pinned ({sizes}; {s.get('num_host_alloc', 0)} host allocations took {took:.1f} s, the longest {longest:.0f} ms)"
+    allocations = s.get("num_host_alloc", 0)
+    return f"pinned ({sizes}; {allocations} host allocations took {took:.1f} s, the longest {longest:.0f} ms)"
 
 
 class StallWatch:
