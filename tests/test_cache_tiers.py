@@ -268,6 +268,23 @@ def test_on_a_gpu_copies_run_on_a_side_stream_and_entries_land_intact() -> None:
     assert store.lower.stats().pinned == 0 and store.stats().pinned == 0
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_a_full_pool_evicts_one_entry_to_take_one_in() -> None:
+    """The evicted entry's demotion copy is waited for (on the device), not evicted around: a pool
+    that evicted on while the copies ran would demote every entry for each new one."""
+    lay = layout(state_dtype=torch.bfloat16, model_dtype=torch.bfloat16)
+    entry = lay.entry_bytes(LEN)
+    store = SegmentStore(lay, 3 * entry, "cuda", LowerTiers(8 * entry, torch.device("cuda"), None, 8 * entry))
+    for name in "abcd":
+        tup = random_tuple(lay, LEN, seed=ord(name))
+        assert store.put(key(name), SegmentTuple(tup.interior, *[[t.cuda() for t in getattr(tup, part)]
+                                                                 for part in ("T", "S0", "conv_tail", "K", "V")]))
+    assert store.stats().evictions == 1 and store.stats().entries == 3
+    assert [store.tier(key(name)) for name in "abcd"] == ["host", "pool", "pool", "pool"]
+    store.lower.drain()
+    assert store.lower.stats().demotions == 1 and store.stats().pinned == 0
+
+
 def test_host_tier_budget_defaults() -> None:
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     assert segment_host_bytes(EngineConfig(), cpu, 1 << 30) == 0  # off on a CPU engine unless asked for

@@ -497,14 +497,16 @@ class SegmentStore:
                                  self._promotions, self._demotions)
 
     def _allocate(self, nbytes: int) -> int | None:
-        """First-fit; evicts least-recently-used unpinned entries until a hole fits."""
+        """First-fit; evicts least-recently-used unpinned entries until a hole fits, one at a time:
+        the space of one whose demotion copy is under way is waited for (on the device) before
+        another is evicted, else a full pool would demote every entry for each one it takes in."""
         pinned_bytes = sum(e.nbytes for e in self._index.values() if e.pins)
         pinned_bytes += sum(e.nbytes for e in self._flushed)
         if nbytes > self.capacity_bytes - pinned_bytes:
             return None  # hopeless: evicting would only lose entries
         self._release_drained(lambda event: event.query())
         return self._free.allocate_evicting(
-            nbytes, lambda: self._evict_one() or self._release_drained(self._wait_on_device))
+            nbytes, lambda: self._release_drained(self._wait_on_device) or self._evict_one())
 
     def _evict_one(self) -> bool:
         entry = pop_lru_unpinned(self._index)
