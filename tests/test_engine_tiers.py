@@ -98,6 +98,7 @@ def test_pinned_entries_leave_no_room_so_the_request_recomputes(tiny_model_dir, 
     exact, _ = serve(tier_config(tiny_model_dir, cache_mode="none"), [prompts[len(DOCS)]])
     assert_same_outputs(outs, ref[:2] + exact)  # the segment was computed in full (nor stored: no room)
     assert store.lower.stats().hits == 1 and store.lower.stats().promotions == 0
+    assert store.stats().no_room == 2  # the promotion, then the store of the recomputed tuple
     assert store.stats().pinned == store.lower.stats().pinned == 0
 
 
