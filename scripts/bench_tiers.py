@@ -15,11 +15,19 @@ tier of 40 GB. ttft: each measured request puts its documents in a new order, wi
 imported until the pool has demoted every document. The target: a host hit costs at most the pool
 hit + the entries' bytes / the copy rate + 3 ms, and at most 20 % of recompute at 4 x 4k. disk:
 other document sets, cached and demoted (so written to disk) by a first engine (ttft's, when both
-run), are served by a second one. qps: the server runs in this process (engine thread, HTTP on this
-event loop), one engine with the host tier and one without (same pool, same seeded requests,
-preheated with every document).
+run), are served by a second one, which reads each from disk or recomputes it, whichever its
+rates say is cheaper (the read rate measured at its start and from its reads, the prefill rate the
+first engine measured and kept beside the files; `disk_stats_after_restart` has both and the count
+recomputed). qps: the server runs in this process (engine thread, HTTP on this event loop), one
+engine with the host tier and one without (same pool, same seeded requests, preheated with every
+document); the host tier is pinned whole before its sweep (the time it took is printed). Each
+engine is closed when its part is done: its pinned slabs go back to torch's pinned allocator, and
+the next engine takes them from there instead of pinning anew.
 
-Each figure is printed as soon as it is measured, each phase's start and end with its wall seconds.
+Each figure is printed as soon as it is measured, each phase's start and end with its wall seconds,
+and at the start of each part and engine the host's memory (MemAvailable, the pinned bytes torch
+holds, the live host tiers' bytes). During qps a watchdog prints every thread's stack when the
+engine has requests but runs no step for STALL_S (at most MAX_STALL_DUMPS times a sweep).
 The result is written after each part (a timeout keeps what was measured; hypic.bench.report's
 ResultFile). The file lists each run (date, commit, command, the parts asked for and the wall seconds
 of those measured) and each part under the run that measured it; a run of some parts replaces those
@@ -39,7 +47,9 @@ chunk kernels autotune); a later engine starts in ~15 s, ~7 s more with a disk t
         document sets per shape and writes ~15 GB, synced before the restart; the restarted engine
         serves 4 prompts per shape. Alone ~3-4 min: an engine of its own writes the sets first.
   qps   ~1.5 min after another part, ~3-4 min alone: two engines, each a start, a preheat of ~500
-        documents of 1k tokens (~15 s) and 5 rates x 32 requests (~10-20 s).
+        documents of 1k tokens (~15 s) and 5 rates x 32 requests (~10-20 s); before the host
+        tier's sweep, the pinning of what earlier engines did not leave in torch's pinned cache
+        (40 GiB of cudaHostAlloc: estimated 10-40 s).
 So --parts copy,ttft ~2-3 min; disk or qps alone ~3-4 min each; all parts in one run ~5-6 min.
 
     python scripts/bench_tiers.py --parts copy,ttft    # H200: bench/results/tiers_h200_qwen3_5_moe.json
@@ -50,14 +60,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
+import faulthandler
 import gc
 import itertools
 import math
 import os
 import random
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,6 +87,7 @@ from hypic import EngineConfig
 from hypic.bench.report import ResultFile, measured_by
 from hypic.bench.serve import add_bench_arguments, build_workload, run_sweeps
 from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentTuple
+from hypic.cache.tiers import HostArena
 from hypic.engine.client import InProcessEngineClient
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.setup import BUNDLED_MODEL, resolve_dtype, resolve_segment_state_dtype
@@ -86,6 +101,11 @@ PARTS = ("copy", "ttft", "disk", "qps")  # in the order they run
 COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}  # copy: bytes per timed copy
 TWENTY_PERCENT_AT = "4x4096"  # the prompt shape where the issue asks for a host hit within 20 % of recompute
 TIERS = ("pool", "host", "none")  # measured by ttft; "disk" by the disk part's restarted engine
+STALL_S = 1.0  # qps: an engine with requests that runs no step this long is stalled
+MAX_STALL_DUMPS = 3  # stacks printed per sweep, at most
+SAMPLE_S = 0.02  # qps: how often the stall watch looks at the engine thread
+PROFILE_LINES = 8  # the places it was most often, printed after each sweep
+PINNED_FIGURES = ("reserved_bytes", "allocated_bytes", "active_bytes")  # of torch.cuda.host_memory_stats
 # what differs between the H200 run and the CPU smoke run (the bundled model, ~1 MB per entry)
 DEVICE_DEFAULTS = {
     "cuda": dict(pool_bytes=4 << 30, host_bytes=40 << 30, disk_bytes=24 << 30, prompts="4x4096,16x1024",
@@ -131,9 +151,109 @@ def parts_list(text: str) -> tuple[str, ...]:
 def part(record: ResultFile, name: str, settings: dict) -> Iterator[dict]:
     """A part: its figures (filled into the dict yielded) and settings, saved under parts[name] when it ends."""
     with group(record, name) as saved:
+        host_memory(f"at the start of {name}")
         figures: dict = {}
         yield figures
         saved[("parts", name)] = {"settings": settings, **figures}
+
+
+def host_memory(when: str) -> None:
+    """What the host has left, what torch's pinned allocator holds (in tensors, or cached for the
+    next engine) and what the live host tiers hold: an engine that outlived its part shows as a
+    host tier too many."""
+    arenas = [o for o in gc.get_objects() if type(o) is HostArena]  # type(): isinstance asks lazy modules for __class__
+    say(f"host memory {when}: MemAvailable {mem_available() / 2**30:.1f} GiB, {pinned()}, {len(arenas)} live "
+        f"host tiers holding {sum(a.allocated_bytes for a in arenas) / 2**30:.1f} GiB")
+
+
+def mem_available() -> int:
+    lines = Path("/proc/meminfo").read_text().splitlines()
+    return next(int(line.split()[1]) << 10 for line in lines if line.startswith("MemAvailable:"))
+
+
+def pinned() -> str:
+    """torch's pinned-memory figures under their own names (their meaning moved between torch
+    versions: `reserved_bytes` or `allocated_bytes` counts what the allocator holds, cached
+    included); a torch without them, or without CUDA, says so."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_available():
+        return "pinned bytes not reported"
+    s = stats()
+    sizes = ", ".join(f"{name} {s[name + '.current'] / 2**30:.1f} GiB" for name in PINNED_FIGURES
+                      if name + ".current" in s)
+    took, longest = s.get("host_alloc_time.total", 0) / 1e6, s.get("host_alloc_time.max", 0) / 1e3
+    allocations = s.get("num_host_alloc", 0)
+    return f"pinned ({sizes}; {allocations} host allocations took {took:.1f} s, the longest {longest:.0f} ms)"
+
+
+class StallWatch:
+    """While a sweep runs: when the engine has requests but runs no step for STALL_S, every
+    thread's stack (and the host's memory), once a stall and at most MAX_STALL_DUMPS times; at the
+    end, its steps a second while it had requests, its stalls and the longest (a slow engine and a
+    stalled one read differently), and where its thread was, sampled every SAMPLE_S (a profile of
+    the engine thread: waiting on the device, on a lock, or working on the host)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.busy_s, self.busy_steps, self.stalls, self.longest_s = 0.0, 0, 0, 0.0
+        self.samples: collections.Counter[str] = collections.Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="bench-stall-watch", daemon=True)
+
+    def __enter__(self) -> StallWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        say(f"stall watch: {self.busy_steps} steps in {self.busy_s:.1f} s with requests in "
+            f"({self.busy_steps / max(self.busy_s, 1e-9):.1f} a second), {self.stalls} stalls of over "
+            f"{STALL_S:g} s, the longest {self.longest_s:.1f} s; the engine thread, in "
+            f"{sum(self.samples.values())} samples:")
+        for where, count in self.samples.most_common(PROFILE_LINES):
+            say(f"  {count / sum(self.samples.values()):6.1%}  {where}")
+
+    def _watch(self) -> None:
+        engine_thread = next((t.ident for t in threading.enumerate() if t.name == "hypic-engine"), None)
+        steps, last, since, stalled = self.engine.steps, time.monotonic(), time.monotonic(), False
+        while not self._stop.wait(SAMPLE_S):
+            now, count, busy = time.monotonic(), self.engine.steps, bool(self.engine.requests)
+            if busy:
+                self.busy_s, self.busy_steps = self.busy_s + now - last, self.busy_steps + count - steps
+                self._sample(engine_thread)
+            last = now
+            if count != steps or not busy:
+                steps, since, stalled = count, now, False
+            elif now - since > STALL_S:
+                self.longest_s = max(self.longest_s, now - since)
+                if not stalled:
+                    stalled = True
+                    self._stalled(now - since)
+
+    def _sample(self, engine_thread: int | None) -> None:
+        frame = sys._current_frames().get(engine_thread)
+        if frame is not None:
+            self.samples[frame_line(frame)] += 1
+
+    def _stalled(self, seconds: float) -> None:
+        self.stalls += 1
+        if self.stalls > MAX_STALL_DUMPS:
+            return
+        say(f"engine stall {self.stalls} (stacks printed for the first {MAX_STALL_DUMPS}): no step for "
+            f"{seconds:.1f} s with {len(self.engine.requests)} requests in; every thread's stack:")
+        faulthandler.dump_traceback(sys.__stderr__, all_threads=True)
+        host_memory("at the stall")
+
+
+def frame_line(frame) -> str:
+    """A stack's innermost frame, and the innermost of hypic's under it (where the call came from)."""
+    def named(f) -> str:
+        return f"{Path(f.f_code.co_filename).name}:{f.f_lineno} {f.f_code.co_name}"
+    ours = frame
+    while ours is not None and f"{os.sep}hypic{os.sep}" not in ours.f_code.co_filename:
+        ours = ours.f_back
+    return named(frame) if ours is None or ours is frame else f"{named(frame)} <- {named(ours)}"
 
 
 def in_run_order(data: dict) -> None:
@@ -282,17 +402,28 @@ def first_engine(config: EngineConfig, shapes: list[PromptShape], rng: random.Ra
                  repeats: int) -> dict:
     """ttft's figures and the host tier's counters (when ttft runs); with disk among the parts, the
     disk sets cached on the way and written down to disk."""
-    with phase("first engine start"):
+    with started("first engine", config) as engine:
+        filler = fillers(engine, max(len(shape.warm[0]) for shape in shapes), rng)
+        figures, disk_keys = {}, []
+        for shape in shapes:
+            disk_keys += cache_disk_sets(engine, shape, rng) if "disk" in parts else []
+            if "ttft" in parts:
+                figures[shape.name] = measure_tiers(engine, shape, filler, rng, repeats)
+        push_out(engine, disk_keys, filler)
+        engine.store.lower.drain()
+        return {"prompts": figures, "host_stats": dataclasses.asdict(engine.store.lower.stats())}
+
+
+@contextlib.contextmanager
+def started(name: str, config: EngineConfig) -> Iterator[LLMEngine]:
+    """An engine, closed when the block ends (its pinned host memory goes back then)."""
+    host_memory(f"before the {name} starts")
+    with phase(f"{name} start"):
         engine = LLMEngine(config)
-    filler = fillers(engine, max(len(shape.warm[0]) for shape in shapes), rng)
-    figures, disk_keys = {}, []
-    for shape in shapes:
-        disk_keys += cache_disk_sets(engine, shape, rng) if "disk" in parts else []
-        if "ttft" in parts:
-            figures[shape.name] = measure_tiers(engine, shape, filler, rng, repeats)
-    push_out(engine, disk_keys, filler)
-    engine.store.lower.drain()
-    return {"prompts": figures, "host_stats": dataclasses.asdict(engine.store.lower.stats())}
+    try:
+        yield engine
+    finally:
+        engine.close()
 
 
 def measure_disk(engine: LLMEngine, shape: PromptShape, rng: random.Random) -> dict:
@@ -308,10 +439,9 @@ def measure_disk(engine: LLMEngine, shape: PromptShape, rng: random.Random) -> d
 
 def restarted_engine(config: EngineConfig, shapes: list[PromptShape], rng: random.Random) -> dict:
     """Disk figures of an engine restarted on the first one's directory; its disk counters."""
-    with phase("restarted engine start"):
-        engine = LLMEngine(config)
-    figures = {shape.name: measure_disk(engine, shape, rng) for shape in shapes}
-    return {"prompts": figures, "disk_stats_after_restart": dataclasses.asdict(engine.stats().segment_disk)}
+    with started("restarted engine", config) as engine:
+        figures = {shape.name: measure_disk(engine, shape, rng) for shape in shapes}
+        return {"prompts": figures, "disk_stats_after_restart": dataclasses.asdict(engine.stats().segment_disk)}
 
 
 def drop_from_page_cache(directory: Path) -> None:
@@ -376,7 +506,7 @@ def disk_part(record: ResultFile, config: EngineConfig, args: argparse.Namespace
 
 
 def free_memory() -> None:
-    """Give the engine just gone's device memory back (its pinned host slabs stay cached by torch
+    """Give the engine just closed's device memory back (its pinned host slabs stay cached by torch
     for the next engine)."""
     gc.collect()
     if torch.cuda.is_available():
@@ -404,8 +534,10 @@ def corpus_options(args: argparse.Namespace, model: Path, documents: int) -> lis
 async def served_sweep(config: EngineConfig, options: list[str]) -> dict:
     """One rate sweep of `hypic bench serve` against an in-process server of `config`, and the
     server's /admin/cache afterwards."""
+    host_memory("before the engine starts")
     client = InProcessEngineClient(config)
     await client.start()
+    pin_host_tier(client.core)
     runner = runner_for(build_app(client, ServerSettings()), access_log=False)
     await runner.setup()
     try:
@@ -414,13 +546,28 @@ async def served_sweep(config: EngineConfig, options: list[str]) -> dict:
         parser = argparse.ArgumentParser()
         add_bench_arguments(parser)
         bench = parser.parse_args(options)
-        swept = await run_sweeps(url, build_workload(Tokenizer.from_dir(bench.tokenizer), bench), bench, {})
+        workload = build_workload(Tokenizer.from_dir(bench.tokenizer), bench)
+        with StallWatch(client.core):
+            swept = await run_sweeps(url, workload, bench, {})
         async with aiohttp.ClientSession() as session, session.get(url + "/admin/cache") as response:
             cache = await response.json()
     finally:
         await runner.cleanup()
         await client.shutdown(0.0)
     return {"workload": swept["workload"], "slo": swept["slo"], "series": swept["series"][0], "admin_cache": cache}
+
+
+def pin_host_tier(engine: LLMEngine) -> None:
+    """Every slab of the host tier, pinned before the sweep (the engine is idle): qps measures
+    serving from the tier, not its pinning (a slab pinned beside the engine's steps holds the CUDA
+    driver's lock for as long as it takes); the time it took, printed."""
+    if engine.store.lower is None:
+        return
+    start, arena = time.perf_counter(), engine.store.lower.arena
+    arena.fill()
+    say(f"host tier: {arena.allocated_bytes / 2**30:.1f} GiB in {len(arena.slabs)} slabs pinned in "
+        f"{time.perf_counter() - start:.1f} s")
+    host_memory("with the host tier pinned")
 
 
 def corpus_qps(config: EngineConfig, args: argparse.Namespace, model: Path) -> dict:

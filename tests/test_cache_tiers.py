@@ -3,6 +3,8 @@ flush by salt across tiers, salts on disk only as hashes, identity of a disk dir
 from __future__ import annotations
 
 import threading
+import time
+import weakref
 
 import pytest
 import torch
@@ -161,6 +163,23 @@ def test_slabs_pinned_ahead_on_a_thread_are_taken_in_order_as_entries_need_them(
     assert arena.view(2 * (ALIGN + ALIGN) + 7, 3).tolist() == [3, 3, 3]  # offsets of slab k start k gaps apart
 
 
+def test_the_thread_pins_one_slab_ahead_of_the_entries_not_the_whole_budget(monkeypatch) -> None:
+    made = []
+
+    def new_slab(nbytes: int, pin: bool) -> torch.Tensor:
+        made.append(threading.current_thread().name)
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    monkeypatch.setattr(tiers, "_new_slab", new_slab)
+    arena = tiers.HostArena(5 * ALIGN, ALIGN, pin=True)
+    arena.wait()  # the first full: the second is pinned
+    assert made == ["MainThread", "hypic-host-pin"]  # and no third while the second is not taken
+    assert arena.grow()  # taken: the third is pinned
+    arena.wait()
+    assert made == ["MainThread"] + ["hypic-host-pin"] * 2 and len(arena.slabs) == 2
+    arena.close()
+    assert made == ["MainThread"] + ["hypic-host-pin"] * 2  # of a budget of five
+
+
 def test_a_slab_the_host_cannot_allocate_ends_the_growth_not_the_engine(monkeypatch, caplog) -> None:
     lay = layout()
     entry, real_empty, slabs = lay.entry_bytes(LEN), torch.empty, []
@@ -177,6 +196,52 @@ def test_a_slab_the_host_cannot_allocate_ends_the_growth_not_the_engine(monkeypa
     assert "cannot allocate another" in caplog.text and store.lower.capacity_bytes == 2 * entry
     assert [store.tier(key(name)) for name in "abcd"] == [None, "host", "host", "pool"]
     assert store.lower.stats().evictions == 1 and store.lower.stats().bytes == 2 * entry
+
+
+def test_close_stops_the_pinning_and_lets_every_slab_go(monkeypatch) -> None:
+    made = []
+
+    def new_slab(nbytes: int, pin: bool) -> torch.Tensor:
+        if threading.current_thread().name == "hypic-host-pin":
+            arena._closed.wait()  # this slab is being pinned when the engine closes
+        made.append(torch.zeros(nbytes, dtype=torch.uint8))
+        return made[-1]
+    monkeypatch.setattr(tiers, "_new_slab", new_slab)
+    arena = tiers.HostArena(4 * ALIGN, ALIGN, pin=True)
+    assert not arena.grow()  # the pinning starts; the next slab is not pinned yet
+    arena.close()
+    assert len(made) == 2 and not arena._pinner.is_alive()  # the slab under way finished, no other began
+    assert arena.slabs == () and arena.allocated_bytes == arena.capacity_bytes == 0 and not arena.grow()
+    slabs = [weakref.ref(slab) for slab in made]
+    made.clear()
+    assert all(slab() is None for slab in slabs)  # the one taken and the one pinned ahead
+
+
+def test_closed_tiers_hold_no_host_memory_keep_their_counters_and_the_disk_its_files(tmp_path) -> None:
+    store = tiered(pool=1, host=2, disk_dir=tmp_path)
+    fill(store, "abc")  # a and b go down to host memory and to disk
+    before = store.lower.stats()
+    store.lower.close()
+    after = store.lower.stats()
+    assert (after.entries, after.bytes, after.capacity_bytes, after.pinned) == (0, 0, 0, 0)
+    counters = ("demotions", "hits", "evictions")
+    assert [getattr(after, c) for c in counters] == [getattr(before, c) for c in counters] != [0, 0, 0]
+    assert store.lower.arena.slabs == () and [store.tier(key(n)) for n in "abc"] == ["disk", "disk", "pool"]
+    restarted = DiskTier(tmp_path, 1 << 30, "fp", store.layout)
+    assert key("a") in restarted and key("b") in restarted
+
+
+def test_the_read_rate_is_measured_at_start_up_then_from_each_read(tmp_path) -> None:
+    store = tiered(pool=1, host=1, disk_dir=tmp_path)
+    fill(store, "abc")  # a on disk only
+    disk = store.lower.disk
+    assert disk.read_bytes_per_s > 0 and disk.stats().read_bytes_per_s == disk.read_bytes_per_s
+    disk.read_bytes_per_s = 1.0  # as if the probe had found a hopeless disk
+    began = time.perf_counter()
+    entry = get(store, key("a"))
+    elapsed = time.perf_counter() - began
+    assert entry.source == "disk" and disk.read_bytes_per_s >= entry.nbytes / elapsed  # the read's own rate
+    store.unpin(entry)
 
 
 @pytest.mark.gpu
@@ -201,6 +266,23 @@ def test_on_a_gpu_copies_run_on_a_side_stream_and_entries_land_intact() -> None:
     store.unpin(entry)
     store.lower.drain()
     assert store.lower.stats().pinned == 0 and store.stats().pinned == 0
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_full_pool_evicts_one_entry_to_take_one_in() -> None:
+    """The evicted entry's demotion copy is waited for (on the device), not evicted around: a pool
+    that evicted on while the copies ran would demote every entry for each new one."""
+    lay = layout(state_dtype=torch.bfloat16, model_dtype=torch.bfloat16)
+    entry = lay.entry_bytes(LEN)
+    store = SegmentStore(lay, 3 * entry, "cuda", LowerTiers(8 * entry, torch.device("cuda"), None, 8 * entry))
+    for name in "abcd":
+        tup = random_tuple(lay, LEN, seed=ord(name))
+        assert store.put(key(name), SegmentTuple(tup.interior, *[[t.cuda() for t in getattr(tup, part)]
+                                                                 for part in ("T", "S0", "conv_tail", "K", "V")]))
+    assert store.stats().evictions == 1 and store.stats().entries == 3
+    assert [store.tier(key(name)) for name in "abcd"] == ["host", "pool", "pool", "pool"]
+    store.lower.drain()
+    assert store.lower.stats().demotions == 1 and store.stats().pinned == 0
 
 
 def test_host_tier_budget_defaults() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from engine_util import collect, cpu_config, greedy
 
 from hypic import AsyncEngine
 from hypic.engine.llm_engine import LLMEngine
+from hypic.engine.pic.segments import SegmentedPrompt
+from hypic.kernels.host_copy import sync_sites
 
 SEP = "<|segment|>"
 SYSTEM = "Position-independent caching reuses documents at any position in the prompt."
@@ -95,6 +98,7 @@ def test_pinned_entries_leave_no_room_so_the_request_recomputes(tiny_model_dir, 
     exact, _ = serve(tier_config(tiny_model_dir, cache_mode="none"), [prompts[len(DOCS)]])
     assert_same_outputs(outs, ref[:2] + exact)  # the segment was computed in full (nor stored: no room)
     assert store.lower.stats().hits == 1 and store.lower.stats().promotions == 0
+    assert store.stats().no_room == 2  # the promotion, then the store of the recomputed tuple
     assert store.stats().pinned == store.lower.stats().pinned == 0
 
 
@@ -190,7 +194,7 @@ def test_a_disk_entry_slower_to_read_than_to_recompute_is_recomputed(tiny_model_
     caplog.set_level(logging.INFO, logger="hypic")
 
     def disk_speed(core: LLMEngine) -> None:  # the injected read rate; the prefill rate as it is measured
-        core.pic.costs.read_bytes_per_s = read_bytes_per_s
+        core.pic.costs.read_bytes_per_s = lambda: read_bytes_per_s
     warm, core = serve(config, jobs()[len(DOCS):], before=disk_speed)
     assert_same_outputs(warm, ref[len(DOCS):])
     assert kinds(warm)[:2] == [kind] * 2
@@ -203,6 +207,21 @@ def test_a_disk_entry_slower_to_read_than_to_recompute_is_recomputed(tiny_model_
     line = "segment tiers (1k-token segments): " + ", ".join(
         f"{name} {n}" for name, n in zip(("pool", "host", "disk"), capacities))  # every tier is on
     assert any(line + " (disk reads " in r.getMessage() and " GB/s)" in r.getMessage() for r in caplog.records)
+
+
+def test_shutdown_lets_host_memory_go_and_the_next_engine_starts_from_the_kept_prefill_rate(tiny_model_dir,
+                                                                                            reference, tmp_path):
+    _, entry = reference
+    config = tier_config(tiny_model_dir, segment_pool_bytes=entry * 3 // 2, segment_host_bytes=entry * 4,
+                         segment_disk_dir=tmp_path)
+    slabs = []
+    _, core = serve(config, jobs(1), before=lambda core: slabs.extend(map(weakref.ref, core.store.lower.arena.slabs)))
+    assert slabs and all(slab() is None for slab in slabs)  # gone with the shutdown, though the core lives on
+    assert core.store.lower.stats().entries == 0 and core.store.lower.stats().demotions > 0
+    assert core.pic.costs.measured
+    restarted = LLMEngine(config)
+    assert restarted.pic.costs.tokens_per_s == core.pic.costs.tokens_per_s and not restarted.pic.costs.measured
+    restarted.close()
 
 
 def test_a_peer_pulling_an_entry_held_only_on_disk_gets_it_read(tiny_model_dir, reference, tmp_path):
@@ -232,11 +251,43 @@ def test_on_a_gpu_host_and_disk_hits_give_the_outputs_of_an_unbounded_pool(tiny_
     entry = core.store.stats().bytes // len(DOCS)
     tight = tier_config(tiny_model_dir, segment_pool_bytes=entry * 3 // 2, segment_host_bytes=entry * 4,
                         segment_disk_dir=tmp_path, **gpu)
-    tiered, core = serve(tight, jobs())
+    pinned = []  # looked at while it serves: a shutdown lets the slabs go
+
+    def slabs_pinned(core: LLMEngine) -> None:
+        pinned.extend(slab.is_pinned() for slab in core.store.lower.arena.slabs)
+    tiered, core = serve(tight, jobs(), before=slabs_pinned)
     assert_same_outputs(tiered, ref)
     assert kinds(tiered)[len(DOCS):] == [{"pic_host"}] * len(DOCS)  # copied up on the side stream
-    assert all(slab.is_pinned() for slab in core.store.lower.arena.slabs)
+    assert pinned and all(pinned)
     restarted, core = serve(tight, jobs()[len(DOCS):])
     assert_same_outputs(restarted, ref[len(DOCS):])
     assert kinds(restarted) == [{"pic_disk"}] * len(DOCS)  # read into pinned memory, then copied up
     assert core.store.stats().pinned == core.store.lower.stats().pinned == 0
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_promotions_and_demotions_never_make_the_host_wait_for_the_device(tiny_model_dir):
+    """Torch's sync debug mode names every host sync of admitting and stepping warm requests whose
+    documents come back from host memory (copied up on the side stream) while others go down: none
+    is in the tiers' code."""
+    gpu = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+    _, core = serve(tier_config(tiny_model_dir, **gpu), jobs(1))
+    entry = core.store.stats().bytes // len(DOCS)
+    engine = LLMEngine(tier_config(tiny_model_dir, segment_pool_bytes=entry * 3 // 2, segment_host_bytes=entry * 4,
+                                   **gpu))
+
+    def one_at_a_time(prompts: list[str]) -> list[str]:
+        sites = []
+        for prompt in prompts:
+            segmented = SegmentedPrompt.build(engine.tokenizer, prompt, separator=engine.config.segment_separator)
+            sites += sync_sites(lambda: engine.add_request(segmented, greedy(3)))
+            while engine.has_work():
+                sites += sync_sites(engine.step)
+        return sites
+    one_at_a_time(jobs(1))  # compiles and autotunes; each document goes down as the next one comes
+    pool, host = engine.store.stats(), engine.store.lower.stats()
+    sites = one_at_a_time(jobs()[len(DOCS):])  # each promoted back, the one before it demoted
+    assert engine.store.lower.stats().promotions - host.promotions == len(DOCS)
+    assert engine.store.stats().demotions > pool.demotions
+    assert [s for s in sites if any(name in s for name in ("tiers.py", "segment_store.py", "disk_tier.py"))] == []
+    engine.close()

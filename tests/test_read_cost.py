@@ -15,16 +15,16 @@ def _work(tokens: int) -> StepWork:
 
 
 def test_reads_when_the_disk_beats_the_prefill_and_recomputes_otherwise():
-    costs = ReadOrRecompute(read_bytes_per_s=1e9, tokens_per_s=10_000)  # 1 GB/s disk, 10k tokens/s prefill
+    costs = ReadOrRecompute(lambda: 1e9, tokens_per_s=10_000)  # 1 GB/s disk, 10k tokens/s prefill
     assert costs.read(nbytes=50_000_000, tokens=1000)  # 50 ms to read, 100 ms to recompute
     assert not costs.read(nbytes=50_000_000, tokens=100)  # a short segment: 10 ms to recompute
-    slow = ReadOrRecompute(read_bytes_per_s=1e7, tokens_per_s=10_000)  # a 10 MB/s disk
+    slow = ReadOrRecompute(lambda: 1e7, tokens_per_s=10_000)  # a 10 MB/s disk
     assert not slow.read(nbytes=50_000_000, tokens=1000)
     assert (costs.recomputed, slow.recomputed) == (1, 1)
 
 
 def test_the_prefill_rate_is_a_constant_until_measured_then_follows_the_steps():
-    costs = ReadOrRecompute(1e9)
+    costs = ReadOrRecompute(lambda: 1e9)
     assert costs.tokens_per_s == UNMEASURED_TOKENS_PER_S and not costs.measured
     costs.observe(_work(MIN_MEASURED_TOKENS - 1), 1e-6)  # too small a step to say anything
     assert not costs.measured
@@ -34,8 +34,23 @@ def test_the_prefill_rate_is_a_constant_until_measured_then_follows_the_steps():
     assert 10_000 < costs.tokens_per_s < 20_000
 
 
+def test_a_kept_prefill_rate_starts_the_next_engine_until_its_own_steps_replace_it(tmp_path):
+    kept = tmp_path / "rates.json"
+    first = ReadOrRecompute(lambda: 1e9, kept=kept)
+    first.keep()
+    assert not kept.exists()  # nothing measured: nothing kept
+    first.observe(_work(1000), 0.1)
+    first.keep()
+    second = ReadOrRecompute(lambda: 1e9, kept=kept)
+    assert second.tokens_per_s == pytest.approx(10_000) and not second.measured
+    second.observe(_work(1000), 0.5)  # its own first step replaces the kept rate
+    assert second.tokens_per_s == pytest.approx(2000)
+    kept.write_text('{"prefill_tokens_per_s": ')  # torn
+    assert ReadOrRecompute(lambda: 1e9, kept=kept).tokens_per_s == UNMEASURED_TOKENS_PER_S
+
+
 def test_the_step_clock_hands_measured_steps_to_the_cost_model():
-    costs = ReadOrRecompute(1e9)
+    costs = ReadOrRecompute(lambda: 1e9)
     clock = StepClock(torch.device("cpu"), [costs])
     clock.start(None)  # a step composing cached pieces: not measured
     clock.stop()
@@ -51,7 +66,7 @@ def test_the_step_clock_hands_measured_steps_to_the_cost_model():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_step_clock_reads_cuda_events_without_waiting():
-    costs = ReadOrRecompute(1e9)
+    costs = ReadOrRecompute(lambda: 1e9)
     clock = StepClock(torch.device("cuda"), [costs])
     x = torch.randn(4096, 4096, device="cuda")
     clock.start(_work(1000))

@@ -7,7 +7,10 @@ name and is never read. Reads and writes run on threads of their own; the index 
 thread's. Each file is a header (magic, version, identity, key digest, a hash of the
 salt — never the salt itself —, interior, byte count, checksum) and the entry's bytes. A file that
 fails any check is deleted and counts as a miss: it costs a recompute, never a wrong answer. A
-file is written under a temporary name, then renamed.
+file is written under a temporary name, then renamed. The read rate is measured at start-up (a
+probe file), then from every read (its buffer, the read and the checksum: what a read costs).
+Beside the files, `rates.json` keeps the figures an engine measured on this directory for the
+next one (`rates_path`).
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ from hypic.cache.tier_stats import TierStats
 FORMAT_VERSION = 1
 _MAGIC = b"HYPICSEG"
 _HEADER = struct.Struct("<8sI16s16s16sQQQQ")  # magic, version, identity, digest, salt hash, start, end, bytes, sum
-_PROBE_BYTES = 4 << 20
+_PROBE_BYTES = 16 << 20  # well past the OS's read-ahead: a rate, not a latency
+_SMOOTHING = 0.2  # weight of the newest read in the running read rate
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class DiskStats(TierStats):
     """`pinned`: writes under way; `demotions`: files written; `errors`: failed writes, and files
     found missing, truncated or corrupt. The engine fills in the last two fields."""
 
-    read_bytes_per_s: float = 0.0  # measured at start-up
+    read_bytes_per_s: float = 0.0  # measured at start-up, then from every read
     recompute_tokens_per_s: float = 0.0  # the engine's prefill rate it weighs reads against
     recomputed: int = 0  # entries recomputed rather than read: cheaper so (short segments, a slow disk)
 
@@ -78,6 +82,12 @@ class DiskTier:
         self._counts = dict.fromkeys(("hits", "misses", "promotions", "demotions", "evictions", "errors"), 0)
         self._scan()
         self.read_bytes_per_s = self._measure_read_rate()
+        self._reads_measured = False  # the probe's rate stands until the first read of an entry
+
+    @property
+    def rates_path(self) -> Path:
+        """Where an engine keeps what it measured on this directory (JSON), for the next one."""
+        return self.directory / "rates.json"
 
     def __contains__(self, key: SegmentKey) -> bool:
         found = self._index.get(key.digest)
@@ -111,7 +121,15 @@ class DiskTier:
         self._index.move_to_end(key.digest)
         self._counts["hits"] += 1
         self._counts["promotions"] += 1
-        return self._index[key.digest].interior, read.result()
+        data, seconds = read.result()
+        self._observe_read(data.numel(), seconds)
+        return self._index[key.digest].interior, data
+
+    def close(self) -> None:
+        """Wait for the writes and reads under way, then stop the threads (an engine shutting down)."""
+        self._writer.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+        self.reap()
 
     def flush(self, salt: str | None = None) -> int:
         wanted = salt_hash(salt)
@@ -173,20 +191,36 @@ class DiskTier:
             f.write(payload)
         os.replace(temporary, path)
 
-    def _read_file(self, digest: bytes, record: _File) -> torch.Tensor:
-        """The entry's bytes, read straight into their buffer (no copies holding the GIL)."""
-        data = torch.empty(record.nbytes, dtype=torch.uint8, pin_memory=self._pin_reads)
-        with open(self._path(digest), "rb") as f:
-            header, read, rest = f.read(_HEADER.size), f.readinto(data.numpy()), f.read(1)
-        if len(header) < _HEADER.size or read != record.nbytes or rest:
-            raise ValueError(f"segment file {digest.hex()} is truncated")
-        if header != self._header(digest, record, xxhash.xxh3_64_intdigest(data.numpy())):
+    def _observe_read(self, nbytes: int, seconds: float) -> None:
+        rate = nbytes / max(seconds, 1e-9)
+        smoothed = (1 - _SMOOTHING) * self.read_bytes_per_s + _SMOOTHING * rate
+        self.read_bytes_per_s = smoothed if self._reads_measured else rate
+        self._reads_measured = True
+
+    def _read_file(self, digest: bytes, record: _File) -> tuple[torch.Tensor, float]:
+        """The entry's bytes (checked) and the seconds it took to read them."""
+        data, header, checksum, seconds = self._read_payload(self._path(digest), record.nbytes)
+        if header != self._header(digest, record, checksum):
             raise ValueError(f"segment file {digest.hex()} fails its checksum or header")
-        return data
+        return data, seconds
+
+    def _read_payload(self, path: Path, nbytes: int) -> tuple[torch.Tensor, bytes, int, float]:
+        """(payload, header, payload checksum, seconds) of a file of `nbytes` after its header: the
+        payload read straight into its buffer (no copies holding the GIL)."""
+        start = time.perf_counter()
+        data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin_reads)
+        with open(path, "rb") as f:
+            header, read, rest = f.read(_HEADER.size), f.readinto(data.numpy()), f.read(1)
+        if len(header) < _HEADER.size or read != nbytes or rest:
+            raise ValueError(f"segment file {path.name} is truncated")
+        checksum = xxhash.xxh3_64_intdigest(data.numpy())
+        return data, header, checksum, time.perf_counter() - start
 
     def _scan(self) -> None:
         """Index this identity's files (oldest first) from their headers; drop what cannot be trusted."""
         for path in sorted(self.directory.iterdir(), key=lambda p: p.stat().st_mtime):
+            if path == self.rates_path:
+                continue
             record = self._parse(path)
             if record is None:
                 path.unlink(missing_ok=True)
@@ -213,16 +247,15 @@ class DiskTier:
 
     def _measure_read_rate(self) -> float:
         """Bytes per second of reading a freshly written file (dropped from the page cache where
-        the OS allows), so that a slow disk is known before it is relied on."""
+        the OS allows) the way an entry is read (its buffer, the read, the checksum), so that a
+        slow disk is known before it is relied on."""
         probe = self.directory / "read-rate.probe"
         with open(probe, "wb") as f:
-            f.write(os.urandom(_PROBE_BYTES))
+            f.write(bytes(_HEADER.size) + os.urandom(_PROBE_BYTES))
             f.flush()
             os.fsync(f.fileno())
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        start = time.perf_counter()
-        probe.read_bytes()
-        seconds = time.perf_counter() - start
+        seconds = self._read_payload(probe, _PROBE_BYTES)[-1]
         probe.unlink()
         return _PROBE_BYTES / max(seconds, 1e-9)

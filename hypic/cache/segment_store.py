@@ -304,6 +304,7 @@ class SegmentStoreStats:
     evictions: int
     promotions: int = 0  # misses served by a lower tier
     demotions: int = 0  # evictions copied down to a lower tier
+    no_room: int = 0  # promotions and stores refused because pinned entries held the pool (recomputed)
 
 
 class SegmentStore:
@@ -327,7 +328,7 @@ class SegmentStore:
         self._flushed: list[SegmentEntry] = []  # removed from the index, still pinned
         # evicted entries whose demotion copy may still read them: their space is reused once it lands
         self._draining: list[tuple[SegmentEntry, torch.cuda.Event]] = []
-        self._hits = self._misses = self._evictions = self._promotions = self._demotions = 0
+        self._hits = self._misses = self._evictions = self._promotions = self._demotions = self._no_room = 0
         self._moved: set[SegmentKey] = set()  # keys whose best tier changed since `take_moves`
 
     # flat views for the kernels (zero-copy; element offsets come from SegmentEntry)
@@ -436,6 +437,7 @@ class SegmentStore:
         offset = self._allocate(claim.nbytes)
         if offset is None:  # pinned entries leave no room: the request recomputes rather than waits
             self.lower.release(claim)
+            self._no_room += 1
             return None
         entry = SegmentEntry(key, claim.interior, offset, claim.nbytes, self.layout, self._arena, source=claim.tier)
         entry.ready = self.lower.copy_up(claim, self._bytes(entry))
@@ -468,6 +470,7 @@ class SegmentStore:
         nbytes = self.layout.entry_bytes(interior[1] - interior[0])
         offset = self._allocate(nbytes)
         if offset is None:
+            self._no_room += 1
             return False
         entry = SegmentEntry(key, interior, offset, nbytes, self.layout, self._arena)
         write(entry)
@@ -494,17 +497,19 @@ class SegmentStore:
         pinned = sum(1 for e in self._index.values() if e.pins) + len(self._flushed)
         return SegmentStoreStats(len(self._index), self.capacity_bytes - self._free.free_bytes,
                                  self.capacity_bytes, pinned, self._hits, self._misses, self._evictions,
-                                 self._promotions, self._demotions)
+                                 self._promotions, self._demotions, self._no_room)
 
     def _allocate(self, nbytes: int) -> int | None:
-        """First-fit; evicts least-recently-used unpinned entries until a hole fits."""
+        """First-fit; evicts least-recently-used unpinned entries until a hole fits, one at a time:
+        the space of one whose demotion copy is under way is waited for (on the device) before
+        another is evicted, else a full pool would demote every entry for each one it takes in."""
         pinned_bytes = sum(e.nbytes for e in self._index.values() if e.pins)
         pinned_bytes += sum(e.nbytes for e in self._flushed)
         if nbytes > self.capacity_bytes - pinned_bytes:
             return None  # hopeless: evicting would only lose entries
         self._release_drained(lambda event: event.query())
         return self._free.allocate_evicting(
-            nbytes, lambda: self._evict_one() or self._release_drained(self._wait_on_device))
+            nbytes, lambda: self._release_drained(self._wait_on_device) or self._evict_one())
 
     def _evict_one(self) -> bool:
         entry = pop_lru_unpinned(self._index)

@@ -74,13 +74,16 @@ class SideCopies:
 class HostArena:
     """The host tier's memory in slabs, so that an engine does not pin tens of GB before it serves
     (and torch's pinned allocator, which rounds one request up to a power of two, pins no more than
-    the budget). The first slab is made at once; on a GPU engine the others are pinned one after
-    another on a thread of their own once the first is full (so not while the engine captures its
-    CUDA graphs, which a pinned allocation from another thread can invalidate), each taken when
-    entries need it (a demotion that finds the next one not yet pinned evicts below instead of
-    waiting); elsewhere a slab is made when needed. Slabs sit a gap apart in the offset space, so
-    holes never merge across two and an entry never spans them. A slab the host cannot allocate
-    ends the growth."""
+    the budget). The first slab is made at once; on a GPU engine the others are pinned on a thread
+    of their own, one ahead of the entries: the second once the first is full (so not while the
+    engine captures its CUDA graphs, which a pinned allocation from another thread can
+    invalidate), each next one once the last pinned is taken (a demotion that finds the next one
+    not yet pinned evicts below instead of waiting). Pinning holds the CUDA driver's lock, and the
+    engine's launches wait while it does: an engine pins only as fast as its entries need slabs,
+    and no more than they need. Elsewhere a slab is made when needed. Slabs sit a gap apart in the
+    offset space, so holes never merge across two and an entry never spans them. A slab the host
+    cannot allocate ends the growth. `close` stops the pinning and lets every slab go (torch's
+    pinned allocator keeps them for the next engine of the process, which then pins nothing anew)."""
 
     def __init__(self, capacity_bytes: int, slab_bytes: int, pin: bool) -> None:
         self.slab_bytes = min(slab_bytes, capacity_bytes // ALIGN * ALIGN)
@@ -93,11 +96,14 @@ class HostArena:
         if self.capacity_bytes:
             self._add(_new_slab(self.slab_bytes, pin))
         self._pinner: threading.Thread | None = None
+        self._closed = threading.Event()
+        self._wanted = threading.Semaphore(1)  # slabs to pin: one ahead, another each time one is taken
         if pin and self.capacity_bytes > self.slab_bytes:
             self._pinned = queue.SimpleQueue()
             count = self.capacity_bytes // self.slab_bytes - 1
-            self._pinner = threading.Thread(target=_pin_ahead, args=(weakref.ref(self), self._pinned, count),
-                                            name="hypic-host-pin", daemon=True)
+            args = (weakref.ref(self), self._pinned, count, self._closed, self._wanted)
+            self._pinner = threading.Thread(target=_pin_ahead, args=args, name="hypic-host-pin", daemon=True)
+            weakref.finalize(self, _stop_pinning, self._closed, self._wanted)  # collected unclosed
 
     @property
     def slabs(self) -> tuple[torch.Tensor, ...]:
@@ -124,17 +130,35 @@ class HostArena:
             except queue.Empty:
                 return False
         slab, self._spare = self._spare, None
+        self._wanted.release()  # the next one
         return self._add(slab)
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         slab, start = divmod(offset, self._stride)
         return self._slabs[slab][start: start + nbytes]
 
+    def fill(self) -> None:
+        """Take every slab of the budget now, waiting for their pinning (a benchmark that measures
+        serving, not the pinning, calls it before the first request)."""
+        while self.allocated_bytes < self.capacity_bytes:
+            self.wait()
+            if not self.grow():  # the host could not allocate one: the budget ends here
+                return
+
     def wait(self) -> None:
         """Until the next slab is pinned (tests, benchmarks)."""
         if self._pinned is not None and self._spare is None and self.allocated_bytes < self.capacity_bytes:
             self._start_pinning()
             self._spare = self._pinned.get()
+
+    def close(self) -> None:
+        """Stop pinning (the slab being pinned, if any, is finished first) and drop every slab;
+        the arena holds nothing afterwards."""
+        _stop_pinning(self._closed, self._wanted)
+        if self._pinner is not None and self._pinner.ident is not None:
+            self._pinner.join()
+        self._slabs, self._spare, self._pinned = [], None, None
+        self.free, self.capacity_bytes = FreeList(0), 0
 
     def _start_pinning(self) -> None:
         if self._pinner.ident is None:
@@ -151,18 +175,26 @@ class HostArena:
         return True
 
 
-def _pin_ahead(arena: weakref.ref[HostArena], pinned: queue.SimpleQueue, count: int) -> None:
-    """Pins `count` slabs for `arena` (the pinning thread); stops once the arena is gone (an engine
-    closed), so that it pins nothing for nobody, nor beside the next engine's graph capture."""
+def _pin_ahead(arena: weakref.ref[HostArena], pinned: queue.SimpleQueue, count: int,
+               closed: threading.Event, wanted: threading.Semaphore) -> None:
+    """Pins up to `count` slabs for `arena` (the pinning thread), each once `wanted`; stops once the
+    arena is closed or gone (an engine closed), so that it pins nothing for nobody, nor beside the
+    next engine's graph capture."""
     for _ in range(count):
+        wanted.acquire()
         owner = arena()
-        if owner is None:
+        if owner is None or closed.is_set():
             return
         nbytes, owner = owner.slab_bytes, None
         slab = _new_slab(nbytes, pin=True)
         pinned.put(slab)
         if isinstance(slab, RuntimeError):
             return
+
+
+def _stop_pinning(closed: threading.Event, wanted: threading.Semaphore) -> None:
+    closed.set()
+    wanted.release()  # wakes the pinning thread to see it
 
 
 def _new_slab(nbytes: int, pin: bool) -> torch.Tensor | RuntimeError:
@@ -285,8 +317,22 @@ class LowerTiers:
             self.disk.reap()
 
     def drain(self) -> None:
-        """Wait for every copy, disk write, disk read and slab pinning under way (shutdown, tests)."""
+        """Wait for every copy, disk write, disk read and slab pinning under way (tests, benchmarks)."""
         self.arena.wait()
+        self._settle()
+
+    def close(self) -> None:
+        """Let the host memory go (an engine shutting down): once the copies, disk writes and reads
+        under way are done, every entry is dropped from host memory (the disk keeps its files) and
+        the arena's slabs are released; the counters stay."""
+        self._settle()
+        self._index.clear()
+        self._flushed, self._reads, self._read = [], {}, {}  # finished reads hold their buffers
+        self.arena.close()
+        if self.disk is not None:
+            self.disk.close()
+
+    def _settle(self) -> None:
         for event, _, _ in self._in_flight:
             if event is not None:
                 event.synchronize()

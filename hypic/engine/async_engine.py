@@ -118,6 +118,8 @@ class AsyncEngine:
             self._inbox.put(_Stop())
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        if self._core is not None:
+            await asyncio.to_thread(self._core.close)  # its pinned host memory goes now, not when collected
 
     # -- public API ------------------------------------------------------------------------------
 

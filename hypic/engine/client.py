@@ -20,7 +20,7 @@ from hypic.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from hypic.engine.async_engine import AsyncEngine
-    from hypic.engine.llm_engine import EngineStats
+    from hypic.engine.llm_engine import EngineStats, LLMEngine
     from hypic.engine.text.tokenizer import Tokenizer
 
 
@@ -95,6 +95,11 @@ class InProcessEngineClient:
     @property
     def accepting(self) -> bool:
         return self._engine.accepting
+
+    @property
+    def core(self) -> LLMEngine:
+        """The engine core, for tools that watch it from another thread (a benchmark's stall watch)."""
+        return self._engine.core
 
     async def start(self) -> None:
         await self._engine.start()

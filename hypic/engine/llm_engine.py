@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -84,6 +83,7 @@ class LLMEngine:
                                              self.device)
         self.requests: dict[str, RequestState] = {}
         self.last_step_ran = True  # False when the last step found nothing it could schedule
+        self.steps = 0  # steps that ran a batch (how a watchdog sees the loop advance)
         self.counters = dict.fromkeys(("finished", "aborted", "prompt", "generated", "cached"), 0)
         logger.info("hypic engine ready: %s on %s (%s), %s, max_model_len %d; %s", self.model_dir.name,
                     self.device, str(self.dtype).removeprefix("torch."), self.plan, self.max_model_len,
@@ -158,6 +158,14 @@ class LLMEngine:
         self.counters["aborted"] += 1
         return state.output([d for d in deltas if d is not None])
 
+    def close(self) -> None:
+        """Let the engine's host memory go (the host tier's pinned slabs, the disk tier's threads)
+        and keep its measured prefill rate beside the disk's files; the counters stay readable.
+        The engine serves no more afterwards."""
+        self.pic.costs.keep()
+        if self.store.lower is not None:
+            self.store.lower.close()
+
     def has_work(self) -> bool:
         return self.scheduler.has_work or bool(self.pic.fetching)
 
@@ -182,6 +190,7 @@ class LLMEngine:
         self.last_step_ran = bool(batch.chunks)
         if not batch.chunks:
             return []
+        self.steps += 1
         self.step_clock.start(_step_work(batch))
         self.pic.scatter(batch)
         masks = self.structured.fill(batch)  # beside the forward, if not prefetched
@@ -393,7 +402,7 @@ class LLMEngine:
         self.store = SegmentStore(layout, pool_bytes, self.device, lower)
         c = self.model_config
         inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta).to(self.device)
-        costs = ReadOrRecompute(lower.disk.read_bytes_per_s if lower and lower.disk else math.inf)
+        costs = ReadOrRecompute.for_disk(lower.disk if lower else None)
         self.pic = PicAssembler(self.store, self.caches, inv_freq, self._fingerprint(),
                                 shape.conv_kernel, self.config.seam_width, costs)
         self.step_clock = StepClock(self.device, (costs, self.scheduler.cost))

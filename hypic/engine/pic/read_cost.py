@@ -1,19 +1,26 @@
 """Read a disk-only segment, or recompute it? (issue 28: short segments and slow disks recompute.)
 
-Reading costs the entry's bytes over the disk's read rate (measured at start-up); recomputing costs
-the segment's tokens over the engine's prefill rate, measured from its own steps. Until a step has
-been measured the prefill rate is a constant that leans towards reading (slower than any GPU, the
-speed of a small model on a few CPU cores), so a fresh engine never recomputes what a disk could
-have served faster.
+Reading costs the entry's bytes over the disk's read rate (measured at start-up, then from every
+read: `hypic.cache.disk_tier`); recomputing costs the segment's tokens over the engine's prefill
+rate, measured from its own steps. A disk directory is read by an engine restarted on it, whose
+first requests may be served from it alone (steps that compose cached pieces say nothing of the
+prefill rate): so the rate an engine measured is kept beside the files when it closes, and the
+next engine starts from it. Without one, the prefill rate is a constant that leans towards
+reading (slower than any GPU, the speed of a small model on a few CPU cores), so that a fresh
+engine never recomputes what a disk could have served faster.
 """
 from __future__ import annotations
 
+import json
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from hypic.cache.disk_tier import DiskTier
 from hypic.engine.prefill_cost import StepWork
 
 UNMEASURED_TOKENS_PER_S = 2000.0
@@ -22,10 +29,21 @@ _SMOOTHING = 0.2  # weight of the newest step in the running rate
 
 
 class ReadOrRecompute:
-    def __init__(self, read_bytes_per_s: float, tokens_per_s: float = UNMEASURED_TOKENS_PER_S) -> None:
-        self.read_bytes_per_s, self.tokens_per_s = read_bytes_per_s, tokens_per_s
-        self.measured = False
+    def __init__(self, read_bytes_per_s: Callable[[], float], tokens_per_s: float = UNMEASURED_TOKENS_PER_S,
+                 kept: Path | None = None) -> None:
+        """`read_bytes_per_s`: the disk's read rate now; `kept`: the file holding the prefill rate an
+        earlier engine measured (it replaces `tokens_per_s`), where `keep` writes this engine's."""
+        self.read_bytes_per_s, self.kept = read_bytes_per_s, kept
+        self.tokens_per_s = _kept_rate(kept) or tokens_per_s
+        self.measured = False  # by this engine's steps (the first one replaces a kept rate)
         self.recomputed = 0  # disk entries recomputed because that was cheaper
+
+    @classmethod
+    def for_disk(cls, disk: DiskTier | None) -> ReadOrRecompute:
+        """The decision for an engine's disk tier (None: no disk, nothing ever to decide)."""
+        if disk is None:
+            return cls(lambda: math.inf)
+        return cls(lambda: disk.read_bytes_per_s, kept=disk.rates_path)
 
     def observe(self, work: StepWork, seconds: float) -> None:
         """One step's prefill tokens and wall time (the step's decode rows ride along: a rate on the low side)."""
@@ -37,10 +55,25 @@ class ReadOrRecompute:
 
     def read(self, nbytes: int, tokens: int) -> bool:
         """True: read the entry; False: recompute its `tokens` (counted in `recomputed`)."""
-        if nbytes / self.read_bytes_per_s <= tokens / self.tokens_per_s:
+        if nbytes / self.read_bytes_per_s() <= tokens / self.tokens_per_s:
             return True
         self.recomputed += 1
         return False
+
+    def keep(self) -> None:
+        """Write the prefill rate this engine measured to `kept`, for the next engine."""
+        if self.kept is not None and self.measured:
+            self.kept.write_text(json.dumps({"prefill_tokens_per_s": self.tokens_per_s}))
+
+
+def _kept_rate(kept: Path | None) -> float | None:
+    if kept is None or not kept.is_file():
+        return None
+    try:
+        rate = json.loads(kept.read_text())["prefill_tokens_per_s"]
+    except (ValueError, KeyError, TypeError):  # a torn or foreign file: measured again
+        return None
+    return rate if isinstance(rate, (int, float)) and rate > 0 else None
 
 
 class StepObserver(Protocol):
