@@ -72,13 +72,13 @@ def test_moe_blocks_skip_exactly_the_padding_rows(tmp_path, monkeypatch: pytest.
     and the tokens stay the eager engine's."""
     import hypic.models.layers as layers
     seen: list[tuple[int, int]] = []
-    moe = layers.fused_moe
+    moe = layers.routed_moe
 
     def recording_moe(x, *args, valid_tokens=None, **kwargs):
         if valid_tokens is not None:
             seen.append((int(valid_tokens), x.shape[0]))
         return moe(x, *args, valid_tokens=valid_tokens, **kwargs)
-    monkeypatch.setattr(layers, "fused_moe", recording_moe)
+    monkeypatch.setattr(layers, "routed_moe", recording_moe)
     config = pic_config(mamba2_models.make_model_dir(tmp_path, "nemotron_h", slow_decay=True))
     cold, warm = prompt(*DOCS), prompt(DOCS[2], DOCS[0], DOCS[1])
     eager = LLMEngine(config)
