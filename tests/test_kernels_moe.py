@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hypic.kernels import moe
-from hypic.kernels.moe import (Routing, expert_blocks, fused_moe, fused_moe_ref, moe_grouped_mm, moe_triton,
-                               route, route_blocks_triton, route_topk_ref, routed_moe)
+from hypic.kernels.moe import (Routing, SharedExpert, expert_blocks, fused_moe, fused_moe_ref, moe_grouped_mm,
+                               moe_triton, route, route_blocks_triton, route_topk_ref, routed_moe)
 from kernel_cases import interpreted, moe_dense_f64, rel_err
 
 
@@ -196,6 +196,71 @@ def test_gpu_matches_reference(path, dtype: torch.dtype, tokens: int) -> None:
     out = path(*case)
     assert out.dtype == dtype
     assert rel_err(out, fused_moe_ref(*case)) < (2e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+
+def make_shared(x: torch.Tensor, inter: int, seed: int) -> SharedExpert:
+    """A SwiGLU shared expert on x's device and dtype, its gate logits for x's rows."""
+    gen = torch.Generator(x.device.type).manual_seed(seed)
+    hidden = x.shape[1]
+    gate_up = torch.randn(2 * inter, hidden, generator=gen, device=x.device) / hidden ** 0.5
+    down = torch.randn(hidden, inter, generator=gen, device=x.device) / inter ** 0.5
+    logit = torch.randn(x.shape[0], 1, generator=gen, device=x.device)
+    return SharedExpert(*(t.to(x.dtype) for t in (gate_up, down, logit)))
+
+
+@interpreted
+@pytest.mark.parametrize("tokens,valid", [(3, None), (40, 26)])
+def test_triton_interpreted_shared_expert_as_blocks_matches_reference(tokens: int, valid: int | None,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared expert run by the expert kernels' extra blocks (its rows after the pairs'), over the
+    router's layout, against the reference plus torch's shared MLP; padding rows zero."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x, w_gate_up, w_down, *_ = make_case(tokens, 6, 3, hidden=48, inter=24, seed=tokens)
+    shared = make_shared(x, 24, seed=tokens + 1)
+    logits = torch.randn(tokens, 6, generator=torch.Generator().manual_seed(tokens + 2))
+    valid_tokens = None if valid is None else torch.tensor([valid], dtype=torch.int32)
+    weights, ids, blocks = route_blocks_triton(logits, Routing(3, True), 16, valid_tokens)
+    out = moe_triton(x, w_gate_up, w_down, weights, ids, blocks=blocks, shared_expert=shared,
+                     valid_tokens=valid_tokens)
+    expected = fused_moe_ref(x, w_gate_up, w_down, *route_topk_ref(logits, 3, True), shared=shared.computed(x),
+                             valid_tokens=valid_tokens)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_expert_fuses_only_at_the_routed_experts_size() -> None:
+    x, _, w_down, *_ = make_case(2, 4, 2, hidden=32, inter=16, seed=0)
+    assert make_shared(x, 16, seed=1).fuses_with(w_down)
+    assert not make_shared(x, 8, seed=1).fuses_with(w_down)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inter", [GPU_INTER, GPU_INTER // 2])  # fused into the expert kernels; not (its own GEMMs)
+@pytest.mark.parametrize("tokens,valid", [(1, None), (16, 11), (17, None)])  # 17 x 8 pairs: past the decode path
+def test_gpu_routed_decode_with_shared_expert_matches_reference_and_replays(inter: int, tokens: int,
+                                                                            valid: int | None) -> None:
+    x, w_gate_up, w_down, *_ = make_case(tokens, GPU_EXPERTS, GPU_TOPK, GPU_HIDDEN, GPU_INTER, seed=tokens,
+                                         dtype=torch.bfloat16, device="cuda")
+    shared = make_shared(x, inter, seed=tokens + 1)
+    logits = torch.randn(tokens, GPU_EXPERTS, device="cuda")
+    routing = Routing(GPU_TOPK, True)
+    valid_tokens = None if valid is None else torch.tensor([valid], dtype=torch.int32, device="cuda")
+
+    def expected() -> torch.Tensor:
+        return fused_moe_ref(x, w_gate_up, w_down, *route(logits, routing), shared=shared.computed(x),
+                             valid_tokens=valid_tokens)
+    out = routed_moe(x, logits, routing, w_gate_up, w_down, shared_expert=shared, valid_tokens=valid_tokens)
+    assert rel_err(out, expected()) < 2e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = routed_moe(x, logits, routing, w_gate_up, w_down, shared_expert=shared, valid_tokens=valid_tokens)
+    logits.normal_()
+    x.normal_()
+    shared.gate_logit.normal_()
+    graph.replay()
+    assert rel_err(out, expected()) < 2e-2
+    if valid is not None:
+        assert not out[valid:].any()
 
 
 @pytest.mark.gpu

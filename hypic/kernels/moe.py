@@ -7,7 +7,9 @@ syncs (CUDA-graph capturable): `torch._grouped_mm` (CUTLASS) for large bf16 batc
 where it needs no device-to-host copy; our Triton grouped GEMM over expert-padded row blocks for
 decode-sized batches (a handful of launches: what a CUDA-graph step pays per kernel) and elsewhere.
 Both end in one fused combine: the weighted sum over each token's k experts, plus the shared
-expert's gated output when the caller passes it.
+expert's gated output when the caller passes it. On the routed decode path a SwiGLU shared expert of
+the routed experts' size is one more block of the Triton kernels (`SharedExpert`): its GEMMs and
+activation launch nothing of their own.
 
 A CUDA graph's step is padded to a captured size; `valid_tokens` (a device count, read by the kernels:
 no host sync) marks the rows from it on as padding: they go to no expert (no expert weights loaded,
@@ -52,6 +54,24 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
 
 
 @dataclass(frozen=True)
+class SharedExpert:
+    """A SwiGLU shared expert, gate_up [2I, H] (gate rows, then up rows) and down [H, I], and its gate
+    logits [N, 1] (Qwen: the output is scaled by their sigmoid)."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_logit: torch.Tensor
+
+    def computed(self, x: torch.Tensor) -> Shared:
+        """(its output [N, H], its gate logits), by torch's GEMMs: the paths that do not fuse it."""
+        return F.linear(silu_and_mul(F.linear(x, self.gate_up)), self.down), self.gate_logit
+
+    def fuses_with(self, w_down: torch.Tensor) -> bool:
+        """Whether the routed kernels can run it as one more expert: the routed experts' size."""
+        return self.down.shape == w_down.shape[1:]
+
+
+@dataclass(frozen=True)
 class Routing:
     """How a router's logits [N, E] become top-k weights and ids: softmax (Qwen, Granite), or with a
     score-correction `bias` DeepSeek-V3's sigmoid scores, group-limited choice and `scaling`
@@ -74,18 +94,23 @@ def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.T
 
 
 def routed_moe(x: torch.Tensor, logits: torch.Tensor, routing: Routing, w_gate_up: torch.Tensor,
-               w_down: torch.Tensor, *, shared: Shared | None = None, activation: str = "silu",
+               w_down: torch.Tensor, *, shared_expert: SharedExpert | None = None, activation: str = "silu",
                valid_tokens: Valid = None) -> torch.Tensor:
-    """`fused_moe` after `route(logits, routing)`. On CUDA a decode-sized batch (up to
-    ROUTE_BLOCKS_MAX_PAIRS token-expert pairs, no group-limited choice) routes and lays out its expert
-    blocks in one launch (`route_blocks_triton`) instead of five (softmax) or about eighteen (sigmoid)."""
+    """`fused_moe` after `route(logits, routing)`, plus the gated shared expert when given. On CUDA a
+    decode-sized batch (up to ROUTE_BLOCKS_MAX_PAIRS token-expert pairs, no group-limited choice) routes
+    and lays out its expert blocks in one launch (`route_blocks_triton`) instead of five (softmax) or
+    about eighteen (sigmoid), and its shared expert (when it fuses) runs inside the expert kernels."""
     pairs = logits.shape[0] * routing.top_k
+    fused = shared_expert is not None and shared_expert.fuses_with(w_down)
+    decode = x.device.type == "cuda" and pairs <= ROUTE_BLOCKS_MAX_PAIRS and routing.n_group == 1
+    shared = shared_expert.computed(x) if shared_expert is not None and not (decode and fused) else None
     options = dict(shared=shared, activation=activation, valid_tokens=valid_tokens)
-    if x.device.type != "cuda" or pairs > ROUTE_BLOCKS_MAX_PAIRS or routing.n_group != 1:
+    if not decode:
         return fused_moe(x, w_gate_up, w_down, *route(logits, routing), **options)
     block = _block_rows(pairs, w_down.shape[0], x.dtype)
     weights, ids, blocks = route_blocks_triton(logits, routing, block, valid_tokens)
-    return moe_triton(x, w_gate_up, w_down, weights, ids, blocks=blocks, **options)
+    return moe_triton(x, w_gate_up, w_down, weights, ids, blocks=blocks,
+                      shared_expert=shared_expert if fused else None, **options)
 
 
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,7 +197,7 @@ def _add_shared(out: torch.Tensor, shared: Shared | None) -> torch.Tensor:
     if shared is None:
         return out
     shared_out, gate_logit = shared
-    return out + torch.sigmoid(gate_logit) * shared_out
+    return out + torch.sigmoid(gate_logit) * shared_out.to(out.dtype)  # float32 when the expert kernels made it
 
 
 # ----------------------------------------------------------------------------- GPU: shared
@@ -330,26 +355,36 @@ def route_blocks_triton(logits: torch.Tensor, routing: Routing, block: int, vali
 
 def moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                topk_ids: torch.Tensor, *, shared: Shared | None = None, activation: str = "silu",
-               valid_tokens: Valid = None, blocks: ExpertBlocks | None = None) -> torch.Tensor:
-    """The Triton path; `blocks` is the pairs' layout when the router made it already."""
+               valid_tokens: Valid = None, blocks: ExpertBlocks | None = None,
+               shared_expert: SharedExpert | None = None) -> torch.Tensor:
+    """The Triton path; `blocks` is the pairs' layout when the router made it already. A `shared_expert`
+    (instead of `shared`; one that `fuses_with` w_down) is computed by extra blocks after the routed
+    ones, each token's row after the pairs' rows (its padding tokens' rows computed, never read)."""
     num_experts, inter, hidden = w_down.shape[0], w_down.shape[2], x.shape[1]
-    pairs = topk_ids.numel()
+    tokens, pairs = x.shape[0], topk_ids.numel()
     if blocks is None:
         blocks = expert_blocks(topk_ids, num_experts, _block_rows(pairs, num_experts, x.dtype), valid_tokens)
     block_n = 32 if pairs <= 64 else 64  # a few pairs: narrower tiles, more programs streaming weights
     # blocks of 32+ rows in 8 warps: in 4, 32 rows spill the gated kernel's tiles (ptxas, sm90)
     launch = dict(BM=blocks.block, BN=block_n, BK=64, num_warps=4 if blocks.block == 16 else 8,
                   DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-    act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
-    _moe_gate_up_kernel[(blocks.num_blocks, -(-inter // block_n))](
-        x, w_gate_up, blocks.rows, blocks.block_expert, act, pairs, x.stride(0), w_gate_up.stride(0),
-        w_gate_up.stride(1), act.stride(0), TOPK=topk_ids.shape[1], NUM_EXPERTS=num_experts, I=inter,
+    s_gate_up, s_down = (shared_expert.gate_up, shared_expert.down) if shared_expert else (w_gate_up[0], w_down[0])
+    rows = pairs + (tokens if shared_expert else 0)
+    grid_m = blocks.num_blocks + (-(-tokens // blocks.block) if shared_expert else 0)
+    layout = (blocks.rows, blocks.block_expert, blocks.num_blocks, pairs, tokens)
+    act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+    _moe_gate_up_kernel[(grid_m, -(-inter // block_n))](
+        x, w_gate_up, s_gate_up, *layout, act, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+        s_gate_up.stride(0), act.stride(0), TOPK=topk_ids.shape[1], NUM_EXPERTS=num_experts, I=inter,
         H=hidden, GATED=activation == "silu", **launch)
-    pair_out = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
-    _moe_down_kernel[(blocks.num_blocks, -(-hidden // block_n))](
-        act, w_down, blocks.rows, blocks.block_expert, pair_out, pairs, act.stride(0), w_down.stride(0),
-        w_down.stride(1), pair_out.stride(0), NUM_EXPERTS=num_experts, I=inter, H=hidden, **launch)
-    return moe_combine(pair_out, topk_weights, None, x.dtype, shared, valid_tokens)
+    pair_out = torch.empty((rows, hidden), dtype=torch.float32, device=x.device)
+    _moe_down_kernel[(grid_m, -(-hidden // block_n))](
+        act, w_down, s_down, *layout, pair_out, act.stride(0), w_down.stride(0), w_down.stride(1),
+        s_down.stride(0), pair_out.stride(0), TOPK=topk_ids.shape[1], NUM_EXPERTS=num_experts, I=inter,
+        H=hidden, **launch)
+    if shared_expert is not None:  # its float32 rows rounded in the combine, as torch's bf16 GEMM rounds
+        shared = (pair_out[pairs:], shared_expert.gate_logit)
+    return moe_combine(pair_out[:pairs], topk_weights, None, x.dtype, shared, valid_tokens)
 
 
 def _block_rows(pairs: int, num_experts: int, dtype: torch.dtype) -> int:
@@ -362,22 +397,38 @@ def _block_rows(pairs: int, num_experts: int, dtype: torch.dtype) -> int:
 
 
 @triton_kernel
-def _moe_gate_up_kernel(x, w, rows, block_expert, act, num_pairs, stride_x, stride_we, stride_wn, stride_a,
-                        TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr, I: tl.constexpr, H: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        GATED: tl.constexpr):
-    """act[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, I + n]) for one block of pairs;
-    ungated (relu2): act[pair, n] = relu(x[token] . w[e, n])^2."""
+def _block_rows_of(rows, block_expert, i_m, num_blocks, num_pairs, tokens, TOPK: tl.constexpr,
+                   NUM_EXPERTS: tl.constexpr, BM: tl.constexpr):
+    """Block i_m's (routed, expert, row, token, mask): a routed block's rows are pairs (row = pair index),
+    a shared block's (from num_blocks on) are tokens, at row num_pairs + token. An unused routed block
+    has expert NUM_EXPERTS."""
+    routed = i_m < num_blocks
+    last = tl.minimum(i_m, num_blocks - 1)  # a shared block reads the last routed one's entries, unused
+    expert = tl.load(block_expert + last)
+    local = (i_m - num_blocks) * BM + tl.arange(0, BM)
+    pair = tl.load(rows + last * BM + tl.arange(0, BM))
+    row = tl.where(routed, pair, num_pairs + local)
+    token = tl.where(routed, pair // TOPK, local)
+    m_row = tl.where(routed, pair < num_pairs, local < tokens)
+    return routed, expert, row, token, m_row
+
+
+@triton_kernel
+def _moe_gate_up_kernel(x, w, w_shared, rows, block_expert, num_blocks, num_pairs, tokens, act, stride_x,
+                        stride_we, stride_wn, stride_sn, stride_a, TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+                        I: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, GATED: tl.constexpr):
+    """act[row, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, I + n]) for one block of rows (w_shared's
+    rows for a shared block); ungated (relu2): act[row, n] = relu(x[token] . w[e, n])^2."""
     i_m, i_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_expert + i_m)
-    if expert >= NUM_EXPERTS:
+    routed, expert, pair, token, m_row = _block_rows_of(rows, block_expert, i_m, num_blocks, num_pairs, tokens,
+                                                        TOPK, NUM_EXPERTS, BM)
+    if routed & (expert >= NUM_EXPERTS):
         return
-    pair = tl.load(rows + i_m * BM + tl.arange(0, BM))
-    m_row = pair < num_pairs
-    token = pair // TOPK
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < I
-    p_w = w + expert * stride_we + o_n[None, :] * stride_wn
+    p_w = (tl.where(routed, w + expert * stride_we, w_shared)
+           + o_n[None, :] * tl.where(routed, stride_wn, stride_sn))
     acc_gate = tl.zeros((BM, BN), dtype=tl.float32)
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, H, BK):
@@ -385,7 +436,8 @@ def _moe_gate_up_kernel(x, w, rows, block_expert, act, num_pairs, stride_x, stri
         m_k = o_k < H
         b_x = tl.load(x + token[:, None] * stride_x + o_k[None, :], mask=m_row[:, None] & m_k[None, :], other=0.0)
         m_w = m_k[:, None] & m_n[None, :]
-        b_up = tl.load(p_w + (I * stride_wn if GATED else 0) + o_k[:, None], mask=m_w, other=0.0)
+        b_up = tl.load(p_w + (I * tl.where(routed, stride_wn, stride_sn) if GATED else 0) + o_k[:, None],
+                       mask=m_w, other=0.0)
         acc_up = tl.dot(b_x, b_up, acc_up, input_precision=DOT_PRECISION)
         if GATED:
             b_gate = tl.load(p_w + o_k[:, None], mask=m_w, other=0.0)
@@ -400,19 +452,20 @@ def _moe_gate_up_kernel(x, w, rows, block_expert, act, num_pairs, stride_x, stri
 
 
 @triton_kernel
-def _moe_down_kernel(act, w, rows, block_expert, out, num_pairs, stride_a, stride_we, stride_wn, stride_o,
-                     NUM_EXPERTS: tl.constexpr, I: tl.constexpr, H: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """out[pair, n] = act[pair] . w[e, n] (float32) for one block of pairs."""
+def _moe_down_kernel(act, w, w_shared, rows, block_expert, num_blocks, num_pairs, tokens, out, stride_a,
+                     stride_we, stride_wn, stride_sn, stride_o, TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+                     I: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
+    """out[row, n] = act[row] . w[e, n] (float32) for one block of rows (w_shared for a shared block)."""
     i_m, i_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_expert + i_m)
-    if expert >= NUM_EXPERTS:
+    routed, expert, pair, _, m_row = _block_rows_of(rows, block_expert, i_m, num_blocks, num_pairs, tokens,
+                                                    TOPK, NUM_EXPERTS, BM)
+    if routed & (expert >= NUM_EXPERTS):
         return
-    pair = tl.load(rows + i_m * BM + tl.arange(0, BM))
-    m_row = pair < num_pairs
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < H
-    p_w = w + expert * stride_we + o_n[None, :] * stride_wn
+    p_w = (tl.where(routed, w + expert * stride_we, w_shared)
+           + o_n[None, :] * tl.where(routed, stride_wn, stride_sn))
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, I, BK):
         o_k = k0 + tl.arange(0, BK)
@@ -492,7 +545,7 @@ def _combine_kernel(y, weights, row_of_pair, shared, gate_logit, out, valid_toke
     total = acc.to(out.dtype.element_ty)
     if HAS_SHARED:  # round where torch's bf16 ops round: sigmoid, product, sum
         gate = tl.sigmoid(tl.load(gate_logit + t * stride_g).to(tl.float32)).to(out.dtype.element_ty)
-        b_s = tl.load(shared + t * stride_s + o_h, mask=m_h, other=0.0)
+        b_s = tl.load(shared + t * stride_s + o_h, mask=m_h, other=0.0).to(out.dtype.element_ty)
         product = (gate.to(tl.float32) * b_s.to(tl.float32)).to(out.dtype.element_ty)
         total = (total.to(tl.float32) + product.to(tl.float32)).to(out.dtype.element_ty)
     tl.store(out + t * H + o_h, total, mask=m_out)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from hypic.kernels.activation import silu_and_mul
-from hypic.kernels.moe import Routing, Valid, routed_moe
+from hypic.kernels.moe import Routing, SharedExpert, Valid, routed_moe
 from hypic.kernels.norms import (add_rms_norm, gated_rms_norm, grouped_gated_rms_norm, rms_norm, rms_norm_rope,
                                  rms_norm_rope_write)
 from hypic.kernels.scatter_kv import rope_inv_freq
@@ -113,10 +113,11 @@ class SparseMoeBlock(nn.Module):
         """Rows from `valid_tokens` on (a captured step's padding) come out zero."""
         logits = self.gate(x)
         shared = None
-        if self.shared_expert is not None:  # added inside the MoE's combine pass
-            shared = (self.shared_expert(x), self.shared_expert_gate(x))
+        if self.shared_expert is not None:  # added inside the MoE's combine pass (on decode, in its kernels)
+            mlp = self.shared_expert
+            shared = SharedExpert(mlp.gate_up_proj.weight, mlp.down_proj.weight, self.shared_expert_gate(x))
         return routed_moe(x, logits, Routing(self.top_k, self.norm_topk_prob), self.experts_gate_up,
-                          self.experts_down, shared=shared, valid_tokens=valid_tokens)
+                          self.experts_down, shared_expert=shared, valid_tokens=valid_tokens)
 
 
 class ReluSquaredMLP(nn.Module):
