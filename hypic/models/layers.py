@@ -97,17 +97,17 @@ class SwiGLUMLP(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """Softmax router -> top-k experts (weights renormalised when norm_topk_prob), plus a shared expert
-    scaled by sigmoid(shared_expert_gate x). Expert weights are stacked: [E, 2I, H] and [E, H, I]."""
+    scaled by sigmoid(shared_expert_gate x). Expert weights are stacked: [E, 2I, H] and [E, H, I]; the
+    shared expert's gate is the router's last row ([E + 1, H]: one GEMM for both)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, moe_intermediate_size: int,
                  shared_intermediate_size: int, norm_topk_prob: bool) -> None:
         super().__init__()
-        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.top_k, self.norm_topk_prob, self.num_experts = top_k, norm_topk_prob, num_experts
+        self.gate = nn.Linear(hidden_size, num_experts + (1 if shared_intermediate_size else 0), bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * moe_intermediate_size, hidden_size))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden_size, moe_intermediate_size))
         self.shared_expert = SwiGLUMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
-        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
 
     def forward(self, x: torch.Tensor, valid_tokens: Valid = None) -> torch.Tensor:
         """Rows from `valid_tokens` on (a captured step's padding) come out zero."""
@@ -115,9 +115,10 @@ class SparseMoeBlock(nn.Module):
         shared = None
         if self.shared_expert is not None:  # added inside the MoE's combine pass (on decode, in its kernels)
             mlp = self.shared_expert
-            shared = SharedExpert(mlp.gate_up_proj.weight, mlp.down_proj.weight, self.shared_expert_gate(x))
-        return routed_moe(x, logits, Routing(self.top_k, self.norm_topk_prob), self.experts_gate_up,
-                          self.experts_down, shared_expert=shared, valid_tokens=valid_tokens)
+            shared = SharedExpert(mlp.gate_up_proj.weight, mlp.down_proj.weight, logits[:, self.num_experts:])
+        routing = Routing(self.top_k, self.norm_topk_prob)
+        return routed_moe(x, logits[:, :self.num_experts], routing, self.experts_gate_up, self.experts_down,
+                          shared_expert=shared, valid_tokens=valid_tokens)
 
 
 class ReluSquaredMLP(nn.Module):

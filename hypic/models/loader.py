@@ -157,9 +157,9 @@ def _mlp_recipes(p: str) -> dict[str, Recipe]:
 
 def _moe_recipes(config: HybridConfig, p: str, names: set[str]) -> dict[str, Recipe]:
     recipes = _same(p, ("gate.weight",))
-    if config.shared_expert_intermediate_size:
+    if config.shared_expert_intermediate_size:  # the shared expert's gate as the router's last row: one GEMM
         recipes.update(_mlp_recipes(p + "shared_expert."))
-        recipes.update(_same(p, ("shared_expert_gate.weight",)))
+        recipes[p + "gate.weight"] = Recipe((p + "gate.weight", p + "shared_expert_gate.weight"), concat_rows)
     if p + "experts.gate_up_proj" in names:  # fused 3-D experts
         recipes[p + "experts_gate_up"] = Recipe((p + "experts.gate_up_proj",), lambda t: _oriented(t[0], config, 2))
         recipes[p + "experts_down"] = Recipe((p + "experts.down_proj",), lambda t: _oriented(t[0], config, 1))
