@@ -68,23 +68,28 @@ def test_rope_with_and_without_norm_matches_reference(device: str, normed: bool,
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_rope_written_into_cache_rows_matches_reference(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """K normed, rotated and written at its rows, V copied to its cache's same rows, in one launch."""
     dev, gen = on(device, monkeypatch), torch.Generator().manual_seed(7)
-    both = randn(5, 2, 2 * 32, gen=gen, dtype=torch.bfloat16)
-    k, w = both[..., :32], randn(32, gen=gen)  # strided, as the projection's k columns
+    both = randn(5, 2, 3 * 32, gen=gen, dtype=torch.bfloat16)
+    k, v, w = both[..., :32], both[..., 64:], randn(32, gen=gen)  # strided, as the projection's k / v columns
     positions, inv_freq = torch.randint(0, 5000, (5,), generator=gen), rope_inv_freq(16, 1e6)
     rows = torch.tensor([9, 2, 30, 17, 4])  # block * block_size + offset, block_size 8
-    cache = randn(4, 8, 2, 32, gen=gen, dtype=torch.bfloat16)
-    expected = cache.clone()
-    rms_norm_rope_write(k, w, 1e-6, positions, inv_freq, expected, rows)  # CPU: the torch reference
-    written = cache.clone().to(dev)
+    cache, v_cache = (randn(4, 8, 2, 32, gen=gen, dtype=torch.bfloat16) for _ in range(2))
+    expected, v_expected = cache.clone(), v_cache.clone()
+    rms_norm_rope_write(k, w, 1e-6, positions, inv_freq, expected, rows, v, v_expected)  # CPU: the torch reference
+    written, v_written = cache.clone().to(dev), v_cache.clone().to(dev)
     if device == "cpu":  # the Triton kernel itself, interpreted
         norm_triton(k, w, 1e-6, offset=True, positions=positions, inv_freq=inv_freq, out=written.view(-1, 2, 32),
-                    out_rows=rows)
+                    out_rows=rows, copy=(v, v_written.view(-1, 2, 32)))
     else:
-        rms_norm_rope_write(k.to(dev), w.to(dev), 1e-6, positions.to(dev), inv_freq.to(dev), written, rows.to(dev))
+        rms_norm_rope_write(k.to(dev), w.to(dev), 1e-6, positions.to(dev), inv_freq.to(dev), written, rows.to(dev),
+                            v.to(dev), v_written)
     written, untouched = written.cpu().view(-1, 2, 32), torch.ones(32, dtype=torch.bool)
+    v_written = v_written.cpu().view(-1, 2, 32)
     untouched[rows] = False
     assert torch.equal(written[untouched], cache.view(-1, 2, 32)[untouched])
+    assert torch.equal(v_written[untouched], v_cache.view(-1, 2, 32)[untouched])
+    assert torch.equal(v_written[rows], v) and torch.equal(v_expected.view(-1, 2, 32)[rows], v)
     assert rel_err(written[rows], rope_ref(rms_norm_ref(k, w, 1e-6), positions, inv_freq)) <= 1e-2
     assert rel_err(written, expected.view(-1, 2, 32)) <= 1e-2
 

@@ -5,7 +5,8 @@ elementwise launches: what the decode step's launch count and prefill's memory t
   (`add_rms_norm` returns the rounded sum too); x may be [N, D] or a strided [N, heads, D] view.
 - `rms_norm_rope`: the same norm per head, then NeoX RoPE on the first rotary_dim channels (the query
   path); with norm=False the rotation alone (the key path, after the PIC capture of un-rotated keys).
-  `rms_norm_rope_write` writes the result into KV cache rows instead (a decode step's key path).
+  `rms_norm_rope_write` writes the result into KV cache rows instead (a decode step's key path), and
+  V into its cache at the same rows in the same launch.
 - `gated_rms_norm`: y = w * (x / rms(x)) * silu(gate), the weight not an offset (Gated DeltaNet output).
 - `grouped_gated_rms_norm`: Mamba2's: gate first, y = w * norm_per_group(x * silu(gate)).
 `rms_norm` / `add_rms_norm` with offset=False are the plain RMSNorm y = w * round(x / rms(x))
@@ -76,14 +77,18 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, posi
 
 
 def rms_norm_rope_write(x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
-                        inv_freq: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor) -> None:
+                        inv_freq: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
+                        v: torch.Tensor, v_cache: torch.Tensor) -> None:
     """`rms_norm_rope(x, ...)` written into a KV cache [blocks, block_size, heads, D] at flat rows [N]
-    (block * block_size + offset) instead of returned: the key path of a decode step in one launch."""
-    flat = cache.view(-1, *cache.shape[2:])
+    (block * block_size + offset) instead of returned, and v (x's shape, strided is fine) into v_cache
+    at the same rows as it is: a decode step's K and V writes in one launch."""
+    flat, v_flat = cache.view(-1, *cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
     if x.device.type != "cuda":
         flat.index_copy_(0, rows, rms_norm_rope(x, weight, eps, positions, inv_freq).to(cache.dtype))
+        v_flat.index_copy_(0, rows, v.to(v_cache.dtype))
         return
-    norm_triton(x, weight, eps, offset=True, positions=positions, inv_freq=inv_freq, out=flat, out_rows=rows)
+    norm_triton(x, weight, eps, offset=True, positions=positions, inv_freq=inv_freq, out=flat, out_rows=rows,
+                copy=(v, v_flat))
 
 
 # ----------------------------------------------------------------------------- torch reference
@@ -125,10 +130,12 @@ def norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, off
                 residual: torch.Tensor | None = None, total: torch.Tensor | None = None,
                 gate: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 inv_freq: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+                out_rows: torch.Tensor | None = None,
+                copy: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Every norm above in one kernel; one program per `block_rows` rows of the [rows, D] view of x
     (rows = N * heads). `total` receives x + residual when a residual is given. With `out_rows` [N],
-    token n's heads go to row out_rows[n] of `out` (dense [*, heads, D], a KV cache) instead of a new y."""
+    token n's heads go to row out_rows[n] of `out` (dense [*, heads, D], a KV cache) instead of a new y,
+    and `copy`'s source (x's shape, [N, heads, D] strided) to the same rows of its dense destination."""
     dim = x.shape[-1]
     heads = x.shape[1] if x.dim() == 3 else 1
     rows = x.shape[0] * heads
@@ -138,19 +145,22 @@ def norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, off
     head_stride = x.stride(1) if x.dim() == 3 else 0
     gate_strides = (gate.stride(0), gate.stride(1)) if gate is not None else (0, 0)
     half = inv_freq.numel() if inv_freq is not None else 0
+    src, dst = copy if copy is not None else (None, None)
+    copy_strides = (src.stride(0), src.stride(1)) if copy is not None else (0, 0)
     _norm_kernel[(-(-rows // block_rows),)](
-        x, residual, total, gate, weight, positions, inv_freq, y, out_rows, rows, heads, x.stride(0), head_stride,
-        *gate_strides, eps, D=dim, BD=block_d, BR=block_rows, HALF=half, NORM=weight is not None,
-        OFFSET=offset, HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None, OUT_ROWS=out_rows is not None,
-        num_warps=8 if block_rows * block_d >= 2048 else 4)
+        x, residual, total, gate, weight, positions, inv_freq, y, out_rows, src, dst, rows, heads, x.stride(0),
+        head_stride, *gate_strides, *copy_strides, eps, D=dim, BD=block_d, BR=block_rows, HALF=half,
+        NORM=weight is not None, OFFSET=offset, HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
+        OUT_ROWS=out_rows is not None, HAS_COPY=copy is not None, num_warps=8 if block_rows * block_d >= 2048 else 4)
     return y
 
 
 @triton_kernel
-def _norm_kernel(x, residual, total, gate, w, positions, inv_freq, y, out_rows, rows, heads, stride_xn, stride_xh,
-                 stride_gn, stride_gh, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-                 HALF: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 HAS_GATE: tl.constexpr, OUT_ROWS: tl.constexpr):
+def _norm_kernel(x, residual, total, gate, w, positions, inv_freq, y, out_rows, copy_src, copy_dst, rows, heads,
+                 stride_xn, stride_xh, stride_gn, stride_gh, stride_cn, stride_ch, eps, D: tl.constexpr,
+                 BD: tl.constexpr, BR: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, OUT_ROWS: tl.constexpr,
+                 HAS_COPY: tl.constexpr):
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m_r, m_d = r < rows, o_d < D
@@ -178,6 +188,9 @@ def _norm_kernel(x, residual, total, gate, w, positions, inv_freq, y, out_rows, 
     if OUT_ROWS:  # rounded to x's dtype first, as the unfused write's conversion of the result
         row = tl.load(out_rows + n, mask=m_r, other=0).to(tl.int64) * heads + h
         tl.store(y + row[:, None] * D + o_d[None, :], v.to(x.dtype.element_ty).to(y.dtype.element_ty), mask=m)
+        if HAS_COPY:  # V beside K: the same rows of its own cache, as they are
+            b_c = tl.load(copy_src + (n * stride_cn + h * stride_ch)[:, None] + o_d[None, :], mask=m, other=0.0)
+            tl.store(copy_dst + row[:, None] * D + o_d[None, :], b_c.to(copy_dst.dtype.element_ty), mask=m)
     else:
         tl.store(y + dense, v.to(y.dtype.element_ty), mask=m)
 

@@ -63,10 +63,9 @@ class GatedAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
-        if batch.pic is None and batch.is_decode_only:  # k normed, rotated and written in one pass
+        if batch.pic is None and batch.is_decode_only:  # k normed, rotated and written with v in one pass
             q, gate, k, v = self._projected(hidden, batch.positions)
-            self.rotary.write(k, batch.positions, k_cache, batch.kv_write_slots, norm=self.k_norm)
-            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, batch.kv_write_slots, v.to(v_cache.dtype))
+            self.rotary.write(k, batch.positions, k_cache, batch.kv_write_slots, v, v_cache, norm=self.k_norm)
         else:
             q, gate, k, v = self.qkv(hidden, batch.positions)
             if batch.pic is not None and batch.pic.capture is not None:

@@ -77,10 +77,11 @@ class RotaryEmbedding:
         return rms_norm_rope(x, weight, eps, positions, self.inv_freq(positions.device))
 
     def write(self, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
-              norm: RMSNorm | None = None) -> None:
-        """`self(x, positions, norm)` written into a KV cache at flat rows [N] (one launch on the GPU)."""
+              v: torch.Tensor, v_cache: torch.Tensor, norm: RMSNorm | None = None) -> None:
+        """`self(x, positions, norm)` written into a KV cache at flat rows [N], v into v_cache at the same
+        rows (one launch on the GPU)."""
         weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
-        rms_norm_rope_write(x, weight, eps, positions, self.inv_freq(positions.device), cache, rows)
+        rms_norm_rope_write(x, weight, eps, positions, self.inv_freq(positions.device), cache, rows, v, v_cache)
 
 
 class SwiGLUMLP(nn.Module):
