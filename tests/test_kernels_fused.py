@@ -202,11 +202,17 @@ def test_expert_blocks_triton_cover_every_pair_once_within_its_expert(device: st
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_merge_splits_matches_reference(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("gated", [False, True])
+def test_merge_splits_matches_reference(device: str, gated: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     dev, gen = on(device, monkeypatch), torch.Generator().manual_seed(6)
     partial, lse = randn(5, 7, 4, 40, gen=gen), randn(5, 7, 4, gen=gen) * 4
     lse[1:3, 2] = float("-inf")  # empty splits
+    gate = randn(7, 2 * 160, gen=gen, dtype=torch.bfloat16)[:, 160:] if gated else None  # row-strided
     out, expected = torch.empty(7, 4, 40, dtype=torch.bfloat16).to(dev), torch.empty(7, 4, 40, dtype=torch.bfloat16)
-    merge_splits_triton(partial.to(dev), lse.to(dev), out)
-    merge_splits(partial, lse, expected)
+    merge_splits_triton(partial.to(dev), lse.to(dev), out, gate.to(dev) if gated else None)
+    merge_splits(partial, lse, expected, gate)
     assert rel_err(out.cpu(), expected) <= 1e-2
+    if gated:  # the gate did apply: the ungated merge is far from it
+        ungated = torch.empty_like(expected)
+        merge_splits(partial, lse, ungated)
+        assert rel_err(ungated, expected) > 0.1

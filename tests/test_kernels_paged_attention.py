@@ -66,7 +66,8 @@ def with_positions(pb: PagedBatch, positions: list[int]) -> PagedBatch:
 
 
 def run_triton(pb: PagedBatch, num_decodes: int, scale: float, max_kv_len: int | None = None,
-               splits: int | None = None, shape: Tiling | None = None) -> torch.Tensor:
+               splits: int | None = None, shape: Tiling | None = None, gate: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """The Triton kernel as the dispatcher calls it: decodes, then the prefill sequences. Host values
     only (no device reads), so that it can run inside a CUDA graph capture."""
     out = torch.empty_like(pb.q)
@@ -76,8 +77,22 @@ def run_triton(pb: PagedBatch, num_decodes: int, scale: float, max_kv_len: int |
             paged_attention_triton(pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.kv_lens, pb.positions,
                                    pb.cu_seqlens, scale=scale, out=out, first_seq=first_seq,
                                    first_token=starts[first_seq], seq_lens=seq_lens,
-                                   max_kv_len=max_kv_len or int(pb.kv_lens.max()), splits=splits, shape=shape)
+                                   max_kv_len=max_kv_len or int(pb.kv_lens.max()), splits=splits, shape=shape,
+                                   gate=gate)
     return out
+
+
+def gated_ref(pb: PagedBatch, num_decodes: int, scale: float, gate: torch.Tensor) -> torch.Tensor:
+    """The reference's output times sigmoid(gate), the unfused gate's arithmetic (in q's dtype)."""
+    out = call(paged_attention_ref, pb, num_decodes, scale)
+    return (out.reshape(out.shape[0], -1) * torch.sigmoid(gate)).view(out.shape)
+
+
+def make_gate(pb: PagedBatch, seed: int) -> torch.Tensor:
+    """A row-strided [N, Hq * D] gate, as Qwen's projection's gate columns."""
+    tokens, width = pb.q.shape[0], pb.q[0].numel()
+    both = torch.randn(tokens, 2 * width, generator=torch.Generator().manual_seed(seed)).to(pb.q.device, pb.q.dtype)
+    return both[:, width:]
 
 
 # On the CPU the rule pretends 4 SMs (about 8 programs fill them). float32, 4 heads over 2 KV heads:
@@ -171,6 +186,16 @@ def test_triton_interpreted_forced_splits_mixed_batch(monkeypatch: pytest.Monkey
     torch.testing.assert_close(run_triton(pb, 2, scale=0.2, splits=5), expected, rtol=1e-5, atol=1e-5)
 
 
+@interpreted
+@pytest.mark.parametrize("splits", [1, 3])  # gated in place after the kernel; inside the merge
+def test_triton_interpreted_gated_output_matches_reference(splits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pb = make_paged([600, 3, 40], [1, 1, 9], 4, 2, head_dim=24, block_size=8, gen=torch.Generator().manual_seed(4))
+    gate = make_gate(pb, seed=5)
+    out = run_triton(pb, 2, scale=0.2, splits=splits, gate=gate)
+    torch.testing.assert_close(out, gated_ref(pb, 2, 0.2, gate), rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- GPU (Qwen3.5-35B-A3B full attention)
 
 GPU_HEADS, GPU_KV_HEADS, GPU_HEAD_DIM, GPU_BLOCK = 16, 2, 256, 16
@@ -199,6 +224,21 @@ def test_gpu_matches_reference(dtype: torch.dtype, kv_lens: list[int], q_lens: l
     out = call(paged_attention, pb, num_decodes, scale)
     assert out.dtype == dtype
     assert rel_err(out, expected) < (1e-2 if dtype != torch.float32 else 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_lens,q_lens,num_decodes", [
+    ([600, 3000, 9, 64], [1] * 4, 4),  # decodes: split KV, gated in the merge
+    ([700, 40], [1, 30], 1),  # a decode and a prefill: the prefill gated after its kernel
+])
+def test_gpu_gated_output_matches_reference(kv_lens: list[int], q_lens: list[int], num_decodes: int) -> None:
+    pb = gpu_batch(kv_lens, q_lens, torch.bfloat16, seed=7)
+    gate = make_gate(pb, seed=8)
+    scale = GPU_HEAD_DIM ** -0.5
+    out = paged_attention(pb.q, pb.k_cache, pb.v_cache, pb.block_tables, pb.kv_lens, pb.positions, pb.cu_seqlens,
+                          scale=scale, num_decodes=num_decodes, seq_lens_cpu=pb.seq_lens,
+                          max_kv_len=max(kv_lens), gate=gate)
+    assert rel_err(out, gated_ref(pb, num_decodes, scale, gate)) < 1e-2
 
 
 @pytest.mark.gpu

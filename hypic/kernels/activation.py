@@ -32,11 +32,12 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return sigmoid_gate_triton(x, gate)
 
 
-def sigmoid_gate_triton(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def sigmoid_gate_triton(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`out` (dense [M, C]; x itself gates in place) receives the result when given."""
     rows, cols = x.shape
     x = x if x.stride(1) == 1 else x.contiguous()
     gate = gate if gate.stride(1) == 1 else gate.contiguous()
-    out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    out = torch.empty((rows, cols), dtype=x.dtype, device=x.device) if out is None else out
     block_c = min(1024, next_power_of_2(cols))
     block_rows = max(1, 2048 // block_c)
     grid = (-(-rows // block_rows), -(-cols // block_c))

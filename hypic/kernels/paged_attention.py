@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hypic.kernels.activation import sigmoid_gate, sigmoid_gate_triton
 from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
 from hypic.kernels.varlen_tiles import num_tiles, tile_start
 
@@ -39,11 +40,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     kv_lens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, *, scale: float,
-                    num_decodes: int, seq_lens_cpu: tuple[int, ...], max_kv_len: int) -> torch.Tensor:
-    """q: [N, Hq, D], Hq a multiple of Hkv. Returns [N, Hq, D]. This step's K/V are already written."""
+                    num_decodes: int, seq_lens_cpu: tuple[int, ...], max_kv_len: int,
+                    gate: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [N, Hq, D], Hq a multiple of Hkv. Returns [N, Hq, D], times sigmoid(gate) ([N, Hq * D], a
+    row-strided view is fine: Qwen's output gate) when given. This step's K/V are already written."""
     if q.device.type != "cuda":
-        return paged_attention_ref(q, k_cache, v_cache, block_tables, kv_lens, positions, cu_seqlens, scale=scale,
-                                   num_decodes=num_decodes, seq_lens_cpu=seq_lens_cpu, max_kv_len=max_kv_len)
+        out = paged_attention_ref(q, k_cache, v_cache, block_tables, kv_lens, positions, cu_seqlens, scale=scale,
+                                  num_decodes=num_decodes, seq_lens_cpu=seq_lens_cpu, max_kv_len=max_kv_len)
+        return out if gate is None else _gated(out, gate)
     out = torch.empty_like(q)
     nd = num_decodes
     groups = ((0, 0, seq_lens_cpu[:nd]), (nd, nd, seq_lens_cpu[nd:]))  # decodes: first nd tokens
@@ -51,8 +55,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if seq_lens:
             paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, positions, cu_seqlens,
                                    scale=scale, out=out, first_seq=first_seq, first_token=first_token,
-                                   seq_lens=seq_lens, max_kv_len=max_kv_len)
+                                   seq_lens=seq_lens, max_kv_len=max_kv_len, gate=gate)
     return out
+
+
+def _gated(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """out [T, Hq, D] times sigmoid(gate [T, Hq * D]), as the unfused gate rounds it."""
+    return sigmoid_gate(out.reshape(out.shape[0], -1), gate).view(out.shape)
 
 
 # ----------------------------------------------------------------------------- torch reference
@@ -91,10 +100,12 @@ def attend_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positi
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            kv_lens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, *, scale: float,
                            out: torch.Tensor, first_seq: int, first_token: int, seq_lens: tuple[int, ...],
-                           max_kv_len: int, splits: int | None = None, shape: Tiling | None = None) -> None:
+                           max_kv_len: int, splits: int | None = None, shape: Tiling | None = None,
+                           gate: torch.Tensor | None = None) -> None:
     """Sequences first_seq.. of the batch (their tokens start at first_token). `Tiling.choose` may
     split the KV range over several programs; `splits` forces the count and `shape` the tile
-    (benchmarks, tests). Programs read KV lengths and positions on the device and host values only
+    (benchmarks, tests). A `gate` (rows of every token of the batch) multiplies these tokens' output
+    by its sigmoid: in the merge of a split range (no launch of its own), else in place after. Programs read KV lengths and positions on the device and host values only
     size the grid (max_kv_len picks the split count), so a captured CUDA graph stays correct for any
     KV lengths at replay."""
     tiling = Tiling.choose(q, k_cache, seq_lens, max_kv_len, splits, shape)
@@ -107,6 +118,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if tiling.candidates:
             tiling = _fastest(tiling, num_tokens, q, k_cache, launch)
         launch(tiling)
+        if gate is not None:
+            rows = out[first_token:first_token + num_tokens]
+            sigmoid_gate_triton(rows.view(num_tokens, -1), gate[first_token:first_token + num_tokens],
+                                out=rows.view(num_tokens, -1))
         return
     grid = (num_tiles(num_tokens, len(seq_lens), tiling.tokens), k_cache.shape[2], tiling.splits)
     # per-split results of this group's tokens only: row 0 is token first_token (allocated per call:
@@ -115,24 +130,31 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lse = torch.empty(partial.shape[:3], dtype=torch.float32, device=q.device)
     _launch(q, k_cache, v_cache, block_tables, kv_lens, positions, cu_seqlens, scale, partial, lse, first_token,
             grid, tiling, first_seq, len(seq_lens))
-    merge_splits(partial, lse, out[first_token:first_token + num_tokens])
+    rows = slice(first_token, first_token + num_tokens)
+    merge_splits(partial, lse, out[rows], gate[rows] if gate is not None else None)
 
 
-def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, gate: torch.Tensor | None = None
+                 ) -> None:
     """Softmax-weighted sum of per-split outputs [S, T, Hq, D] into out [T, Hq, D]; lse [S, T, Hq] in
-    log2 units, -inf for empty splits. CUDA: one Triton pass (seven torch launches otherwise)."""
+    log2 units, -inf for empty splits; times sigmoid(gate [T, Hq * D]) when given, rounded as the
+    unfused gate rounds. CUDA: one Triton pass (seven torch launches otherwise, plus the gate's)."""
     if partial.device.type != "cuda":
         weights = torch.exp2(lse - lse.amax(0, keepdim=True))
         out.copy_((partial * weights[..., None]).sum(0) / weights.sum(0)[..., None])
+        if gate is not None:
+            out.copy_(_gated(out, gate))
         return
-    merge_splits_triton(partial, lse, out)
+    merge_splits_triton(partial, lse, out, gate)
 
 
-def merge_splits_triton(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+def merge_splits_triton(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
+                        gate: torch.Tensor | None = None) -> None:
     splits, tokens, heads, dim = partial.shape
-    _merge_kernel[(tokens, heads)](partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2),
-                                   lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), S=splits,
-                                   BS=next_power_of_2(splits), D=dim, BD=next_power_of_2(dim))
+    _merge_kernel[(tokens, heads)](partial, lse, out, gate, partial.stride(0), partial.stride(1), partial.stride(2),
+                                   lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+                                   gate.stride(0) if gate is not None else 0, S=splits, BS=next_power_of_2(splits),
+                                   D=dim, BD=next_power_of_2(dim), GATED=gate is not None)
 
 
 # Prefill tiles (rows, kv_block, warps, stages) for wide heads (D > 128) and narrow ones (D <= 128;
@@ -331,8 +353,9 @@ def _paged_attention_kernel(q, k_cache, v_cache, out, lse, out_row0, block_table
 
 
 @triton_kernel
-def _merge_kernel(partial, lse, out, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-                  S: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+def _merge_kernel(partial, lse, out, gate, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot,
+                  stride_oh, stride_gt, S: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                  GATED: tl.constexpr):
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_s, o_d = tl.arange(0, BS), tl.arange(0, BD)
     m_d = o_d < D
@@ -343,4 +366,9 @@ def _merge_kernel(partial, lse, out, stride_ps, stride_pt, stride_ph, stride_ls,
     for s in tl.static_range(S):
         weight = tl.exp2(tl.load(lse + s * stride_ls + t * stride_lt + h) - top)
         acc += weight * tl.load(partial + s * stride_ps + t * stride_pt + h * stride_ph + o_d, mask=m_d, other=0.0)
-    tl.store(out + t * stride_ot + h * stride_oh + o_d, (acc / total).to(out.dtype.element_ty), mask=m_d)
+    merged = (acc / total).to(out.dtype.element_ty)
+    if GATED:  # rounded as sigmoid_gate rounds: the sigmoid, then the product
+        b_g = tl.load(gate + t * stride_gt + h * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+        act = tl.sigmoid(b_g).to(out.dtype.element_ty).to(tl.float32)
+        merged = (merged.to(tl.float32) * act).to(out.dtype.element_ty)
+    tl.store(out + t * stride_ot + h * stride_oh + o_d, merged, mask=m_d)

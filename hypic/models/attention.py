@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hypic.kernels.activation import sigmoid_gate
 from hypic.kernels.paged_attention import paged_attention, write_kv
 from hypic.models.batch import ForwardBatch
 from hypic.models.config import HybridConfig
@@ -49,17 +48,13 @@ class GatedAttention(nn.Module):
         gate = gate.reshape(hidden.shape[0], -1) if gate is not None else None
         return q, gate, k.reshape(-1, self.num_kv_heads, self.head_dim), v.reshape(-1, self.num_kv_heads, self.head_dim)
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               batch: ForwardBatch) -> torch.Tensor:
-        """Causal (by position) attention over each sequence's pages; this step's K/V are already written."""
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+               gate: torch.Tensor | None) -> torch.Tensor:
+        """Causal (by position) attention over each sequence's pages, gated by sigmoid(gate) when given
+        (inside the split-KV merge on the GPU); this step's K/V are already written."""
         return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.kv_lens, batch.positions,
                                batch.cu_seqlens, scale=self.scale, num_decodes=batch.num_decodes,
-                               seq_lens_cpu=batch.seq_lens_cpu, max_kv_len=batch.max_kv_len)
-
-    def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        """[N, H, D] -> gate by sigmoid -> o_proj -> [N, hidden]."""
-        o = o.reshape(o.shape[0], -1)
-        return self.o_proj(sigmoid_gate(o, gate) if gate is not None else o)
+                               seq_lens_cpu=batch.seq_lens_cpu, max_kv_len=batch.max_kv_len, gate=gate)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
@@ -71,4 +66,5 @@ class GatedAttention(nn.Module):
             if batch.pic is not None and batch.pic.capture is not None:
                 batch.pic.capture.add_full(k, v)
             write_kv(self.rotary(k, batch.positions), v, k_cache, v_cache, batch.kv_write_slots)
-        return self.output(self.attend(q, k_cache, v_cache, batch), gate)
+        o = self.attend(q, k_cache, v_cache, batch, gate)
+        return self.o_proj(o.reshape(o.shape[0], -1))
