@@ -397,8 +397,7 @@ def _block_rows(pairs: int, num_experts: int, dtype: torch.dtype) -> int:
 
 
 @triton_kernel
-def _block_rows_of(rows, block_expert, i_m, num_blocks, num_pairs, tokens, TOPK: tl.constexpr,
-                   NUM_EXPERTS: tl.constexpr, BM: tl.constexpr):
+def _block_rows_of(rows, block_expert, i_m, num_blocks, num_pairs, tokens, TOPK: tl.constexpr, BM: tl.constexpr):
     """Block i_m's (routed, expert, row, token, mask): a routed block's rows are pairs (row = pair index),
     a shared block's (from num_blocks on) are tokens, at row num_pairs + token. An unused routed block
     has expert NUM_EXPERTS."""
@@ -422,7 +421,7 @@ def _moe_gate_up_kernel(x, w, w_shared, rows, block_expert, num_blocks, num_pair
     rows for a shared block); ungated (relu2): act[row, n] = relu(x[token] . w[e, n])^2."""
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     routed, expert, pair, token, m_row = _block_rows_of(rows, block_expert, i_m, num_blocks, num_pairs, tokens,
-                                                        TOPK, NUM_EXPERTS, BM)
+                                                        TOPK, BM)
     if routed & (expert >= NUM_EXPERTS):
         return
     o_n = i_n * BN + tl.arange(0, BN)
@@ -459,7 +458,7 @@ def _moe_down_kernel(act, w, w_shared, rows, block_expert, num_blocks, num_pairs
     """out[row, n] = act[row] . w[e, n] (float32) for one block of rows (w_shared for a shared block)."""
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     routed, expert, pair, _, m_row = _block_rows_of(rows, block_expert, i_m, num_blocks, num_pairs, tokens,
-                                                    TOPK, NUM_EXPERTS, BM)
+                                                    TOPK, BM)
     if routed & (expert >= NUM_EXPERTS):
         return
     o_n = i_n * BN + tl.arange(0, BN)
