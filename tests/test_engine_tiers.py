@@ -1,5 +1,6 @@
 """The segment pool's host and disk tiers through the engine, on CPU: the same outputs as an unbounded
-pool, lower-tier hits reported as such, faults on disk cost a recompute, other weights never read."""
+pool, lower-tier hits reported as such, faults on disk cost a recompute, other weights never read;
+a request looks its documents up (pins, promotes) only when the scheduler is about to take it."""
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,9 @@ from conftest import make_model_dir
 from engine_util import collect, cpu_config, greedy
 
 from hypic import AsyncEngine
-from hypic.engine.llm_engine import LLMEngine
+from hypic.engine.llm_engine import ADMISSION_LOOKAHEAD, LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
+from hypic.engine.sequence import Sequence
 from hypic.kernels.host_copy import sync_sites
 
 SEP = "<|segment|>"
@@ -21,6 +23,11 @@ SYSTEM = "Position-independent caching reuses documents at any position in the p
 DOCS = ("the quick brown fox jumps over the lazy dog. hello world, héllo 世界 " * 2,
         "Grüße aus Köln! naïve café résumé — the separator is removed. 1234 5678 90 " * 2,
         "A segment is tokenized on its own; caching reuses documents at any position. " * 2)
+
+
+# more documents than a tight pool holds, of one length (entries of one size: no hole of a pinned
+# pool is too small for another)
+CORPUS = tuple(f"document {i}: {DOCS[0]}" for i in range(6))
 
 
 def jobs(rounds: int = 2) -> list[str]:
@@ -176,6 +183,113 @@ def test_every_tier_gives_back_its_pins_after_aborts(tiny_model_dir, reference):
     assert pool.bytes == sum(e.nbytes for e in core.store._index.values())
     assert host.bytes == sum(h.nbytes for h in core.store.lower._index.values())
     assert pool.evictions > 0 and host.hits > 0 and core.stats().requests_aborted > 0
+
+
+def rag(*docs: str, question: str = "what do they say?") -> str:
+    return SEP.join([SYSTEM, *docs, question])
+
+
+QUEUED = [rag(CORPUS[i], CORPUS[(i + 1) % len(CORPUS)]) for i in range(len(CORPUS))]  # twice the corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tiny_model_dir):
+    """An unbounded pool's outputs of QUEUED (one at a time), and the bytes of one CORPUS entry."""
+    outs, core = serve(tier_config(tiny_model_dir), QUEUED)
+    stats = core.store.stats()
+    assert stats.entries == len(CORPUS)
+    return outs, stats.bytes // len(CORPUS)
+
+
+def add(engine: LLMEngine, text: str, params=None, **kwargs) -> Sequence:
+    """Queue a request on the engine itself (no loop around it); its first sequence."""
+    prompt = SegmentedPrompt.build(engine.tokenizer, text, separator=SEP)
+    rid = engine.add_request(prompt, params or greedy(3), **kwargs)
+    return engine.requests[rid].completions[0].seq
+
+
+def run_to_end(engine: LLMEngine) -> None:
+    while engine.has_work():
+        engine.step()
+    if engine.store.lower is not None:
+        engine.store.lower.drain()
+
+
+def warmed(config, docs) -> LLMEngine:
+    """An engine that served one request per document, one at a time, every copy and write done."""
+    engine = LLMEngine(config)
+    for doc in docs:
+        add(engine, rag(doc), greedy(1))
+        run_to_end(engine)
+    return engine
+
+
+def segment_keys(engine: LLMEngine, text: str) -> list:
+    return [job.key for job in engine.segment_jobs(SegmentedPrompt.build(engine.tokenizer, text, separator=SEP))]
+
+
+def pic_hit_tokens(seq: Sequence) -> int:
+    return sum(n for kind, n in seq.info.cached_tokens_by_kind.items() if kind != "prefix")
+
+
+def test_queued_requests_hold_no_pool_so_the_admitted_ones_promote_instead_of_recomputing(tiny_model_dir, corpus):
+    """Six requests queued at once want twelve entries of a pool that holds two: each looks its
+    documents up only when the scheduler is about to take it, so every document is a hit (most
+    from the host tier) and no promotion finds the pool pinned full (no_room) and recomputes."""
+    unbounded, entry = corpus
+    engine = warmed(tier_config(tiny_model_dir, segment_pool_bytes=entry * 5 // 2, segment_host_bytes=entry * 8),
+                    CORPUS)
+    host_hits = engine.store.lower.stats().hits
+    seqs = [add(engine, p) for p in QUEUED]
+    assert sum(s.pic.attached for s in seqs) < len(seqs)  # the pool's room, not the queue, decides
+    run_to_end(engine)
+    interiors = [sum(j.interior[1] - j.interior[0] for j in engine.segment_jobs(s.info.prompt)) for s in seqs]
+    assert [pic_hit_tokens(s) for s in seqs] == interiors
+    assert engine.store.stats().no_room == 0 and engine.store.lower.stats().hits - host_hits >= len(CORPUS)
+    assert [s.output_ids for s in seqs] == [o.tokens for o in unbounded]
+    assert engine.store.stats().pinned == engine.store.lower.stats().pinned == 0
+
+
+def test_a_request_is_admitted_while_the_one_before_it_waits_for_its_disk_read(tiny_model_dir, corpus, tmp_path):
+    """The first request's document is read off the disk on a thread; the second one's comes from
+    the host tier: it runs in the first step, whatever the read does meanwhile."""
+    _, entry = corpus
+    config = tier_config(tiny_model_dir, segment_pool_bytes=entry * 5 // 2, segment_host_bytes=entry * 3 // 2,
+                         segment_disk_dir=tmp_path)
+    engine = warmed(config, CORPUS[:4])  # pool: documents 2 and 3; host: 1; disk: 0 and 1
+    engine.pic.costs.read_bytes_per_s = lambda: 1e15  # read, never recompute
+    assert [engine.store.tier(segment_keys(engine, rag(doc))[0]) for doc in CORPUS[:2]] == ["disk", "host"]
+    first, second = add(engine, rag(CORPUS[0], question="first?")), add(engine, rag(CORPUS[1], question="second?"))
+    engine.step()
+    assert second.num_computed > 0
+    run_to_end(engine)
+    assert [set(s.info.cached_tokens_by_kind) - {"prefix"} for s in (first, second)] == [{"pic_disk"}, {"pic_host"}]
+    assert engine.store.stats().no_room == 0 and engine.store.stats().pinned == 0
+    engine.close()
+
+
+def test_a_request_pushed_out_of_the_look_ahead_gives_its_pins_back_and_aborts_leave_nothing(tiny_model_dir,
+                                                                                             corpus):
+    """One seat, held by a decode: a batch's first ADMISSION_LOOKAHEAD requests look their documents
+    up; a later request whose turn comes before the batch's second pushes the last of them out,
+    which unpins its document. Aborts of looked-up, pushed-out and running requests leave no pin."""
+    _, entry = corpus
+    engine = warmed(tier_config(tiny_model_dir, max_num_seqs=1, segment_pool_bytes=entry * 8), CORPUS)
+    decoder = add(engine, "hello world", greedy(100), cache_mode="none")
+    engine.step()
+    batch = [add(engine, rag(doc), group="batch") for doc in CORPUS[:ADMISSION_LOOKAHEAD + 1]]
+    assert [s.pic.attached for s in batch] == [True] * ADMISSION_LOOKAHEAD + [False]
+    alone = add(engine, rag(CORPUS[ADMISSION_LOOKAHEAD + 1]))
+    assert [s.pic.attached for s in batch] == [True] * (ADMISSION_LOOKAHEAD - 1) + [False, False] and alone.pic.attached
+    pinned = [engine.store.pinned(segment_keys(engine, rag(doc))[0]) for doc in CORPUS[:ADMISSION_LOOKAHEAD + 2]]
+    assert pinned == [True] * (ADMISSION_LOOKAHEAD - 1) + [False, False, True]
+    for seq in (batch[0], batch[-1], decoder):
+        engine.abort(seq.info.request_id)
+    run_to_end(engine)
+    assert all(s.finished for s in (*batch, alone)) and pic_hit_tokens(alone) > 0
+    stats = engine.store.stats()
+    assert stats.pinned == 0 and stats.bytes == sum(e.nbytes for e in engine.store._index.values())
+    assert not engine.pic.jobs and not any(engine.pic.waiters.values())
 
 
 def disk_warmed(tiny_model_dir, reference, tmp_path):

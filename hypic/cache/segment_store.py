@@ -493,6 +493,18 @@ class SegmentStore:
         dropped = drop_salt(self._index, self._flushed, self._free, salt)
         return dropped + (self.lower.flush(salt) if self.lower is not None else 0)
 
+    def pinned(self, key: SegmentKey) -> bool:
+        """In the pool and held there by a pin."""
+        entry = self._index.get(key)
+        return entry is not None and entry.pins > 0
+
+    @property
+    def room_bytes(self) -> int:
+        """What pinned entries leave of the pool: the most that promotions and stores can take
+        (free space, or entries they may evict)."""
+        pinned = sum(e.nbytes for e in self._index.values() if e.pins) + sum(e.nbytes for e in self._flushed)
+        return self.capacity_bytes - pinned
+
     def stats(self) -> SegmentStoreStats:
         pinned = sum(1 for e in self._index.values() if e.pins) + len(self._flushed)
         return SegmentStoreStats(len(self._index), self.capacity_bytes - self._free.free_bytes,
@@ -503,9 +515,7 @@ class SegmentStore:
         """First-fit; evicts least-recently-used unpinned entries until a hole fits, one at a time:
         the space of one whose demotion copy is under way is waited for (on the device) before
         another is evicted, else a full pool would demote every entry for each one it takes in."""
-        pinned_bytes = sum(e.nbytes for e in self._index.values() if e.pins)
-        pinned_bytes += sum(e.nbytes for e in self._flushed)
-        if nbytes > self.capacity_bytes - pinned_bytes:
+        if nbytes > self.room_bytes:
             return None  # hopeless: evicting would only lose entries
         self._release_drained(lambda event: event.query())
         return self._free.allocate_evicting(

@@ -43,6 +43,10 @@ from hypic.sampling_params import SamplingParams
 
 logger = logging.getLogger("hypic")
 
+# Waiting requests past the free seats whose segments are looked up ahead: when a seat frees, the
+# next request's promotions have landed; a few, since each holds its documents in the pool meanwhile.
+ADMISSION_LOOKAHEAD = 2
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -110,9 +114,9 @@ class LLMEngine:
             seq = Sequence(info, index, output_ids)
             self._new_completion(state, seq)
             self.structured.replay(seq, output_ids)
-            for job in self.pic.attach(seq, planned):
-                self.scheduler.add(job, first=True)
+            self.pic.queue(seq, planned)
             self.scheduler.add(seq)
+        self._look_ahead()  # an engine with seats to spare starts its copies and cold jobs now
         self.counters["prompt"] += len(info.prompt_ids)
         return request_id
 
@@ -186,6 +190,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         for job in self.pic.poll():  # disk reads finished since the last step
             self.scheduler.add(job, first=True)
+        self._look_ahead()
         batch = self.scheduler.schedule()
         self.last_step_ran = bool(batch.chunks)
         if not batch.chunks:
@@ -216,6 +221,15 @@ class LLMEngine:
                 self._collect(deltas, chunk.seq, self._finish(self._completion(chunk.seq), "length"))
         self.step_clock.stop()
         return self._outputs(deltas)
+
+    def _look_ahead(self) -> None:
+        """The requests the scheduler takes next (as many as it has seats for, and a few more so that
+        their promotion copies overlap the steps before they run) look up their segments; the others
+        hold nothing of the pool, whatever the queue's length."""
+        queue = self.scheduler.admission_queue()
+        cut = self.scheduler.free_seats + ADMISSION_LOOKAHEAD
+        for job in self.pic.look_ahead(queue[:cut], queue[cut:]):
+            self.scheduler.add(job, first=True)
 
     def _request_state(self, info: RequestInfo) -> RequestState:
         state = RequestState(info)

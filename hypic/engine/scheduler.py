@@ -195,12 +195,20 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def free_seats(self) -> int:
+        """Sequences that can still start running (of max_num_seqs)."""
+        return max(0, self.limits.max_num_seqs - len(self.running))
+
+    def admission_queue(self) -> list[Sequence]:
+        """The waiting sequences of requests (no cold segment jobs), blocked ones too, in the order
+        admission takes them: the first ones are those the next steps admit."""
+        return _in_turn([s for s in self.waiting if s.pic.job is None])
+
     def _admission_order(self, jobs: bool) -> list[Sequence]:
-        """Unblocked waiting cold segment jobs (or the rest) by turn (every group's first, then every
-        group's second, ...), in queue order within a turn (what was put first stays first). Filtered
-        before the sort: each of a step's two admission passes sorts only its own part of the queue."""
-        waiting = [s for s in self.waiting if not s.pic.blocked and (s.pic.job is not None) == jobs]
-        return [waiting[i] for i in sorted(range(len(waiting)), key=lambda i: (waiting[i].admission_turn, i))]
+        """Unblocked waiting cold segment jobs (or the rest) in turn. Filtered before the sort: each
+        of a step's two admission passes sorts only its own part of the queue."""
+        return _in_turn([s for s in self.waiting if not s.pic.blocked and (s.pic.job is not None) == jobs])
 
     # -- prefill chunks ------------------------------------------------------------------------
 
@@ -372,3 +380,9 @@ class Scheduler:
         if seq.info.cache_mode != "none" and seq.pic.job is None:
             self.prefix.insert(seq.token_bytes(length), seq.info.cache_salt, seq.provenance(length),
                                seq.block_ids, seq.slot if state_slot is None else state_slot)
+
+
+def _in_turn(waiting: list[Sequence]) -> list[Sequence]:
+    """Waiting sequences by turn (every group's first, then every group's second, ...), in queue
+    order within a turn (what was put first stays first)."""
+    return [waiting[i] for i in sorted(range(len(waiting)), key=lambda i: (waiting[i].admission_turn, i))]

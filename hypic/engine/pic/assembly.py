@@ -1,11 +1,15 @@
 """The engine's PIC side: plans segments, runs cold ones as child jobs, feeds tuples to requests.
 
-Flow (DESIGN §3): a request's middle segments are looked up in the segment store; hits become
-`Cached` pieces of its sequence (pinned), misses become cold child jobs (one per key, however many
-requests want it). A cold job is an isolated prefill, chunked like any other, whose tuple is captured
-chunk by chunk (composed exactly across chunks) and stored after its last chunk; the requests waiting for it then get their pieces. When nothing is awaited the sequence is
-admitted like any other: its interiors' K/V are scattered into its pages at admission, and linear
-layers compose the pieces as its chunks reach them.
+Flow (DESIGN §3): a request's middle segments are looked up in the segment store once the
+scheduler is about to take it (`look_ahead`: the next requests it admits, as many as the pool has
+room for); hits become `Cached` pieces of its sequence (pinned; a lower-tier hit is promoted),
+misses become cold child jobs (one per key, however many requests want it). A request that stops
+being next before it runs gives its pins back and is looked up again later: queued requests never
+hold the pool that the admitted ones promote into. A cold job is an isolated prefill, chunked like
+any other, whose tuple is captured chunk by chunk (composed exactly across chunks) and stored after
+its last chunk; the requests waiting for it then get their pieces. When nothing is awaited the
+sequence is admitted like any other: its interiors' K/V are scattered into its pages at admission,
+and linear layers compose the pieces as its chunks reach them.
 """
 from __future__ import annotations
 
@@ -43,13 +47,36 @@ class PicAssembler:
             return []
         return plan_segments(prompt, PicPolicy(mode, self.seam_width, self.conv_kernel), self.fingerprint, salt)
 
-    def attach(self, seq: Sequence, planned: list[PlannedSegment]) -> list[Sequence]:
-        """Pieces for the hits, waits for the misses; returns the new cold jobs to schedule."""
+    @staticmethod
+    def queue(seq: Sequence, planned: list[PlannedSegment]) -> None:
+        """Keep a new sequence's segments until the scheduler is about to take it (`look_ahead`)."""
+        seq.pic.planned, seq.pic.attached = planned, not planned
+        if planned:
+            seq.pic.approximate_from = planned[0].span[0]
+
+    def look_ahead(self, ahead: list[Sequence], behind: list[Sequence]) -> list[Sequence]:
+        """`ahead`: the waiting sequences the scheduler takes next, in order; `behind`: the others.
+        Attaches those of `ahead` whose lookups fit the pool's room (the first always does: it
+        recomputes what finds no room rather than waiting), in order; those of `behind` that only
+        wait for their turn give their pins back. Returns the new cold jobs to schedule."""
+        for seq in behind:
+            if seq.pic.planned and seq.pic.attached and not seq.pic.awaiting:  # a cold job or read goes on for it
+                self._unpin_pieces(seq)
+                seq.pic.attached = False
         new_jobs = []
-        last_computed = len(seq.token_ids) - 1  # the last prompt token is always computed (logits)
-        for segment in planned:
-            if segment.span[1] > last_computed:
+        for i, seq in enumerate(ahead):
+            if seq.pic.attached:
                 continue
+            if i and self._lookup_bytes(seq) > self._room_bytes():
+                break  # the rest wait for room in turn, not a later one before them
+            new_jobs += self._attach(seq)
+        return new_jobs
+
+    def _attach(self, seq: Sequence) -> list[Sequence]:
+        """Pieces for the hits of its planned segments, waits for the misses; returns the new cold
+        jobs to schedule."""
+        new_jobs, seq.pic.attached = [], True
+        for segment in self._needed(seq):
             entry = self.store.get(segment.job.key)
             if entry is not None:
                 self._add_piece(seq, segment, entry, entry.source)
@@ -58,16 +85,32 @@ class PicAssembler:
             self.waiters[segment.job.key].append((seq, segment))
             if segment.job.key not in self.jobs and not self._read_from_disk(segment.job):
                 new_jobs.append(self.start_job(segment.job))
-        if planned:
-            seq.pic.approximate_from = planned[0].span[0]
         return new_jobs
+
+    @staticmethod
+    def _needed(seq: Sequence) -> list[PlannedSegment]:
+        """Its planned segments but one holding the last prompt token (always computed: logits)."""
+        last_computed = len(seq.token_ids) - 1
+        return [segment for segment in seq.pic.planned if segment.span[1] <= last_computed]
+
+    def _lookup_bytes(self, seq: Sequence) -> int:
+        """Pool room attaching `seq` may take: the entries of its segments that nothing pins or awaits."""
+        return sum(self._entry_bytes(s.job) for s in self._needed(seq)
+                   if not self.store.pinned(s.job.key) and not self.waiters.get(s.job.key))
+
+    def _room_bytes(self) -> int:
+        """The pool's room left by pinned entries and by those awaited (being prefilled or read)."""
+        return self.store.room_bytes - sum(self._entry_bytes(waiting[0][1].job) for waiting in self.waiters.values()
+                                           if waiting)
+
+    def _entry_bytes(self, job: SegmentJob) -> int:
+        return self.store.layout.entry_bytes(job.interior[1] - job.interior[0])
 
     def _read_from_disk(self, job: SegmentJob) -> bool:
         """Start reading an entry only the disk holds, unless recomputing it is cheaper (then False)."""
         if self.store.tier(job.key) != "disk":
             return False
-        nbytes = self.store.layout.entry_bytes(job.interior[1] - job.interior[0])
-        return self.costs.read(nbytes, len(job.token_ids)) and self.store.start_read(job.key)
+        return self.costs.read(self._entry_bytes(job), len(job.token_ids)) and self.store.start_read(job.key)
 
     def poll(self) -> list[Sequence]:
         """Disk reads that finished: promoted for the requests waiting on them; a failed one (or no
@@ -142,10 +185,7 @@ class PicAssembler:
     def release(self, seq: Sequence) -> list[Sequence]:
         """A finished or aborted sequence gives back its pins and stops waiting. Returns the cold
         jobs no one waits for any more, to cancel (their partial tuples are dropped, never stored)."""
-        self._unpin_covered(seq)
-        for piece in seq.pic.cached:
-            self.store.unpin(piece.entry)
-        seq.pic.cached = []
+        self._unpin_pieces(seq)
         for key in seq.pic.awaiting:
             self.waiters[key] = [(s, p) for s, p in self.waiters[key] if s is not seq]
         abandoned = [key for key in seq.pic.awaiting if not self.waiters[key] and key in self.jobs]
@@ -167,6 +207,12 @@ class PicAssembler:
         for piece in seq.pic.covered:
             self.store.unpin(piece.entry)
         seq.pic.covered = []
+
+    def _unpin_pieces(self, seq: Sequence) -> None:
+        self._unpin_covered(seq)
+        for piece in seq.pic.cached:
+            self.store.unpin(piece.entry)
+        seq.pic.cached = []
 
     @staticmethod
     def _add_piece(seq: Sequence, segment: PlannedSegment, entry, source: str | None) -> None:

@@ -7,15 +7,19 @@ import torch
 
 from hypic.cache.segment_store import SegmentKey
 from hypic.engine.pic.pieces import Cached
-from hypic.engine.pic.plan import SegmentJob
+from hypic.engine.pic.plan import PlannedSegment, SegmentJob
 from hypic.models.batch import TupleSoFar
 
 
 @dataclass
 class PicState:
     """Invariant: `cached` is sorted by position, its interiors do not overlap, and every piece in
-    `cached` and `covered` holds one pin of its store entry until the assembler releases it."""
+    `cached` and `covered` holds one pin of its store entry until the assembler releases it. A
+    request's `planned` segments are looked up (hits pinned and promoted, misses prefilled) only
+    once the scheduler is about to take it (`attached`), and given back if it stops being so."""
 
+    planned: list[PlannedSegment] = field(default_factory=list)  # its PIC segments, from the request's plan
+    attached: bool = True  # its planned segments are pieces or awaited; False: not looked up yet
     cached: list[Cached] = field(default_factory=list)  # interiors still to compose, from the segment store
     covered: list[Cached] = field(default_factory=list)  # pinned interiors a prefix hit made unnecessary
     approximate_from: int | None = None  # first position whose state comes from PIC assembly
@@ -26,9 +30,9 @@ class PicState:
 
     @property
     def blocked(self) -> bool:
-        """Waiting for cold segments to be prefilled, or for its promoted entries' copies to land,
-        before it can be assembled."""
-        return bool(self.awaiting) or not all(p.entry.landed for p in self.cached)
+        """Its segments not looked up yet, or waiting for cold segments to be prefilled or for its
+        promoted entries' copies to land, before it can be assembled."""
+        return not self.attached or bool(self.awaiting) or not all(p.entry.landed for p in self.cached)
 
     @property
     def interiors(self) -> list[tuple[int, int]]:
