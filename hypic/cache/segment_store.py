@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -502,14 +502,16 @@ class SegmentStore:
     def room_bytes(self) -> int:
         """What pinned entries leave of the pool: the most that promotions and stores can take
         (free space, or entries they may evict)."""
-        pinned = sum(e.nbytes for e in self._index.values() if e.pins) + sum(e.nbytes for e in self._flushed)
-        return self.capacity_bytes - pinned
+        return self.capacity_bytes - sum(e.nbytes for e in self._held())
 
     def stats(self) -> SegmentStoreStats:
-        pinned = sum(1 for e in self._index.values() if e.pins) + len(self._flushed)
         return SegmentStoreStats(len(self._index), self.capacity_bytes - self._free.free_bytes,
-                                 self.capacity_bytes, pinned, self._hits, self._misses, self._evictions,
+                                 self.capacity_bytes, sum(1 for _ in self._held()), self._hits, self._misses, self._evictions,
                                  self._promotions, self._demotions, self._no_room)
+
+    def _held(self) -> Iterator[SegmentEntry]:
+        """The entries pins hold in the pool: indexed ones pinned, and flushed ones (pinned until unpinned)."""
+        return itertools.chain((e for e in self._index.values() if e.pins), self._flushed)
 
     def _allocate(self, nbytes: int) -> int | None:
         """First-fit; evicts least-recently-used unpinned entries until a hole fits, one at a time:

@@ -35,7 +35,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return (batch.is_decode_only and batch.pic is None and batch.num_seqs <= self.sizes[-1]
+        return (batch.plain_decode and batch.num_seqs <= self.sizes[-1]
                 and batch.block_tables.shape[1] <= self.max_blocks and bool(self.graphs))
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:

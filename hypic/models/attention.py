@@ -58,7 +58,7 @@ class GatedAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
-        if batch.pic is None and batch.is_decode_only:  # k normed, rotated and written with v in one pass
+        if batch.plain_decode:  # k normed, rotated and written with v in one pass
             q, gate, k, v = self._projected(hidden, batch.positions)
             self.rotary.write(k, batch.positions, k_cache, batch.kv_write_slots, v, v_cache, norm=self.k_norm)
         else:

@@ -64,6 +64,11 @@ class ForwardBatch:
         return self.num_decodes == self.num_seqs
 
     @property
+    def plain_decode(self) -> bool:
+        """Decodes only, without PIC work: the step a CUDA graph replays, which layers run fused."""
+        return self.is_decode_only and self.pic is None
+
+    @property
     def spans(self) -> StateSpans:
         """The step's sequences as the linear kernels take them."""
         return StateSpans(self.slots, self.has_state, self.cu_seqlens, self.num_decodes, self.seq_lens_cpu)

@@ -62,7 +62,7 @@ class GatedDeltaNet(LinearMixer):
                 conv_pool: torch.Tensor, linear_index: int) -> torch.Tensor:
         """A decode-only step without PIC work (what a CUDA graph replays) runs conv, operands, recurrence
         and the gated norm as one fused step; every other step the mixer's shared path."""
-        if batch.pic is not None or not batch.is_decode_only:
+        if not batch.plain_decode:
             return super().forward(hidden, batch, ssm_pool, conv_pool, linear_index)
         conv_in, (z, b, a) = self.project(hidden)
         layer = GdnDecodeLayer(self.conv1d_weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,

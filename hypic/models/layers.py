@@ -104,7 +104,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, moe_intermediate_size: int,
                  shared_intermediate_size: int, norm_topk_prob: bool) -> None:
         super().__init__()
-        self.top_k, self.norm_topk_prob, self.num_experts = top_k, norm_topk_prob, num_experts
+        self.routing, self.num_experts = Routing(top_k, norm_topk_prob), num_experts
         self.gate = nn.Linear(hidden_size, num_experts + (1 if shared_intermediate_size else 0), bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * moe_intermediate_size, hidden_size))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden_size, moe_intermediate_size))
@@ -117,8 +117,7 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:  # added inside the MoE's combine pass (on decode, in its kernels)
             mlp = self.shared_expert
             shared = SharedExpert(mlp.gate_up_proj.weight, mlp.down_proj.weight, logits[:, self.num_experts:])
-        routing = Routing(self.top_k, self.norm_topk_prob)
-        return routed_moe(x, logits[:, :self.num_experts], routing, self.experts_gate_up, self.experts_down,
+        return routed_moe(x, logits[:, :self.num_experts], self.routing, self.experts_gate_up, self.experts_down,
                           shared_expert=shared, valid_tokens=valid_tokens)
 
 
@@ -140,11 +139,11 @@ class SoftmaxRouter(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
-        self.top_k = top_k
+        self.routing = Routing(top_k, True)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
         """The router's logits [N, E] and how they route."""
-        return torch.nn.functional.linear(x, self.weight), Routing(self.top_k, True)
+        return torch.nn.functional.linear(x, self.weight), self.routing
 
 
 class GroupedSigmoidRouter(nn.Module):
