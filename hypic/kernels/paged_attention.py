@@ -264,6 +264,12 @@ def _forced_shape(shape: Tiling, q: torch.Tensor, k_cache: torch.Tensor) -> Tili
 PREFILL_SPLIT_MIN_KV = 1024
 
 
+def streaming_multiprocessors(device: torch.device) -> int:
+    """The SMs the split rules fill; the interpreter (CPU) has none: a few, so that tests exercise the
+    split path."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def _kv_splits(programs: int, max_kv_len: int, device: torch.device, decode: bool) -> int:
     """Enough KV splits to give every SM about two programs, none shorter than 128 keys: 1 once the
     unsplit grid fills the GPU. Decodes always qualify; prefills whose grid leaves SMs idle over a
@@ -271,8 +277,7 @@ def _kv_splits(programs: int, max_kv_len: int, device: torch.device, decode: boo
     where the last tiles would walk every key alone. A prefill that already has a program per SM
     stays whole: split, it loses its timed tiling (H200: 1000 tokens over 4k keys, 250 programs,
     2 splits ran 2.5x slower; 192 tokens, 48 programs, 6 splits ran 2x faster)."""
-    # the interpreter (CPU) has no SMs: pretend a few so that tests exercise the split path
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = streaming_multiprocessors(device)
     if not decode and (max_kv_len < PREFILL_SPLIT_MIN_KV or programs >= sms):
         return 1
     return max(1, min(-(-2 * sms // programs), max_kv_len // 128, 64))
