@@ -105,11 +105,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Sequences first_seq.. of the batch (their tokens start at first_token). `Tiling.choose` may
     split the KV range over several programs; `splits` forces the count and `shape` the tile
     (benchmarks, tests). A `gate` (rows of every token of the batch) multiplies these tokens' output
-    by its sigmoid: in the merge of a split range (no launch of its own), else in place after. Programs read KV lengths and positions on the device and host values only
-    size the grid (max_kv_len picks the split count), so a captured CUDA graph stays correct for any
-    KV lengths at replay."""
+    by its sigmoid: in the merge of a split range (no launch of its own), else in place after.
+    Programs read KV lengths and positions on the device and host values only size the grid
+    (max_kv_len picks the split count), so a captured CUDA graph stays correct for any KV lengths at
+    replay."""
     tiling = Tiling.choose(q, k_cache, seq_lens, max_kv_len, splits, shape)
     num_tokens = sum(seq_lens)
+    rows = slice(first_token, first_token + num_tokens)  # these sequences' tokens in out and gate
     if tiling.splits == 1:
         def launch(t: Tiling) -> None:
             grid = (num_tiles(num_tokens, len(seq_lens), t.tokens), k_cache.shape[2], 1)
@@ -119,9 +121,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             tiling = _fastest(tiling, num_tokens, q, k_cache, launch)
         launch(tiling)
         if gate is not None:
-            rows = out[first_token:first_token + num_tokens]
-            sigmoid_gate_triton(rows.view(num_tokens, -1), gate[first_token:first_token + num_tokens],
-                                out=rows.view(num_tokens, -1))
+            gated = out[rows].view(num_tokens, -1)
+            sigmoid_gate_triton(gated, gate[rows], out=gated)
         return
     grid = (num_tiles(num_tokens, len(seq_lens), tiling.tokens), k_cache.shape[2], tiling.splits)
     # per-split results of this group's tokens only: row 0 is token first_token (allocated per call:
@@ -130,7 +131,6 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lse = torch.empty(partial.shape[:3], dtype=torch.float32, device=q.device)
     _launch(q, k_cache, v_cache, block_tables, kv_lens, positions, cu_seqlens, scale, partial, lse, first_token,
             grid, tiling, first_seq, len(seq_lens))
-    rows = slice(first_token, first_token + num_tokens)
     merge_splits(partial, lse, out[rows], gate[rows] if gate is not None else None)
 
 
