@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hypic.kernels.activation import sigmoid_gate, sigmoid_gate_triton
+from hypic.kernels.activation import sigmoid_gate, sigmoid_gate_triton, sigmoid_gated
 from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
 from hypic.kernels.varlen_tiles import num_tiles, tile_start
 
@@ -372,8 +372,7 @@ def _merge_kernel(partial, lse, out, gate, stride_ps, stride_pt, stride_ph, stri
         weight = tl.exp2(tl.load(lse + s * stride_ls + t * stride_lt + h) - top)
         acc += weight * tl.load(partial + s * stride_ps + t * stride_pt + h * stride_ph + o_d, mask=m_d, other=0.0)
     merged = (acc / total).to(out.dtype.element_ty)
-    if GATED:  # rounded as sigmoid_gate rounds: the sigmoid, then the product
+    if GATED:
         b_g = tl.load(gate + t * stride_gt + h * D + o_d, mask=m_d, other=0.0).to(tl.float32)
-        act = tl.sigmoid(b_g).to(out.dtype.element_ty).to(tl.float32)
-        merged = (merged.to(tl.float32) * act).to(out.dtype.element_ty)
+        merged = sigmoid_gated(merged.to(tl.float32), b_g, out)
     tl.store(out + t * stride_ot + h * stride_oh + o_d, merged, mask=m_d)
