@@ -75,5 +75,12 @@ def _sigmoid_gate_kernel(x, gate, out, rows, stride_x, stride_g, C: tl.constexpr
     m = (r < rows)[:, None] & (o_c < C)[None, :]
     b_g = tl.load(gate + (r * stride_g)[:, None] + o_c[None, :], mask=m, other=0.0).to(tl.float32)
     b_x = tl.load(x + (r * stride_x)[:, None] + o_c[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(out + (r * C)[:, None] + o_c[None, :], sigmoid_gated(b_x, b_g, out), mask=m)
+
+
+@triton_kernel
+def sigmoid_gated(b_x, b_g, out):
+    """x * sigmoid(gate) of float32 tiles, rounded as `sigmoid_gate` rounds (the sigmoid, then the
+    product) to out's dtype: every kernel that applies the output gate."""
     act = tl.sigmoid(b_g).to(out.dtype.element_ty).to(tl.float32)
-    tl.store(out + (r * C)[:, None] + o_c[None, :], (b_x * act).to(out.dtype.element_ty), mask=m)
+    return (b_x * act).to(out.dtype.element_ty)

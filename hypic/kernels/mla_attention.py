@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from hypic.kernels.paged_attention import attend_ref, merge_splits, paged_attention_ref
+from hypic.kernels.paged_attention import attend_ref, merge_splits, paged_attention_ref, streaming_multiprocessors
 from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
 from hypic.kernels.varlen_tiles import num_tiles, tile_start
 
@@ -135,9 +135,7 @@ class LatentTiling:
 def latent_splits(programs: int, max_kv_len: int, device: torch.device) -> int:
     """Enough KV splits for about four programs an SM (one fits at a time: the last wave idles less
     than with two), none shorter than 256 keys, at most 32 (the merge reads every split of a row)."""
-    # the interpreter (CPU) has no SMs: pretend a few so that tests exercise the split path
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(-(-4 * sms // programs), max_kv_len // 256, 32))
+    return max(1, min(-(-4 * streaming_multiprocessors(device) // programs), max_kv_len // 256, 32))
 
 
 def mla_attention_triton(q_abs: torch.Tensor, pages: torch.Tensor, block_tables: torch.Tensor,

@@ -286,6 +286,11 @@ class ExpertBlocks:
     def num_blocks(self) -> int:
         return self.block_expert.shape[0]
 
+    @staticmethod
+    def bound(pairs: int, num_experts: int, block: int) -> int:
+        """The block count of the invariant's bound: what every layout of `pairs` allocates."""
+        return pairs // block + min(num_experts, pairs)
+
 
 def expert_blocks(topk_ids: torch.Tensor, num_experts: int, block: int, valid_tokens: Valid = None) -> ExpertBlocks:
     """The blocks of a batch; CUDA: four launches (counting by atomics, one scan, one scatter), and a
@@ -305,7 +310,7 @@ def expert_blocks_ref(topk_ids: torch.Tensor, num_experts: int, block: int, vali
     order = order[: int(counts.sum())]  # padding tokens' pairs sort last
     expert = topk_ids.flatten()[order]
     rank = torch.arange(order.shape[0], device=order.device) - (counts.cumsum(0) - counts)[expert]
-    num_blocks = pairs // block + min(num_experts, pairs)
+    num_blocks = ExpertBlocks.bound(pairs, num_experts, block)
     rows = torch.full((num_blocks * block,), pairs, dtype=torch.long, device=order.device)
     rows.index_copy_(0, padded_start[expert] + rank, order)
     starts = torch.arange(num_blocks, device=order.device) * block
@@ -315,7 +320,7 @@ def expert_blocks_ref(topk_ids: torch.Tensor, num_experts: int, block: int, vali
 def expert_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block: int, valid_tokens: Valid = None
                          ) -> ExpertBlocks:
     pairs, device = topk_ids.numel(), topk_ids.device
-    num_blocks = pairs // block + min(num_experts, pairs)  # the bound of ExpertBlocks' invariant
+    num_blocks = ExpertBlocks.bound(pairs, num_experts, block)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
     rank = torch.empty(pairs, dtype=torch.int32, device=device)
     starts = torch.empty(num_experts, dtype=torch.int32, device=device)
@@ -338,7 +343,7 @@ def route_blocks_triton(logits: torch.Tensor, routing: Routing, block: int, vali
     no atomics, so the layout is the reference's."""
     tokens, experts = logits.shape
     pairs, top_k = tokens * routing.top_k, routing.top_k
-    num_blocks = pairs // block + min(experts, pairs)  # the bound of ExpertBlocks' invariant
+    num_blocks = ExpertBlocks.bound(pairs, experts, block)
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
     rows = torch.empty(num_blocks * block, dtype=torch.long, device=logits.device)

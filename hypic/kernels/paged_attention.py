@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hypic.kernels.activation import sigmoid_gate, sigmoid_gate_triton
+from hypic.kernels.activation import sigmoid_gate, sigmoid_gate_triton, sigmoid_gated
 from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
 from hypic.kernels.varlen_tiles import num_tiles, tile_start
 
@@ -105,11 +105,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Sequences first_seq.. of the batch (their tokens start at first_token). `Tiling.choose` may
     split the KV range over several programs; `splits` forces the count and `shape` the tile
     (benchmarks, tests). A `gate` (rows of every token of the batch) multiplies these tokens' output
-    by its sigmoid: in the merge of a split range (no launch of its own), else in place after. Programs read KV lengths and positions on the device and host values only
-    size the grid (max_kv_len picks the split count), so a captured CUDA graph stays correct for any
-    KV lengths at replay."""
+    by its sigmoid: in the merge of a split range (no launch of its own), else in place after.
+    Programs read KV lengths and positions on the device and host values only size the grid
+    (max_kv_len picks the split count), so a captured CUDA graph stays correct for any KV lengths at
+    replay."""
     tiling = Tiling.choose(q, k_cache, seq_lens, max_kv_len, splits, shape)
     num_tokens = sum(seq_lens)
+    rows = slice(first_token, first_token + num_tokens)  # these sequences' tokens in out and gate
     if tiling.splits == 1:
         def launch(t: Tiling) -> None:
             grid = (num_tiles(num_tokens, len(seq_lens), t.tokens), k_cache.shape[2], 1)
@@ -119,9 +121,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             tiling = _fastest(tiling, num_tokens, q, k_cache, launch)
         launch(tiling)
         if gate is not None:
-            rows = out[first_token:first_token + num_tokens]
-            sigmoid_gate_triton(rows.view(num_tokens, -1), gate[first_token:first_token + num_tokens],
-                                out=rows.view(num_tokens, -1))
+            gated = out[rows].view(num_tokens, -1)
+            sigmoid_gate_triton(gated, gate[rows], out=gated)
         return
     grid = (num_tiles(num_tokens, len(seq_lens), tiling.tokens), k_cache.shape[2], tiling.splits)
     # per-split results of this group's tokens only: row 0 is token first_token (allocated per call:
@@ -130,7 +131,6 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lse = torch.empty(partial.shape[:3], dtype=torch.float32, device=q.device)
     _launch(q, k_cache, v_cache, block_tables, kv_lens, positions, cu_seqlens, scale, partial, lse, first_token,
             grid, tiling, first_seq, len(seq_lens))
-    rows = slice(first_token, first_token + num_tokens)
     merge_splits(partial, lse, out[rows], gate[rows] if gate is not None else None)
 
 
@@ -264,6 +264,12 @@ def _forced_shape(shape: Tiling, q: torch.Tensor, k_cache: torch.Tensor) -> Tili
 PREFILL_SPLIT_MIN_KV = 1024
 
 
+def streaming_multiprocessors(device: torch.device) -> int:
+    """The SMs the split rules fill; the interpreter (CPU) has none: a few, so that tests exercise the
+    split path."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def _kv_splits(programs: int, max_kv_len: int, device: torch.device, decode: bool) -> int:
     """Enough KV splits to give every SM about two programs, none shorter than 128 keys: 1 once the
     unsplit grid fills the GPU. Decodes always qualify; prefills whose grid leaves SMs idle over a
@@ -271,8 +277,7 @@ def _kv_splits(programs: int, max_kv_len: int, device: torch.device, decode: boo
     where the last tiles would walk every key alone. A prefill that already has a program per SM
     stays whole: split, it loses its timed tiling (H200: 1000 tokens over 4k keys, 250 programs,
     2 splits ran 2.5x slower; 192 tokens, 48 programs, 6 splits ran 2x faster)."""
-    # the interpreter (CPU) has no SMs: pretend a few so that tests exercise the split path
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = streaming_multiprocessors(device)
     if not decode and (max_kv_len < PREFILL_SPLIT_MIN_KV or programs >= sms):
         return 1
     return max(1, min(-(-2 * sms // programs), max_kv_len // 128, 64))
@@ -367,8 +372,7 @@ def _merge_kernel(partial, lse, out, gate, stride_ps, stride_pt, stride_ph, stri
         weight = tl.exp2(tl.load(lse + s * stride_ls + t * stride_lt + h) - top)
         acc += weight * tl.load(partial + s * stride_ps + t * stride_pt + h * stride_ph + o_d, mask=m_d, other=0.0)
     merged = (acc / total).to(out.dtype.element_ty)
-    if GATED:  # rounded as sigmoid_gate rounds: the sigmoid, then the product
+    if GATED:
         b_g = tl.load(gate + t * stride_gt + h * D + o_d, mask=m_d, other=0.0).to(tl.float32)
-        act = tl.sigmoid(b_g).to(out.dtype.element_ty).to(tl.float32)
-        merged = (merged.to(tl.float32) * act).to(out.dtype.element_ty)
+        merged = sigmoid_gated(merged.to(tl.float32), b_g, out)
     tl.store(out + t * stride_ot + h * stride_oh + o_d, merged, mask=m_d)
