@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from bench_engine import SHAPES, WARM_UP_TOKENS, shape_config
-from op_count import CUDA, OpCounter, OpTally, cuda_step, on_cuda
+from op_count import CUDA, DTYPE, OpCounter, OpTally, cuda_step, on_cuda
 from results import result_path, write_labelled_run
 from torch import nn
 
@@ -28,7 +28,6 @@ from hypic.engine.cuda_graphs import DecodeGraphs
 from hypic.models.loader import FLOAT32_PARAMS
 from hypic.models.registry import architecture
 
-DTYPE = torch.bfloat16
 BLOCK_SIZE = 16
 HEAD = "embedding, final norm, lm head"  # the stack's own ops, outside every layer
 STEP_TOTALS = {"kernels": "kernels", "aten_ops": "ops", "triton_launches": "triton_launches",
