@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 
 from hypic.config import EngineConfig
 from hypic.kernels.mla_attention import LatentTiling, latent_splits, mla_attention_ref, mla_attention_triton
-from results import device_label, graph_ms, result_path, run_record
+from results import device_label, graph_ms, result_path, run_record, write_json
 
 HEADS, RANK, ROPE, QK_HEAD_DIM = 32, 512, 64, 192  # Kimi-Linear-48B-A3B's MLA
 BLOCK_SIZE = EngineConfig.block_size
@@ -123,10 +122,8 @@ def main() -> None:
         print(f"{result['case']:14} kv {result['kv_len']:6} tokens {result['tokens']:4}", *(
             f"| {name} {t['tiling']['tokens']}x{t['tiling']['parts']}x{t['tiling']['kv_block']}/{t['tiling']['splits']}"
             f" {t['ms']:.4f} ms err {t['max_abs_err']:.1e}" for name, t in result["tiles"].items()), flush=True)
-        out.parent.mkdir(parents=True, exist_ok=True)  # after every case: a killed run keeps what it measured
-        out.write_text(json.dumps(dict(**run_record(), device=torch.cuda.get_device_name(), torch=torch.__version__,
-                                       heads=HEADS, rank=RANK, rope=ROPE, block_size=BLOCK_SIZE, results=results),
-                                  indent=2))
+        write_json(out, dict(**run_record(), device=torch.cuda.get_device_name(), torch=torch.__version__, heads=HEADS,
+                             rank=RANK, rope=ROPE, block_size=BLOCK_SIZE, results=results))  # a killed run keeps its cases
     print(f"wrote {out}")
     failed = [f"{r['case']} kv={r['kv_len']} {name}" for r in results for name, t in r["tiles"].items()
               if not t["max_abs_err"] <= TOLERANCE * r["reference_max_abs"]]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from hypic.config import SEGMENT_STATE_DTYPES
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.kernels.host_copy import sync_sites
-from results import (by_number, device_label, group, grouped_result, int_list, median, phase, result_path, say,
+from results import (by_number, device_label, group, grouped_result, int_list, phase, result_path, say,
                      segment_state_dtype_name, started_engine, variant)
 
 SYSTEM_TOKENS, QUERY_TOKENS = 64, 64
@@ -88,7 +89,7 @@ def measure(engine: LLMEngine, num_docs: int, doc_len: int, rng: random.Random, 
             prompt = rag_prompt(order, system, random_tokens(QUERY_TOKENS, rng, vocab))
             times[mode].append(ttft(engine, prompt, mode))
         times["hypic_repeat"].append(ttft(engine, prompt, "hypic"))
-    return {mode: median(t) for mode, t in times.items()}
+    return {mode: statistics.median_high(t) for mode, t in times.items()}
 
 
 def tuple_overhead(engine: LLMEngine, num_docs: int, doc_len: int, rng: random.Random, repeats: int) -> float:
@@ -102,7 +103,7 @@ def tuple_overhead(engine: LLMEngine, num_docs: int, doc_len: int, rng: random.R
                                                    cache_mode="none") for d in docs], engine)
         jobs = engine.segment_jobs(SegmentedPrompt(((0,), *docs, (0,))))
         ratios.append(_timed(lambda: engine.start_segment_jobs(jobs), engine) / plain - 1.0)
-    return median(ratios[1:])
+    return statistics.median_high(ratios[1:])
 
 
 def _timed(submit, engine: LLMEngine) -> float:

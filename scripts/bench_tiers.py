@@ -69,6 +69,7 @@ import itertools
 import math
 import os
 import random
+import statistics
 import sys
 import tempfile
 import threading
@@ -81,7 +82,7 @@ import torch
 from aiohttp import web
 from bench_engine import model_dir, random_weights, shape_config
 from bench_pic import QUERY_TOKENS, SYSTEM_TOKENS, rag_prompt, random_tokens, timed_request
-from results import device_label, group, grouped_result, median, phase, result_path, say
+from results import device_label, group, grouped_result, phase, result_path, say
 
 from hypic import EngineConfig
 from hypic.bench.report import ResultFile, measured_by
@@ -270,7 +271,7 @@ def copy_rates(device: torch.device, nbytes: int, repeats: int = 5) -> dict[str,
     on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
     rates = {}
     for name, dst, src in (("host_to_device", on_device, host), ("device_to_host", host, on_device)):
-        rates[name] = nbytes / median(timed_copy(dst, src) for _ in range(repeats))
+        rates[name] = nbytes / statistics.median_high(timed_copy(dst, src) for _ in range(repeats))
         say(f"copy {name}: {rates[name] / 1e9:.2f} GB/s (median of {repeats} copies of {nbytes / 2**20:.0f} MiB)")
     return rates
 
@@ -326,7 +327,7 @@ class Timings:
 
     def medians(self, shape: str) -> dict:
         """Each tier's median, printed."""
-        medians = {tier: median(t) for tier, t in self.seconds.items()}
+        medians = {tier: statistics.median_high(t) for tier, t in self.seconds.items()}
         for tier, seconds in medians.items():
             say(f"{shape:>8} {tier:>4}: TTFT {seconds * 1e3:8.1f} ms (median of {len(self.seconds[tier])}), "
                 f"served_from {self.kinds[tier]}")

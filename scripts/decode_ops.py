@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from bench_engine import SHAPES, WARM_UP_TOKENS, shape_config
-from op_count import CUDA, OpCounter, OpTally, cuda_step, on_cuda
+from op_count import CUDA, DTYPE, OpCounter, OpTally, cuda_step, on_cuda
 from results import result_path, write_labelled_run
 from torch import nn
 
@@ -28,9 +28,10 @@ from hypic.engine.cuda_graphs import DecodeGraphs
 from hypic.models.loader import FLOAT32_PARAMS
 from hypic.models.registry import architecture
 
-DTYPE = torch.bfloat16
 BLOCK_SIZE = 16
 HEAD = "embedding, final norm, lm head"  # the stack's own ops, outside every layer
+STEP_TOTALS = {"kernels": "kernels", "aten_ops": "ops", "triton_launches": "triton_launches",
+               "bytes_read": "bytes_read", "bytes_written": "bytes_written"}  # per_step key: the parts' key
 
 
 def meta_model(config: dict) -> nn.Module:
@@ -99,15 +100,12 @@ class _Replayed:
 
 def report(parts: dict[str, dict]) -> dict:
     """The parts with their kernels (aten ops that launch work + Triton launches), per layer too."""
-    total = {"kernels": 0, "aten_ops": 0, "triton_launches": 0, "bytes_read": 0, "bytes_written": 0}
     for name, part in parts.items():
         part["kernels"] = part["ops"] + part["triton_launches"]
         if part["layers"]:
             part["kernels_per_layer"] = part["kernels"] / part["layers"]
         say_part(name, part)
-        for key, source in (("kernels", "kernels"), ("aten_ops", "ops"), ("triton_launches", "triton_launches"),
-                            ("bytes_read", "bytes_read"), ("bytes_written", "bytes_written")):
-            total[key] += part[source]
+    total = {key: sum(part[source] for part in parts.values()) for key, source in STEP_TOTALS.items()}
     say_part("per step", {**total, "ops": total["aten_ops"], "layers": 0})
     return {"parts": parts, "per_step": total}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -67,7 +68,7 @@ class OpTally:
 
     def add_launch(self, name: str, grid: tuple) -> None:
         self.kernels[name] += 1
-        self.programs[name] += _programs(grid)
+        self.programs[name] += math.prod(grid)
 
     def summary(self) -> dict:
         by_op = {name: {"calls": count, "MB_read": round(self.bytes[name][0] / 1e6, 2),
@@ -173,13 +174,6 @@ def _plain(value):
     if isinstance(value, dict):
         return {key: _plain(v) for key, v in value.items()}
     return value
-
-
-def _programs(grid: tuple) -> int:
-    count = 1
-    for size in grid:
-        count *= size
-    return count
 
 
 def _tensors(values: list) -> list[torch.Tensor]:

@@ -17,7 +17,7 @@ import json
 import re
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from hypic.bench.report import ResultFile, group_part, merged_groups, run_record, with_group, write_json
@@ -123,12 +123,6 @@ def graph_ms(call: Callable[[], object], calls_per_graph: int = 20, replays: int
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / (replays * calls_per_graph)
-
-
-def median(values: Iterable[float]) -> float:
-    """The middle value (the upper one of an even count): a time some request actually took."""
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
 
 
 def int_list(text: str) -> list[int]:
