@@ -131,3 +131,14 @@ def test_engine_fractions_of_peak_follow_the_merged_prefill_figures(tmp_path: Pa
         n: pytest.approx(tps * bench_engine.flops_per_token(config, int(n)) / bench_engine.H200_BF16_FLOPS)
         for n, tps in saved["hypic"]["prefill"].items()}
     assert saved["speedup_over_transformers"] == {"prefill": {}, "decode": {"1": pytest.approx(10.0)}}
+
+
+def test_every_committed_result_parses_and_says_when_and_how():
+    """A later run merges into the committed file, so a hand-edited one must still be JSON; the file
+    (or each of its labelled runs) names its date and command."""
+    files = sorted((Path(__file__).resolve().parents[1] / "bench" / "results").glob("*.json"))
+    assert files
+    for path in files:
+        data = json.loads(path.read_text())
+        runs = [data] if "date" in data else list(data["runs"].values())  # labelled runs: {label: run}
+        assert all(run.get("date") and run.get("command") for run in runs), path.name
