@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,8 +41,8 @@ SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.
 BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 
 
-def compile_walk(args: argparse.Namespace) -> bytes:
-    """The cubin of the walk kernel as `compose_and_recur_triton` would launch it."""
+def compile_walk(args: argparse.Namespace) -> Any:
+    """The walk kernel compiled as `compose_and_recur_triton` would launch it."""
     kernel = bind_module(vars(compose))["_compose_recur_kernel"]
     family = get_family(args.family)
     tuple_dtype = getattr(torch, args.tuple_dtype)
@@ -58,8 +59,8 @@ def compile_walk(args: argparse.Namespace) -> bytes:
 MLA_SHAPE = {"heads": 32, "rank": 512, "rope": 64, "page": 16}
 
 
-def compile_mla(tokens: int) -> tuple[mla_attention.LatentTiling, bytes]:
-    """The cubin of the latent kernel as `mla_attention_triton` would launch it (bf16) for one chunk of
+def compile_mla(tokens: int) -> tuple[mla_attention.LatentTiling, Any]:
+    """The latent kernel compiled as `mla_attention_triton` would launch it (bf16) for one chunk of
     `tokens` queries (1: decodes) over 16k keys; `LatentTiling.choose` picks the tile."""
     kernel = bind_module(vars(mla_attention))["_mla_kernel"]
     s = MLA_SHAPE
@@ -73,23 +74,23 @@ def compile_mla(tokens: int) -> tuple[mla_attention.LatentTiling, bytes]:
     return tiling, compile_sm90(kernel, constants, pointers, options)
 
 
-def compile_tuple_kernels(args: argparse.Namespace) -> dict[str, bytes]:
-    """The cubins of the chunk-factor and ordered-product kernels as `gdn_span_tuples_triton` launches
+def compile_tuple_kernels(args: argparse.Namespace) -> dict[str, Any]:
+    """The chunk-factor and ordered-product kernels compiled as `gdn_span_tuples_triton` launches
     them on bf16 operands."""
     shape = {"H": args.key_heads, "HV": args.value_heads, "K": args.key_dim, "V": args.value_dim,
              "BK": gdn_tuples.block_dim(args.key_dim)}
     pointers = {"k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*bf16", "factors": "*fp32", "out": "*fp32",
                 "chunk_rows": "*i32", "chunk_sizes": "*i32", "span_firsts": "*i32", "span_counts": "*i32"}
-    extra = {"_chunk_factor_kernel": {"C": gdn_tuples.CHUNK, "BN": gdn_tuples.COLUMN_BLOCK},
-             "_ordered_product_kernel": {"BJ": gdn_tuples.COLUMN_BLOCK}}
+    extra = {"_chunk_factor_kernel": ({"C": gdn_tuples.CHUNK, "BN": gdn_tuples.COLUMN_BLOCK}, {}),
+             "_ordered_product_kernel": ({"BJ": gdn_tuples.COLUMN_BLOCK}, {"num_stages": gdn_tuples.PRODUCT_STAGES})}
     return {name: compile_sm90(bind_module(vars(gdn_tuples))[name], {**shape, **constants}, pointers,
-                               {"num_warps": gdn_tuples.NUM_WARPS})
-            for name, constants in extra.items()}
+                               {"num_warps": gdn_tuples.NUM_WARPS, **options})
+            for name, (constants, options) in extra.items()}
 
 
-def compile_sm90(kernel, constants: dict, pointers: dict[str, str], options: dict) -> bytes:
-    """A Triton kernel's cubin for Hopper: `constants` its constexprs, `pointers` the other arguments'
-    types (int32 if not named)."""
+def compile_sm90(kernel, constants: dict, pointers: dict[str, str], options: dict) -> Any:
+    """A Triton kernel compiled for Hopper (its cubin in .asm, its dynamic shared memory in .metadata):
+    `constants` its constexprs, `pointers` the other arguments' types (int32 if not named)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -100,7 +101,7 @@ def compile_sm90(kernel, constants: dict, pointers: dict[str, str], options: dic
                if signature[name].startswith("*")}
     source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(n),): v for n, v in constants.items()},
                        attrs=aligned)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def walk_config(args: argparse.Namespace) -> compose.WalkConfig:
@@ -119,8 +120,11 @@ def cuobjdump(cubin: bytes, flag: str) -> str:
         return subprocess.run([str(tool), flag, file.name], capture_output=True, text=True, check=True).stdout
 
 
-def resource_usage(cubin: bytes) -> str:
-    return next(line.strip() for line in cuobjdump(cubin, "--dump-resource-usage").splitlines() if "REG:" in line)
+def resource_usage(compiled: Any) -> str:
+    """cuobjdump's resource line (its SHARED is static only) and the dynamic shared memory of a launch."""
+    line = next(line.strip() for line in cuobjdump(compiled.asm["cubin"], "--dump-resource-usage").splitlines()
+                if "REG:" in line)
+    return f"{line} DYNAMIC_SHARED:{compiled.metadata.shared}"
 
 
 def sass_code(cubin: bytes) -> list[tuple[int, str, str]]:
@@ -161,19 +165,19 @@ def main() -> None:
     parser.add_argument("--tuple-kernels", action="store_true", help="the GDN tuple kernels instead of the walk")
     args = parser.parse_args()
     if args.mla_tokens:
-        tiling, cubin = compile_mla(args.mla_tokens)
-        sass = Counter(op.split(".")[0] for _, op, _ in sass_code(cubin))
-        print(f"_mla_kernel sm90 {MLA_SHAPE} {tiling}: {resource_usage(cubin)} "
+        tiling, compiled = compile_mla(args.mla_tokens)
+        sass = Counter(op.split(".")[0] for _, op, _ in sass_code(compiled.asm["cubin"]))
+        print(f"_mla_kernel sm90 {MLA_SHAPE} {tiling}: {resource_usage(compiled)} "
               f"HGMMA {sass['HGMMA']} HMMA {sass['HMMA']}")
         return
     if args.tuple_kernels:
-        for name, cubin in compile_tuple_kernels(args).items():
-            print(f"{name} sm90 {vars(args)}: {resource_usage(cubin)}")
+        for name, compiled in compile_tuple_kernels(args).items():
+            print(f"{name} sm90 {vars(args)}: {resource_usage(compiled)}")
         return
-    cubin = compile_walk(args)
-    print(f"_compose_recur_kernel sm90 {vars(args)} {walk_config(args)}: {resource_usage(cubin)}")
+    compiled = compile_walk(args)
+    print(f"_compose_recur_kernel sm90 {vars(args)} {walk_config(args)}: {resource_usage(compiled)}")
     if args.loops:
-        print("\n".join(sass_loops(cubin)))
+        print("\n".join(sass_loops(compiled.asm["cubin"])))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ qwen3_next alternates dense and MoE MLPs (decoder_sparse_step=2 and mlp_only_lay
 """
 from __future__ import annotations
 
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -329,3 +331,26 @@ def guarded(batch: ForwardBatch) -> ForwardBatch:
     tensors = {f.name: getattr(batch, f.name).as_subclass(HostReadGuard) for f in fields(batch)
                if isinstance(getattr(batch, f.name), torch.Tensor)}
     return replace(batch, **tensors)
+
+
+# transformers binds FLA's kernels whenever FLA imports, CPU tensors or not (they then fail): its CPU
+# reference runs in a child process where FLA cannot import, so it takes its own torch code path.
+TORCH_ONLY_LOGITS = """
+import sys
+sys.modules["fla"] = None
+import torch, transformers
+path, file = sys.argv[1], sys.argv[2]
+model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+with torch.no_grad():
+    logits = [model(input_ids=torch.tensor([ids])).logits[0].float() for ids in torch.load(file)]
+torch.save(logits, file)
+"""
+
+
+def hf_torch_logits(path: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' float32 CPU logits [T, vocab] of each prompt, from scratch, FLA hidden."""
+    with tempfile.TemporaryDirectory() as scratch:
+        file = Path(scratch) / "prompts.pt"
+        torch.save(prompts, file)
+        subprocess.run([sys.executable, "-c", TORCH_ONLY_LOGITS, str(path), str(file)], check=True)
+        return torch.load(file)

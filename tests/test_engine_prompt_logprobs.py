@@ -8,6 +8,7 @@ import functools
 import pytest
 import torch
 from engine_util import collect, cpu_config, greedy, hf_greedy, hf_model, run_engine
+from models_util import hf_torch_logits
 
 from hypic import AsyncEngine
 
@@ -25,18 +26,19 @@ def random_prompt(vocab: int, length: int, seed: int) -> list[int]:
 
 
 @functools.cache
-def hf_prompt_logprobs(model_dir, prompt: tuple[int, ...], vocab: int, device: str = "cpu") -> torch.Tensor:
-    """[L - 1, vocab]: row p is the distribution of prompt token p + 1. Where fla is installed,
-    transformers calls its kernels whatever the tensors' device, so a GPU test runs it on the GPU."""
+def hf_prompt_logprobs(model_dir, prompt: tuple[int, ...], vocab: int) -> torch.Tensor:
+    """[L - 1, vocab]: row p is the distribution of prompt token p + 1, by transformers on the CPU."""
     with torch.no_grad():
-        model = hf_model(model_dir).to(device)
-        logits = model(input_ids=torch.tensor([prompt], device=device)).logits[0, :-1, :vocab].double().cpu()
+        logits = hf_model(model_dir)(input_ids=torch.tensor([prompt])).logits[0, :-1, :vocab].double()
     return torch.log_softmax(logits, -1)
 
 
-def check_against_hf(model_dir, prompt: list[int], vocab: int, got: tuple, k: int, tolerance: float = 1e-4,
-                     device: str = "cpu") -> None:
-    reference = hf_prompt_logprobs(model_dir, tuple(prompt), vocab, device)
+def check_against_hf(model_dir, prompt: list[int], vocab: int, got: tuple, k: int, tolerance: float = 1e-4) -> None:
+    check_scores(hf_prompt_logprobs(model_dir, tuple(prompt), vocab), prompt, got, k, tolerance)
+
+
+def check_scores(reference: torch.Tensor, prompt: list[int], got: tuple, k: int, tolerance: float) -> None:
+    """`got` (the engine's prompt logprobs, top k) against log-probabilities `reference` [L - 1, vocab]."""
     assert (got[0].token_id, got[0].logprob, got[0].top) == (prompt[0], None, ()) and len(got) == len(prompt)
     for position, item in enumerate(got[1:]):
         row = reference[position]
@@ -108,7 +110,11 @@ def test_prompt_logprobs_on_the_gpu_match_transformers(tiny_model_dir, vocab):
     config = cpu_config(tiny_model_dir, device="cuda", dtype="float32", block_size=16, gpu_memory_utilization=0.3,
                         max_num_batched_tokens=512)
     scored, plain = run_engine(config, [(prompt, greedy(4, prompt_logprobs=2)), (other, greedy(4))])
-    check_against_hf(tiny_model_dir, prompt, vocab, scored.prompt_logprobs, 2, tolerance=2e-2,
-                     device="cuda")  # fp32 on both sides, but FLA's chunked kernels use TF32 dots (6.3e-3 seen);
-    # a misplaced position or token would be off by whole nats
+    logits = hf_torch_logits(tiny_model_dir, [prompt])[0][:-1, :vocab].double()
+    reference = torch.log_softmax(logits, -1)  # float32 on the CPU, FLA hidden: no TF32 dots on either side
+    error = max(abs(item.logprob - float(row[item.token_id]))
+                for item, row in zip(scored.prompt_logprobs[1:], reference, strict=True))
+    print(f"largest prompt-logprob error against transformers: {error:.2e}")
+    check_scores(reference, prompt, scored.prompt_logprobs, 2, tolerance=2e-3)  # a misplaced position or
+    # token would be off by whole nats
     assert plain.tokens == hf_greedy(tiny_model_dir, other, 4, vocab, device="cuda")[0]

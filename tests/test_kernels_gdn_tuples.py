@@ -2,6 +2,10 @@
 token recurrence, the [v | 0] chunk-kernel capture they replace, and (Triton) the torch reference."""
 from __future__ import annotations
 
+import argparse
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +14,8 @@ from kernel_cases import interpreted, rel_err
 from hypic.kernels.gdn_tuples import gdn_span_tuples_ref, gdn_span_tuples_triton
 from hypic.kernels.linear_families import DenseFamily, get_family
 from hypic.kernels.varlen import Operands, RowSpans
+
+REPO = Path(__file__).resolve().parents[1]
 
 # below one chunk, exactly one and two chunks, ragged, empty, one token (rows of the flat batch between spans)
 LENS = (5, 64, 128, 70, 0, 1, 130)
@@ -104,3 +110,19 @@ def test_gpu_matches_cpu_reference(dtype: torch.dtype, gate: str) -> None:
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     for b in range(len(lens)):
         assert rel_err(actual[b], expected[b]) <= tol, (b, lens[b])
+
+
+HOPPER_SHARED_BYTES = 232448  # the most dynamic shared memory one block of an H100 / H200 may opt in to
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="compiling for sm90 needs triton")
+def test_tuple_kernels_fit_hopper_shared_memory() -> None:
+    """Compiled for sm90 at Qwen3.5's heads, no GPU needed: the product's default three pipeline stages once
+    asked 256 KB, and the GPU refused the launch."""
+    spec = importlib.util.spec_from_file_location("kernel_resources", REPO / "scripts" / "kernel_resources.py")
+    resources = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(resources)
+    heads = argparse.Namespace(key_heads=16, value_heads=32, key_dim=128, value_dim=128)
+    shared = {name: kernel.metadata.shared for name, kernel in resources.compile_tuple_kernels(heads).items()}
+    assert set(shared) == {"_chunk_factor_kernel", "_ordered_product_kernel"}
+    assert all(0 < size <= HOPPER_SHARED_BYTES for size in shared.values()), shared

@@ -2,37 +2,12 @@
 bfloat16, through prefill chunks, mixed batches and decode steps; a decode step captured in a CUDA graph."""
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from hypic.models.registry import load_model
-from models_util import (assert_cuda_graph_decode_replays, make_hf_model, mixed_steps_logits, rel_err,
-                         save_checkpoint)
-
-# transformers binds FLA's kernels whenever FLA imports, CPU tensors or not (they then fail): its CPU
-# reference runs in a child process where FLA cannot import, so it takes its own torch code path.
-TORCH_ONLY_LOGITS = """
-import sys
-sys.modules["fla"] = None
-import torch, transformers
-path, file = sys.argv[1], sys.argv[2]
-model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-with torch.no_grad():
-    logits = [model(input_ids=torch.tensor([ids])).logits[0].float() for ids in torch.load(file)]
-torch.save(logits, file)
-"""
-
-
-def hf_torch_logits(path: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """transformers' float32 CPU logits [T, vocab] of each prompt, from scratch, FLA hidden."""
-    file = path / "reference_prompts.pt"
-    torch.save(prompts, file)
-    subprocess.run([sys.executable, "-c", TORCH_ONLY_LOGITS, str(path), str(file)], check=True)
-    return torch.load(file)
+from models_util import (assert_cuda_graph_decode_replays, hf_torch_logits, make_hf_model, mixed_steps_logits,
+                         rel_err, save_checkpoint)
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

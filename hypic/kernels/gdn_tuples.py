@@ -42,6 +42,9 @@ tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
 COLUMN_BLOCK = 64  # columns of [A_c | B_c] a step of the factor kernel, of [T | S0] a product program
 NUM_WARPS = 8  # of both kernels (scripts/kernel_resources.py --tuple-kernels: registers and spills on sm90)
+# of the product's loop: each stage buffers a [K, K] transition and a [K, BJ] block of B_c in shared memory
+# (96 KB at K = 128), and Triton's default three (256 KB) exceed the 227 KB an H100 / H200 block may have
+PRODUCT_STAGES = 2
 
 
 def gdn_span_tuples(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -123,7 +126,7 @@ def gdn_span_tuples_triton(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, be
     if len(spans.lens):
         grid = (-(-width // COLUMN_BLOCK), value_heads, len(spans.lens))  # column blocks of a head side by side
         _ordered_product_kernel[grid](factors, out, table[0, num_chunks:], table[1, num_chunks:], BJ=COLUMN_BLOCK,
-                                      **shape, num_warps=NUM_WARPS)
+                                      **shape, num_warps=NUM_WARPS, num_stages=PRODUCT_STAGES)
     return out
 
 
