@@ -38,6 +38,7 @@ from hypic.errors import HypicError
 
 Workload = RagWorkload | ChatWorkload | TraceWorkload
 PREHEAT_CONCURRENCY = 8
+CLIENT_KEEPALIVE_S = 4.0  # seconds a client keeps an idle connection for reuse
 DEFAULT_SERVER = f"{shlex.quote(sys.executable)} -m hypic.serve --log-level warning"
 
 
@@ -206,7 +207,10 @@ async def run_sweeps(url: str, workload: Workload, args: argparse.Namespace, run
     slo = slo_of(args)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0), headers=headers) as session:
+    # reuse a connection only while the server surely keeps it (uvicorn closes idle ones after 5 s, hypic after
+    # its header timeout, 10 s): past that a request can race the server's close and read a reset (seen on the H200)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=headers) as session:
         base = client.Target(url, args.model or await first_model(session, url), args.backend, args.prompt_form,
                              ignore_eos=not args.no_ignore_eos)
         result = {**sweep_header(workload, args, base.model), **run, "series": []}
