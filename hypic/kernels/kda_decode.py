@@ -51,7 +51,7 @@ def kda_gates(f: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
     """f [N, H*K] (the forget gate's low-rank projection), b [N, H]; A_log [H], dt_bias [H*K] float32.
     Returns the per-key log-decay g = -exp(A_log) softplus(f + dt_bias) [N, H, K] (float32) and
     beta = sigmoid(b) in b's dtype. Torch on every device (the fused step computes them on CUDA)."""
-    g = F.softplus(f.float() + dt_bias).reshape(f.shape[0], A_log.shape[0], -1)
+    g = F.softplus(f.float() + dt_bias).unflatten(-1, (A_log.shape[0], -1))
     return g * -A_log.exp()[:, None], torch.sigmoid(b.float()).to(b.dtype)
 
 
