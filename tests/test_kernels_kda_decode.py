@@ -3,14 +3,21 @@ sigmoid-gated norm in one kernel) against its torch reference, the unfused refer
 states and conv windows over two steps (the kernel's counters must be back at zero after the first),
 with padding rows sharing a scratch slot as a CUDA graph's do; and a KDA mixer's fused decode against
 its unfused path (conv, operands, recurrence, output each on their own, which the model tests check
-against transformers). Triton runs on CUDA, or on the CPU through the interpreter on request."""
+against transformers). Triton runs on CUDA, or on the CPU through the interpreter on request; the
+kernel also compiles for sm90 at Kimi-Linear-48B's heads on any machine with triton."""
 from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
 import kimi_models
+from hypic.kernels import kda_decode
 from hypic.kernels.kda_decode import KdaDecodeLayer, kda_decode_ref, kda_decode_triton
+from hypic.kernels.triton_lazy import bind_module
 from hypic.models import kda
 from hypic.models.batch import ForwardBatch
 from hypic.models.kimi_config import KimiLinearConfig
@@ -133,3 +140,23 @@ def test_mixer_fused_decode_matches_its_unfused_path(kernel: str, dtype: torch.d
         fused = mixer(hidden, batch, *fused_pools, 0)
         unfused = LinearMixer.forward(mixer, hidden, batch, *unfused_pools, 0)
     assert_matches(fused, fused_pools, unfused.cpu(), [p.cpu() for p in unfused_pools], dtype, 0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="compiling for sm90 needs triton")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter compiles nothing")
+@pytest.mark.parametrize("block_v", [16, 32])  # decode_launch's value blocks below and from 16 sequences
+@pytest.mark.parametrize("activation", ["bf16", "fp32"])
+def test_fused_step_compiles_for_hopper_at_kimi_heads(block_v: int, activation: str) -> None:
+    """No GPU needed: what the interpreter lets through (types, pointer arithmetic) the compiler must too,
+    without spilling."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "kernel_resources.py"
+    spec = importlib.util.spec_from_file_location("kernel_resources", path)
+    resources = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(resources)
+    kernel = bind_module(vars(kda_decode))["_kda_decode_step_kernel"]
+    pointers = {n: f"*{activation}" for n in ("x", "b", "f", "gate", "w", "norm_w", "o", "y", "conv_pool")}
+    pointers.update({"A_log": "*fp32", "dt_bias": "*fp32", "pool": "*fp32", "slots": "*i64", "has_state": "*i1",
+                     "counters": "*i32", "scale": "fp32", "eps": "fp32", "norm_eps": "fp32"})
+    shape = dict(W=4, BW=4, H=32, HV=32, K=128, V=128, BK=128, BV=block_v)
+    usage = resources.resource_usage(resources.compile_sm90(kernel, shape, pointers, {"num_warps": 4}))
+    assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage  # the state block stays in registers
