@@ -98,7 +98,7 @@ def kda_mixer(dtype: torch.dtype, gen: torch.Generator) -> kda.KimiDeltaAttentio
                                          "linear_attn_config": linear})
     mixer = kda.KimiDeltaAttention(config)
     with torch.no_grad():
-        for name, param in mixer.named_parameters():
+        for param in mixer.parameters():
             param.copy_(torch.randn(param.shape, generator=gen) * (0.5 if param.dim() == 1 else 0.2))
         mixer.A_log.copy_(torch.rand(HEADS, generator=gen) * 2 - 2)
         mixer.o_norm.weight.add_(1.0)
