@@ -1,17 +1,21 @@
 """Kimi-Linear on CUDA (FLA chunk_kda, the Triton KDA decode, the Triton latent MLA kernel, the
 DeepSeek-style MoE) against the CPU path on the same weights: prefill chunks, mixed batches and
 decodes per dtype; chunks long enough that MLA expands (flash attention over expanded K/V) beside
-latent ones; a decode step replayed from a CUDA graph; the whole engine in every cache mode."""
+latent ones; a decode step replayed from a CUDA graph; the whole engine in every cache mode, and with the
+fused KDA decode step against the unfused path."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import kimi_models
+from engine_util import greedy
+from hypic.models.kda import KimiDeltaAttention
+from hypic.models.mixer import LinearMixer
 from hypic.models.registry import load_model
 from models_util import (BatchBuilder, assert_cuda_graph_decode_replays, assert_cuda_matches_cpu, random_ids, rel_err,
                          run, save_checkpoint)
-from pic_util import assert_gpu_engine_matches_cpu_engine
+from pic_util import DOCS, assert_gpu_engine_matches_cpu_engine, engine_run, logprobs, prompt
 
 pytestmark = pytest.mark.gpu
 TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 0.3}  # tiny random nets are touchy in bf16 (see test_models_gpu)
@@ -61,3 +65,17 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["none", "hypic", "naive"])
 def test_gpu_engine_matches_cpu_engine(model_dir, mode) -> None:
     assert_gpu_engine_matches_cpu_engine(model_dir, mode)
+
+
+@pytest.mark.parametrize("mode", ["none", "hypic"])
+def test_fused_kda_decode_serves_as_the_unfused_path(model_dir, mode, monkeypatch) -> None:
+    """Greedy decodes (CUDA graphs replaying the fused step) pick the tokens, at the logprobs, that the
+    mixer's unfused path (conv, operands, recurrence and norm apart) picks."""
+    jobs = [(prompt(*DOCS), greedy(12, logprobs=0)), ("hello world, the quick brown fox", greedy(9, logprobs=0))]
+    fused = engine_run(model_dir, "cuda", jobs, cache_mode=mode)
+    monkeypatch.setattr(KimiDeltaAttention, "forward", LinearMixer.forward)
+    unfused = engine_run(model_dir, "cuda", jobs, cache_mode=mode)
+    for fused_outs, unfused_outs in zip(fused, unfused):
+        for f, u in zip(fused_outs, unfused_outs):
+            assert f.tokens == u.tokens
+            assert logprobs(f) == pytest.approx(logprobs(u), abs=1e-4)

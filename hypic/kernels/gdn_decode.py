@@ -28,7 +28,7 @@ from hypic.kernels.varlen import decode_launch, decode_program
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: zero between launches (the kernel resets them)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: zero between launches (the kernels reset them)
 
 
 @dataclass(frozen=True)
@@ -86,23 +86,24 @@ def gdn_decode_triton(mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor,
     z = z if z.stride(2) == 1 and z.stride(1) == c.head_v else z.contiguous()  # rows may be strided
     _gdn_decode_step_kernel[grid](
         mixed_qkv, z, a, b, c.conv_weight.contiguous(), c.A_log, c.dt_bias, c.norm_weight, o, y, ssm_pool,
-        conv_pool, slots, has_state, _counters(tokens * (c.heads + value_heads), mixed_qkv.device), c.scale,
+        conv_pool, slots, has_state, group_counters(tokens * (c.heads + value_heads), mixed_qkv.device), c.scale,
         L2NORM_EPS, c.norm_eps, mixed_qkv.stride(0), z.stride(0), a.stride(0), b.stride(0),
         W=c.conv_weight.shape[1], BW=next_power_of_2(c.conv_weight.shape[1]), BVR=next_power_of_2(c.head_v),
         **shape)
     return y
 
 
-def _counters(count: int, device: torch.device) -> torch.Tensor:
-    """At least `count` zero counters on `device`; the first (largest) decode step allocates them, which
-    DecodeGraphs' warm-up forward runs before any capture."""
+def group_counters(count: int, device: torch.device) -> torch.Tensor:
+    """At least `count` zero counters on `device` (the fused decode kernels of every family share them);
+    the first (largest) decode step allocates them, which DecodeGraphs' warm-up forward runs before any
+    capture."""
     if device not in _COUNTERS or _COUNTERS[device].numel() < count:
         _COUNTERS[device] = torch.zeros(count, dtype=torch.int32, device=device)
     return _COUNTERS[device]
 
 
 @triton_kernel
-def _conv_channels(x_row, w, p_window, c, m_c, keep, W: tl.constexpr, BW: tl.constexpr):
+def conv_channels(x_row, w, p_window, c, m_c, keep, W: tl.constexpr, BW: tl.constexpr):
     """silu(conv) of channels c for one token (float32, not yet rounded) and the token's inputs there."""
     o_w = tl.arange(0, BW)
     b_x = tl.load(x_row + c, mask=m_c, other=0.0).to(tl.float32)
@@ -116,7 +117,7 @@ def _conv_channels(x_row, w, p_window, c, m_c, keep, W: tl.constexpr, BW: tl.con
 
 
 @triton_kernel
-def _shifted_window(p_window, c, m_c, b_x, keep, W: tl.constexpr, BW: tl.constexpr):
+def shifted_window(p_window, c, m_c, b_x, keep, W: tl.constexpr, BW: tl.constexpr):
     """The window of channels c after the token: window[:, j + 1], the token's input last (read again:
     registers cannot shift); returns (pointers, values, mask) to store."""
     o_w = tl.arange(0, BW)
@@ -128,7 +129,7 @@ def _shifted_window(p_window, c, m_c, b_x, keep, W: tl.constexpr, BW: tl.constex
 
 
 @triton_kernel
-def _l2_normalized(y, eps, o):
+def l2_normalized(y, eps, o):
     """The conv output y rounded to o's dtype, normalised as qk_l2norm does (float32 sums, rounded)."""
     y = y.to(o.dtype.element_ty).to(tl.float32)
     return (y * tl.rsqrt(tl.sum(y * y, axis=0) + eps)).to(o.dtype.element_ty).to(tl.float32)
@@ -144,13 +145,13 @@ def _gdn_decode_step_kernel(x, z, a, b, w, A_log, dt_bias, norm_w, o, y, pool, c
     x_row = x + i_b.to(tl.int64) * stride_x
     p_window = conv_pool + slot * (2 * H * K + HV * V) * (W - 1)
     c_q, c_k, c_v = i_h * K + o_k, H * K + i_h * K + o_k, 2 * H * K + i_hv * V + o_v
-    y_q, x_q = _conv_channels(x_row, w, p_window, c_q, m_k, keep, W, BW)
-    y_k, x_k = _conv_channels(x_row, w, p_window, c_k, m_k, keep, W, BW)
-    y_v, x_v = _conv_channels(x_row, w, p_window, c_v, m_v, keep, W, BW)
-    p_shift, shifted, m_shift = _shifted_window(p_window, c_v, m_v, x_v, keep, W, BW)
+    y_q, x_q = conv_channels(x_row, w, p_window, c_q, m_k, keep, W, BW)
+    y_k, x_k = conv_channels(x_row, w, p_window, c_k, m_k, keep, W, BW)
+    y_v, x_v = conv_channels(x_row, w, p_window, c_v, m_v, keep, W, BW)
+    p_shift, shifted, m_shift = shifted_window(p_window, c_v, m_v, x_v, keep, W, BW)
     tl.store(p_shift, shifted, mask=m_shift)  # value channels: this program's own
-    b_q = _l2_normalized(y_q, eps, o) * scale
-    b_k = _l2_normalized(y_k, eps, o)
+    b_q = l2_normalized(y_q, eps, o) * scale
+    b_k = l2_normalized(y_k, eps, o)
     b_v = y_v.to(o.dtype.element_ty).to(tl.float32)
     gate = tl.load(a + i_b * stride_a + i_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
     softplus = tl.where(gate > 20.0, gate, tl.log(1.0 + tl.exp(gate)))  # torch's softplus threshold
@@ -168,9 +169,9 @@ def _gdn_decode_step_kernel(x, z, a, b, w, A_log, dt_bias, norm_w, o, y, pool, c
     # the key head's programs have all read its q/k window once its counter reaches their number
     p_read = counters + i_b * H + i_h
     if tl.atomic_add(p_read, 1) == (HV // H) * tl.num_programs(2) - 1:
-        p_q, shifted_q, m_q = _shifted_window(p_window, c_q, m_k, x_q, keep, W, BW)
+        p_q, shifted_q, m_q = shifted_window(p_window, c_q, m_k, x_q, keep, W, BW)
         tl.store(p_q, shifted_q, mask=m_q)
-        p_k, shifted_k, m_kw = _shifted_window(p_window, c_k, m_k, x_k, keep, W, BW)
+        p_k, shifted_k, m_kw = shifted_window(p_window, c_k, m_k, x_k, keep, W, BW)
         tl.store(p_k, shifted_k, mask=m_kw)
         tl.atomic_xchg(p_read, 0)
     # and the value head's whole output row is written once its counter reaches theirs: the last norms it

@@ -43,11 +43,14 @@ def _same(p: str, names: tuple[str, ...]) -> dict[str, Recipe]:
 
 
 def _kda(config: KimiLinearConfig, p: str, names: set[str]) -> dict[str, Recipe]:
+    """Every projection of the input one in_proj; the low-rank gates' up halves stacked (one bmm)."""
     gate = p + ("forget_gate." if p + "forget_gate.A_log" in names else "")
-    recipes = _same(p, ("g_a_proj.weight", "g_b_proj.weight", "o_norm.weight", "o_proj.weight"))
-    recipes.update({n: Recipe((gate + n,)) for n in ("f_a_proj.weight", "f_b_proj.weight", "dt_bias")})
+    recipes = _same(p, ("o_norm.weight", "o_proj.weight"))
+    recipes["dt_bias"] = Recipe((gate + "dt_bias",))
     recipes["A_log"] = Recipe((gate + "A_log",), lambda t: t[0].reshape(-1))
-    recipes["in_proj.weight"] = Recipe(tuple(f"{p}{n}_proj.weight" for n in "qkvb"), concat_rows)
+    rows = tuple(f"{p}{n}_proj.weight" for n in "qkvb") + (gate + "f_a_proj.weight", p + "g_a_proj.weight")
+    recipes["in_proj.weight"] = Recipe(rows, concat_rows)
+    recipes["low_rank_up"] = Recipe((gate + "f_b_proj.weight", p + "g_b_proj.weight"), torch.stack)
     fused = p + "conv1d.weight" in names
     convs = (p + "conv1d.weight",) if fused else tuple(f"{p}{n}_conv1d.weight" for n in "qkv")
     recipes["conv1d_weight"] = Recipe(convs, lambda t: torch.cat([w.reshape(w.shape[0], -1) for w in t]))
