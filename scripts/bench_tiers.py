@@ -464,10 +464,10 @@ def traced_request(engine: LLMEngine, prompt) -> tuple[float, dict[str, int], di
     """`timed_request` (hypic mode), with where its time went: each step that ran a batch is
     charged to `compute_s` (the request runs alone: its cold segments' prefill, then its own), each
     that found nothing to run to what the request waited for as it began: a disk read of one of its
-    segments (`read_s`), else its promotion copies landing (`copy_s`). Afterwards the disk writes its demotions caused and its late
-    reads are let finish (so the next request runs alone) before its counts are taken: its
-    segments read from disk (late ones included), recomputed as cheaper, late; and the pinned
-    allocations made meanwhile."""
+    segments (`read_s`), else its promotion copies landing (`copy_s`). Afterwards the disk writes
+    its demotions caused and its late reads are let finish (so the next request runs alone) before
+    its counts are taken: its segments read from disk (late ones included), recomputed as cheaper,
+    late; and the pinned allocations made meanwhile."""
     sync()
     disk, allocations = engine.stats().segment_disk, pinned_allocations()
     start = last = time.perf_counter()

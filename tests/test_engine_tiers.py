@@ -448,7 +448,7 @@ def test_on_a_gpu_host_and_disk_hits_give_the_outputs_of_an_unbounded_pool(tiny_
     assert pinned and all(pinned)
     restarted, core = serve(tight, jobs()[len(DOCS):])
     assert_same_outputs(restarted, ref[len(DOCS):])
-    assert kinds(restarted) == [{"pic_disk"}] * len(DOCS)  # read into pinned memory, then copied up
+    assert kinds(restarted) == [{"pic_disk"}] * len(DOCS)  # read into the pinned host arena, then copied up
     assert core.store.stats().pinned == core.store.lower.stats().pinned == 0
 
 

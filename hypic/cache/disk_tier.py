@@ -105,7 +105,8 @@ class ReadMeter:
     @property
     def bytes_per_s(self) -> float | None:
         """None until a read has finished."""
-        return self.nbytes / self.busy_s if self.nbytes and self.busy_s > 0 else None
+        with self._lock:
+            return self.nbytes / self.busy_s if self.nbytes and self.busy_s > 0 else None
 
     def started(self) -> None:
         with self._lock:

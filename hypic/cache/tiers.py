@@ -216,12 +216,12 @@ class LowerTiers:
         self._index: OrderedDict[SegmentKey, _Held] = OrderedDict()  # LRU first
         self._flushed: list[_Held] = []  # dropped while pinned: freed on their last unpin
         self._copies = SideCopies(device)
-        self._in_flight: list[tuple[torch.cuda.Event | None, _Held | None, torch.Tensor]] = []
+        self._in_flight: list[tuple[torch.cuda.Event | None, _Held, torch.Tensor]] = []
         self._writes: list[tuple[futures.Future, _Held]] = []  # (disk write future, host entry it reads)
         self._reads: dict[SegmentKey, tuple[futures.Future, _Held]] = {}  # disk reads under way, into the arena
         self.disk = disk
         self._counts = dict.fromkeys(("hits", "misses", "promotions", "demotions", "evictions"), 0)
-        self._moved: set[SegmentKey] = set()  # host entries evicted since `take_moved`
+        self._moved: set[SegmentKey] = set()  # host entries evicted or read in since `take_moved`
 
     @property
     def capacity_bytes(self) -> int:
