@@ -8,10 +8,10 @@ being next before it runs gives its pins back and is looked up again later: queu
 hold the pool that the admitted ones promote into. A cold job is an isolated prefill, chunked like
 any other, whose tuple is captured chunk by chunk (composed exactly across chunks) and stored after
 its last chunk; the requests waiting for it then get their pieces. A miss only the disk holds is
-read instead when the cost model finds that no slower (`ReadOrRecompute`), with a deadline: a read
-not done by then is recomputed as a cold job, the requests stop waiting for it. When nothing is awaited the
-sequence is admitted like any other: its interiors' K/V are scattered into its pages at admission,
-and linear layers compose the pieces as its chunks reach them.
+read instead when the cost model finds that no slower (`ReadOrRecompute`), with a deadline: the
+requests stop waiting for a read not done by then, and its segment becomes a cold job. When
+nothing is awaited the sequence is admitted like any other: its interiors' K/V are scattered into
+its pages at admission, and linear layers compose the pieces as its chunks reach them.
 """
 from __future__ import annotations
 
@@ -142,6 +142,7 @@ class PicAssembler:
         return new_jobs
 
     def _landed(self, key: SegmentKey) -> list[Sequence]:
+        """Promote a finished read for its requests (or peer); a cold job if that fails."""
         self.reads.pop(key, None)
         self.fetching.discard(key)
         entry = self.store.get(key)
