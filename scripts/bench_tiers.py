@@ -4,7 +4,8 @@
   ttft  TTFT of warm RAG prompts served from the GPU pool, from the host tier and by full recompute
         (`none`), each with the tier that served its tokens (`served_from`) and the issue's target;
   disk  the same prompt shapes served from disk by an engine restarted on a directory another
-        engine wrote (its files dropped from the page cache);
+        engine wrote (its files dropped from the page cache), beside first-time (`cold`) prompts
+        of each shape on that engine; each request traced;
   qps   a corpus ten times the GPU pool under a rate sweep of `hypic bench serve`: sustainable QPS
         with the host tier against without it.
 
@@ -16,9 +17,15 @@ imported until the pool has demoted every document. The target: a host hit costs
 hit + the entries' bytes / the copy rate + 3 ms, and at most 20 % of recompute at 4 x 4k. disk:
 other document sets, cached and demoted (so written to disk) by a first engine (ttft's, when both
 run), are served by a second one, which reads each from disk or recomputes it, whichever its
-rates say is cheaper (the read rate measured at its start and from its reads, the prefill rate the
-first engine measured and kept beside the files; `disk_stats_after_restart` has both and the count
-recomputed). qps: the server runs in this process (engine thread, HTTP on this event loop), one
+rates say is cheaper, and recomputes a read not done by its deadline (`rates_at_start`: the rates
+it started from, kept beside the files by the first engine, the read rate probed if none was;
+`disk_stats_after_restart`: the rates measured since, the counts read, recomputed and late). Its
+host tier is pinned whole first (as qps's: pinning holds the CUDA driver's lock, so slabs pinned
+while it serves would stall it). Then `cold`: prompts of each shape whose documents were never seen
+(every segment prefilled cold), for reference. Every request of the part has a trace (`traces`):
+its seconds waiting for disk reads, for promotion copies to land, and computing (cold segments
+and its own prefill), its segments read, recomputed and late, and the pinned allocations made
+meanwhile (a GPU). qps: the server runs in this process (engine thread, HTTP on this event loop), one
 engine with the host tier and one without (same pool, same seeded requests, preheated with every
 document); the host tier is pinned whole before its sweep (the time it took is printed). Each
 engine is closed when its part is done: its pinned slabs go back to torch's pinned allocator, and
@@ -45,7 +52,10 @@ chunk kernels autotune); a later engine starts in ~15 s, ~7 s more with a disk t
         the documents to the host tier, a host hit and a recompute: ~1 s a round.
   disk  ~1 min after ttft in the same process: ttft's engine (then with a disk tier) also prefills 4
         document sets per shape and writes ~15 GB, synced before the restart; the restarted engine
-        serves 4 prompts per shape. Alone ~3-4 min: an engine of its own writes the sets first.
+        pins its host tier whole (from torch's pinned cache as far as earlier engines filled it,
+        the rest estimated 10-40 s), serves 4 prompts per shape from disk, then 4 cold ones
+        (~0.5 s each), each followed by its disk writes. Alone ~3-4 min: an engine of its own
+        writes the sets first.
   qps   ~1.5 min after another part, ~3-4 min alone: two engines, each a start, a preheat of ~500
         documents of 1k tokens (~15 s) and 5 rates x 32 requests (~10-20 s); before the host
         tier's sweep, the pinning of what earlier engines did not leave in torch's pinned cache
@@ -81,7 +91,7 @@ import aiohttp
 import torch
 from aiohttp import web
 from bench_engine import model_dir, random_weights, shape_config
-from bench_pic import QUERY_TOKENS, SYSTEM_TOKENS, rag_prompt, random_tokens, timed_request
+from bench_pic import QUERY_TOKENS, SYSTEM_TOKENS, rag_prompt, random_tokens, sync, timed_request
 from results import device_label, group, grouped_result, phase, result_path, say
 
 from hypic import EngineConfig
@@ -93,7 +103,9 @@ from hypic.engine.client import InProcessEngineClient
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.setup import BUNDLED_MODEL, resolve_dtype, resolve_segment_state_dtype
 from hypic.engine.text.tokenizer import Tokenizer
+from hypic.engine.sequence import Sequence
 from hypic.models.config import read_config_json
+from hypic.sampling_params import SamplingParams
 from hypic.models.registry import architecture, load_config
 from hypic.serve.app import build_app, runner_for
 from hypic.serve.state import ServerSettings
@@ -101,7 +113,9 @@ from hypic.serve.state import ServerSettings
 PARTS = ("copy", "ttft", "disk", "qps")  # in the order they run
 COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}  # copy: bytes per timed copy
 TWENTY_PERCENT_AT = "4x4096"  # the prompt shape where the issue asks for a host hit within 20 % of recompute
-TIERS = ("pool", "host", "none")  # measured by ttft; "disk" by the disk part's restarted engine
+TIERS = ("pool", "host", "none")  # measured by ttft; "disk" and "cold" by the disk part's restarted engine
+TRACED = ("read_s", "copy_s", "compute_s")  # where a traced request's time went
+IDLE_S = 5e-4  # a traced request's loop, when the engine had nothing to run: its reader threads get the GIL
 STALL_S = 1.0  # qps: an engine with requests that runs no step this long is stalled
 MAX_STALL_DUMPS = 3  # stacks printed per sweep, at most
 SAMPLE_S = 0.02  # qps: how often the stall watch looks at the engine thread
@@ -311,6 +325,10 @@ class PromptShape:
         """The documents in a new order, with a new question."""
         return rag_prompt(rng.sample(docs, len(docs)), self.system, random_tokens(QUERY_TOKENS, rng))
 
+    def fresh(self, rng: random.Random) -> list[tuple[int, ...]]:
+        """Documents of the shape never seen before."""
+        return [random_tokens(len(doc), rng) for doc in self.warm]
+
 
 class Timings:
     """Per tier: the measured TTFTs and the cached tokens by kind of those requests."""
@@ -427,22 +445,96 @@ def started(name: str, config: EngineConfig) -> Iterator[LLMEngine]:
         engine.close()
 
 
-def measure_disk(engine: LLMEngine, shape: PromptShape, rng: random.Random) -> dict:
-    """Median TTFT (s) of the disk sets on a restarted engine (the first unmeasured), and what served them."""
-    timings = Timings()
-    for i, docs in enumerate(shape.disk):
-        measured = timed_request(engine, shape.prompt(docs, rng), "hypic")
+def measure_traced(engine: LLMEngine, shape: PromptShape, tier: str, sets: list[list[tuple[int, ...]]],
+                   rng: random.Random) -> tuple[float, dict[str, int], list[dict]]:
+    """(median TTFT (s), what served them, every request's trace) of one request per document set
+    (the first unmeasured)."""
+    timings, traces = Timings(), []
+    for i, docs in enumerate(sets):
+        seconds, kinds, trace = traced_request(engine, shape.prompt(docs, rng))
+        say(f"{shape.name:>8} {tier:>4} request {i}: " + trace_line(trace))
+        traces.append({"measured": bool(i), **trace})
         if i:
-            timings.add("disk", measured)
+            timings.add(tier, (seconds, kinds))
     medians = timings.medians(shape.name)
-    return {"disk": medians["disk"], "served_from": medians["served_from"]["disk"]}
+    return medians[tier], medians["served_from"][tier], traces
+
+
+def traced_request(engine: LLMEngine, prompt) -> tuple[float, dict[str, int], dict]:
+    """`timed_request` (hypic mode), with where its time went: each step that ran a batch is
+    charged to `compute_s` (the request runs alone: its cold segments' prefill, then its own), each
+    that found nothing to run to what the request waited for as it began: a disk read of one of its
+    segments (`read_s`), else its promotion copies landing (`copy_s`). Afterwards the disk writes
+    its demotions caused and its late reads are let finish (so the next request runs alone) before
+    its counts are taken: its segments read from disk (late ones included), recomputed as cheaper,
+    late; and the pinned allocations made meanwhile."""
+    sync()
+    disk, allocations = engine.stats().segment_disk, pinned_allocations()
+    start = last = time.perf_counter()
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), cache_mode="hypic")
+    seq, spent, outputs = engine.requests[rid].completions[0].seq, dict.fromkeys(TRACED, 0.0), []
+    while engine.has_work():
+        waiting = waited_for(engine, seq)
+        outputs += engine.step()
+        if not engine.last_step_ran:
+            time.sleep(IDLE_S)
+        now, charged = time.perf_counter(), "compute_s" if engine.last_step_ran else waiting
+        spent[charged], last = spent[charged] + now - last, now
+    engine.store.lower.drain()
+    engine.step()  # lands the reads that came late
+    after = engine.stats().segment_disk
+    counts = {"read": after.hits - disk.hits, "recomputed": after.recomputed - disk.recomputed,
+              "late": after.late - disk.late, "pinned_allocations": pinned_allocations() - allocations}
+    return last - start, outputs[-1].metrics.cached_tokens_by_kind, {"ttft_s": last - start, **spent, **counts}
+
+
+def waited_for(engine: LLMEngine, seq: Sequence) -> str:
+    """What a request waits for now (a `TRACED` key; `compute_s`: nothing)."""
+    if seq.pic.awaiting & engine.pic.reads.keys():
+        return "read_s"
+    if seq.pic.attached and not seq.pic.awaiting and not all(p.entry.landed for p in seq.pic.cached):
+        return "copy_s"
+    return "compute_s"
+
+
+def pinned_allocations() -> int:
+    """torch's count of pinned host allocations so far (0 without CUDA)."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    return stats().get("num_host_alloc", 0) if stats is not None and torch.cuda.is_available() else 0
+
+
+def trace_line(trace: dict) -> str:
+    return (f"TTFT {trace['ttft_s'] * 1e3:.1f} ms = read {trace['read_s'] * 1e3:.1f} + copy "
+            f"{trace['copy_s'] * 1e3:.1f} + compute {trace['compute_s'] * 1e3:.1f} ms; segments read "
+            f"{trace['read']}, recomputed {trace['recomputed']}, late {trace['late']}; "
+            f"{trace['pinned_allocations']} pinned allocations")
+
+
+def start_rates(engine: LLMEngine) -> dict:
+    """The rates a restarted engine decides reads by before its first request, and where the read rate came from."""
+    disk, costs = engine.store.lower.disk, engine.pic.costs
+    rates = {"read_bytes_per_s": disk.read_bytes_per_s, "read_rate": "probed" if disk.probed else "kept",
+             "prefill_tokens_per_s": costs.tokens_per_s}
+    say(f"restarted engine's rates: disk reads {rates['read_bytes_per_s'] / 1e9:.2f} GB/s ({rates['read_rate']}), "
+        f"prefill {rates['prefill_tokens_per_s']:.0f} tokens/s")
+    return rates
 
 
 def restarted_engine(config: EngineConfig, shapes: list[PromptShape], rng: random.Random) -> dict:
-    """Disk figures of an engine restarted on the first one's directory; its disk counters."""
+    """Disk figures of an engine restarted on the first one's directory (its disk counters after
+    them), then cold figures on it; the rates it started from."""
     with started("restarted engine", config) as engine:
-        figures = {shape.name: measure_disk(engine, shape, rng) for shape in shapes}
-        return {"prompts": figures, "disk_stats_after_restart": dataclasses.asdict(engine.stats().segment_disk)}
+        rates = start_rates(engine)
+        pin_host_tier(engine)
+        disk = {shape.name: measure_traced(engine, shape, "disk", shape.disk, rng) for shape in shapes}
+        disk_stats = dataclasses.asdict(engine.stats().segment_disk)  # before the cold prompts write more
+        figures = {}
+        for shape in shapes:
+            (seconds, served, traces), cold = disk[shape.name], measure_traced(
+                engine, shape, "cold", [shape.fresh(rng) for _ in shape.disk], rng)
+            figures[shape.name] = {"disk": seconds, "cold": cold[0], "served_from": served,
+                                   "traces": {"disk": traces, "cold": cold[2]}}
+        return {"rates_at_start": rates, "prompts": figures, "disk_stats_after_restart": disk_stats}
 
 
 def drop_from_page_cache(directory: Path) -> None:
@@ -653,11 +745,12 @@ def report(data: dict) -> None:
             f"GB/s (pinned)")
     ttft, disk = parts.get("ttft", {}).get("prompts", {}), parts.get("disk", {}).get("prompts", {})
     if ttft or disk:
-        say(f"{'prompt':>10} {'pool ms':>8} {'host ms':>8} {'budget ms':>10} {'disk ms':>8} {'none ms':>8}  target")
+        say(f"{'prompt':>10} {'pool ms':>8} {'host ms':>8} {'budget ms':>10} {'disk ms':>8} {'cold ms':>8} "
+            f"{'none ms':>8}  target")
     for name in dict.fromkeys([*ttft, *disk]):
         t = {**ttft.get(name, {}), **disk.get(name, {})}
         columns = " ".join(milliseconds(t.get(tier), width) for tier, width in
-                           (("pool", 8), ("host", 8), ("host_budget", 10), ("disk", 8), ("none", 8)))
+                           (("pool", 8), ("host", 8), ("host_budget", 10), ("disk", 8), ("cold", 8), ("none", 8)))
         target = "" if "target_met" not in t else "met" if t["target_met"] else "MISSED"
         say(f"{name:>10} {columns}  {target}")
     if "qps" in parts:

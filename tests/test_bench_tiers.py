@@ -80,6 +80,23 @@ def test_each_tier_figure_was_served_from_that_tier(runs: tuple[dict, dict, dict
             assert disk["prompts"]["2x64"]["served_from"] == {"pic_disk": served["pool"]["pic"]}
 
 
+def test_the_disk_part_has_a_cold_column_traces_and_the_rates_it_started_from(runs: tuple[dict, dict, dict]) -> None:
+    _, _, saved = runs
+    disk = saved["parts"]["disk"]
+    rates, sets = disk["rates_at_start"], disk["settings"]["repeats"] + 1
+    assert rates["read_bytes_per_s"] > 0 and rates["prefill_tokens_per_s"] > 0 and rates["read_rate"] == "kept"
+    figures = disk["prompts"]["2x64"]
+    assert figures["cold"] > 0 and figures["disk"] > 0
+    for tier in ("disk", "cold"):
+        traces = figures["traces"][tier]
+        assert [t["measured"] for t in traces] == [False] + [True] * (sets - 1)
+        for t in traces:  # every interval charged once
+            assert sum(t[part] for part in bench_tiers.TRACED) == pytest.approx(t["ttft_s"])
+            assert t["pinned_allocations"] == 0 and t["late"] <= t["read"]
+    assert all(t["read"] + t["recomputed"] == 2 for t in figures["traces"]["disk"])  # each document, read or not
+    assert all(t["read"] == t["recomputed"] == t["read_s"] == 0 for t in figures["traces"]["cold"])
+
+
 def test_the_target_is_computed_from_the_figures_beside_it(runs: tuple[dict, dict, dict]) -> None:
     _, _, saved = runs
     figures, rate = saved["parts"]["ttft"]["prompts"]["2x64"], saved["parts"]["ttft"]["host_to_device_bytes_per_s"]

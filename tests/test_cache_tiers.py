@@ -2,14 +2,14 @@
 flush by salt across tiers, salts on disk only as hashes, identity of a disk directory."""
 from __future__ import annotations
 
+import shutil
 import threading
-import time
 import weakref
 
 import pytest
 import torch
 
-from hypic.cache.disk_tier import DiskTier
+from hypic.cache.disk_tier import READ_RATE, DiskTier, kept_rates
 from hypic.cache import tiers
 from hypic.cache.segment_store import ALIGN, SegmentStore, SegmentTuple
 from hypic.cache.tiers import LowerTiers
@@ -112,14 +112,15 @@ def test_a_directory_of_another_model_or_layout_is_not_read(tmp_path, change) ->
     store.lower.drain()
     lay = layout(state_dtype=torch.bfloat16) if change == "layout" else layout()
     other = DiskTier(tmp_path, 1 << 30, "other-weights" if change == "fingerprint" else "fp", lay)
-    assert other.stats().entries == 0 and key("a") not in other and other.start_read(key("a")) is None
+    assert other.stats().entries == 0 and key("a") not in other
+    assert other.start_read(key("a"), torch.empty(0, dtype=torch.uint8)) is None
     assert DiskTier(tmp_path, 1 << 30, "fp", layout()).stats().entries == 2  # the first model's files remain
 
 
 def test_a_failed_write_costs_only_the_entry(tmp_path) -> None:
     store = tiered(pool=1, host=1, disk_dir=tmp_path)
     disk = store.lower.disk
-    disk.directory.rmdir()  # every write now fails
+    shutil.rmtree(disk.directory)  # every write now fails
     fill(store, "abc")
     store.lower.drain()
     assert disk.stats().errors == 2 and disk.stats().entries == 0
@@ -231,17 +232,77 @@ def test_closed_tiers_hold_no_host_memory_keep_their_counters_and_the_disk_its_f
     assert key("a") in restarted and key("b") in restarted
 
 
-def test_the_read_rate_is_measured_at_start_up_then_from_each_read(tmp_path) -> None:
+def test_the_read_rate_is_probed_once_kept_beside_the_files_then_measured_from_reads(tmp_path) -> None:
     store = tiered(pool=1, host=1, disk_dir=tmp_path)
-    fill(store, "abc")  # a on disk only
     disk = store.lower.disk
-    assert disk.read_bytes_per_s > 0 and disk.stats().read_bytes_per_s == disk.read_bytes_per_s
-    disk.read_bytes_per_s = 1.0  # as if the probe had found a hopeless disk
-    began = time.perf_counter()
-    entry = get(store, key("a"))
-    elapsed = time.perf_counter() - began
-    assert entry.source == "disk" and disk.read_bytes_per_s >= entry.nbytes / elapsed  # the read's own rate
-    store.unpin(entry)
+    assert disk.probed and disk.read_bytes_per_s > 0
+    assert kept_rates(disk.rates_path) == {READ_RATE: disk.read_bytes_per_s}
+    fill(store, "abc")  # a on disk only
+    assert_holds(store, "a", random_tuple(store.layout, LEN, seed=ord("a")), "disk")
+    meter = disk.meter
+    assert meter.nbytes == store.layout.entry_bytes(LEN) and meter.busy_s > 0
+    assert disk.read_bytes_per_s == meter.nbytes / meter.busy_s == disk.stats().read_bytes_per_s  # its reads' now
+    store.lower.close()
+    again = DiskTier(tmp_path, 1 << 30, "fp", store.layout)
+    assert not again.probed and again.read_bytes_per_s == meter.nbytes / meter.busy_s
+
+
+def test_disk_reads_land_in_host_memory_the_tier_holds_and_allocate_nothing(tmp_path, monkeypatch) -> None:
+    """Each read is given a view of the host arena's slabs; the arena takes no slab for it, and the
+    reader threads make no tensor (a pinned one would hold the CUDA driver's lock)."""
+    store = tiered(pool=1, host=3, disk_dir=tmp_path)
+    tuples = fill(store, "abcdef")  # f in the pool, c-e in host memory, a and b on disk only
+    arena, disk = store.lower.arena, store.lower.disk
+    arena.fill()
+    slabs, allocated = arena.slabs, arena.allocated_bytes
+    given, made = [], []
+    start_read, empty = disk.start_read, torch.empty
+
+    def spied_read(k, dst):
+        given.append(dst)
+        return start_read(k, dst)
+
+    def spied_empty(*args, **kwargs):
+        made.append(threading.current_thread().name)
+        return empty(*args, **kwargs)
+    monkeypatch.setattr(disk, "start_read", spied_read)
+    monkeypatch.setattr(torch, "empty", spied_empty)
+    assert store.start_read(key("a")) and store.start_read(key("b"))
+    store.lower.drain()
+    assert set(store.finished_reads()) == {key("a"), key("b")}
+    assert [store.lower.tier(key(n)) for n in "ab"] == ["host", "host"]  # in place of c and d
+    monkeypatch.undo()
+    assert not [name for name in made if name.startswith("hypic-disk-read")]
+    assert arena.allocated_bytes == allocated and all(a is b for a, b in zip(arena.slabs, slabs, strict=True))
+    inside = [any(s.data_ptr() <= d.data_ptr() and d.data_ptr() + d.numel() <= s.data_ptr() + s.numel()
+                  for s in slabs) for d in given]
+    assert len(given) == 2 and all(inside)
+    for name in "ab":
+        assert_holds(store, name, tuples[name], "disk")  # the first claim of a read entry is a disk hit
+    store.lower.drain()  # the write of f, demoted meanwhile, pins its host entry until done
+    assert store.lower.stats().pinned == 0 and store.lower.disk.stats().hits == 2
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_disk_reads_pin_no_memory(tmp_path) -> None:
+    """torch's own count of pinned allocations (cudaHostAlloc) does not move while entries are read
+    from disk and promoted: they land in the host arena's slabs, pinned before."""
+    lay = layout(state_dtype=torch.bfloat16, model_dtype=torch.bfloat16)
+    store = SegmentStore(lay, lay.entry_bytes(LEN), "cuda", LowerTiers(3 * lay.entry_bytes(LEN), torch.device("cuda"),
+                                                                        DiskTier(tmp_path, 1 << 30, "fp", lay)))
+    tuples = fill(store, "abcdef")
+    store.lower.arena.fill()
+    before = torch.cuda.host_memory_stats()["num_host_alloc"]
+    for name in "ab":
+        entry = get(store, key(name))
+        assert entry.source == "disk"
+        entry.ready.synchronize()
+        expected = SegmentStore(lay, lay.entry_bytes(LEN), "cpu")
+        expected.put(key(name), tuples[name])
+        assert torch.equal(store._bytes(entry).cpu(), expected._bytes(expected.get(key(name))))
+        store.unpin(entry)
+    assert torch.cuda.host_memory_stats()["num_host_alloc"] == before
+    store.lower.close()
 
 
 @pytest.mark.gpu
@@ -295,17 +356,17 @@ def test_host_tier_budget_defaults() -> None:
 
 
 def test_each_key_reports_its_best_tier_once_it_moves(tmp_path) -> None:
-    store = tiered(pool=1, host=1, disk_dir=tmp_path)
+    store = tiered(pool=1, host=2, disk_dir=tmp_path)
     fill(store, "a")
     assert store.take_moves() == {key("a"): "pool"} and store.take_moves() == {}
     fill(store, "b")  # a goes down to host memory (and is written to disk)
     assert store.take_moves() == {key("a"): "host", key("b"): "pool"}
-    fill(store, "c")  # b down to host; a leaves host memory, on disk only now
-    assert store.take_moves() == {key("a"): "disk", key("b"): "host", key("c"): "pool"}
-    assert [store.tier(key(n)) for n in "abcd"] == ["disk", "host", "pool", None]
-    entry = get(store, key("a"))  # promoted from disk; c down to host, b to disk only
+    fill(store, "cd")  # b and c down to host; a leaves host memory, on disk only now
+    assert store.take_moves() == {key("a"): "disk", key("b"): "host", key("c"): "host", key("d"): "pool"}
+    assert [store.tier(key(n)) for n in "abcde"] == ["disk", "host", "host", "pool", None]
+    entry = get(store, key("a"))  # read into host memory in b's place, promoted; d down to host in c's
     store.unpin(entry)
-    assert store.take_moves() == {key("a"): "pool", key("b"): "disk", key("c"): "host"}
+    assert store.take_moves() == {key("a"): "pool", key("b"): "disk", key("c"): "disk", key("d"): "host"}
 
 
 def test_without_lower_tiers_an_eviction_reports_the_key_gone() -> None:

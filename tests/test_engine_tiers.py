@@ -4,8 +4,10 @@ a request looks its documents up (pins, promotes) only when the scheduler is abo
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import weakref
+from concurrent.futures import Executor, Future
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ from conftest import make_model_dir
 from engine_util import collect, cpu_config, greedy
 
 from hypic import AsyncEngine
+from hypic.cache.disk_tier import DiskTier
+from hypic.engine import setup
 from hypic.engine.llm_engine import ADMISSION_LOOKAHEAD, LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.sequence import Sequence
@@ -251,15 +255,16 @@ def test_queued_requests_hold_no_pool_so_the_admitted_ones_promote_instead_of_re
 
 
 def test_a_request_is_admitted_while_the_one_before_it_waits_for_its_disk_read(tiny_model_dir, corpus, tmp_path):
-    """The first request's document is read off the disk on a thread; the second one's comes from
-    the host tier: it runs in the first step, whatever the read does meanwhile."""
+    """The first request's document is read off the disk on a thread (into host memory, in place of
+    the least recently used host entry); the second one's comes from the host tier: it runs in the
+    first step, whatever the read does meanwhile."""
     _, entry = corpus
-    config = tier_config(tiny_model_dir, segment_pool_bytes=entry * 5 // 2, segment_host_bytes=entry * 3 // 2,
+    config = tier_config(tiny_model_dir, segment_pool_bytes=entry * 5 // 2, segment_host_bytes=entry * 5 // 2,
                          segment_disk_dir=tmp_path)
-    engine = warmed(config, CORPUS[:4])  # pool: documents 2 and 3; host: 1; disk: 0 and 1
+    engine = warmed(config, CORPUS[:5])  # pool: documents 3 and 4; host: 1 and 2; disk: 0, 1 and 2
     engine.pic.costs.read_bytes_per_s = lambda: 1e15  # read, never recompute
-    assert [engine.store.tier(segment_keys(engine, rag(doc))[0]) for doc in CORPUS[:2]] == ["disk", "host"]
-    first, second = add(engine, rag(CORPUS[0], question="first?")), add(engine, rag(CORPUS[1], question="second?"))
+    assert [engine.store.tier(segment_keys(engine, rag(doc))[0]) for doc in CORPUS[:3]] == ["disk", "host", "host"]
+    first, second = add(engine, rag(CORPUS[0], question="first?")), add(engine, rag(CORPUS[2], question="second?"))
     engine.step()
     assert second.num_computed > 0
     run_to_end(engine)
@@ -338,6 +343,74 @@ def test_shutdown_lets_host_memory_go_and_the_next_engine_starts_from_the_kept_p
     restarted.close()
 
 
+def test_the_read_and_prefill_rates_persist_across_a_restart(tiny_model_dir, reference, tmp_path):
+    """The first engine probes the directory's read rate (nothing is kept yet); the second starts
+    from it and measures its own from its reads; the third starts from the second's rates, probing
+    nothing."""
+    ref, config = disk_warmed(tiny_model_dir, reference, tmp_path)
+    warm, second = serve(config, jobs()[len(DOCS):])
+    assert_same_outputs(warm, ref[len(DOCS):])
+    assert kinds(warm)[:2] == [{"pic_disk"}] * 2
+    disk = second.store.lower.disk
+    assert not disk.probed and disk.meter.bytes_per_s == disk.read_bytes_per_s and second.pic.costs.measured
+    third = LLMEngine(config)
+    assert not third.store.lower.disk.probed
+    assert third.store.lower.disk.read_bytes_per_s == disk.read_bytes_per_s
+    assert third.pic.costs.tokens_per_s == second.pic.costs.tokens_per_s
+    third.close()
+
+
+class HeldReads(Executor):
+    """A disk whose reads are done only when the test says (`finish`): as slow as a test wants it,
+    without sleeping."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[Future, functools.partial]] = []
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future = Future()
+        self.held.append((future, functools.partial(fn, *args, **kwargs)))
+        return future
+
+    def finish(self) -> None:
+        for future, read in self.held:
+            future.set_result(read())
+        self.held = []
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.finish()
+
+
+def test_a_read_past_its_deadline_is_recomputed_and_lands_in_host_memory_later(tiny_model_dir, reference,
+                                                                                tmp_path, monkeypatch):
+    ref, config = disk_warmed(tiny_model_dir, reference, tmp_path)
+    reads = HeldReads()
+    monkeypatch.setattr(setup, "DiskTier", functools.partial(DiskTier, readers=reads))
+    engine = LLMEngine(config)
+    now = [0.0]
+    engine.pic.costs.clock = lambda: now[0]
+    engine.pic.costs.read_bytes_per_s = lambda: 1e15  # read, whatever the prefill rate
+    prompt = jobs()[len(DOCS)]  # document 0 again: on disk only
+    [key] = segment_keys(engine, prompt)
+    seq = add(engine, prompt, greedy(3, logprobs=0))
+    outs = [*engine.step(), *engine.step()]
+    assert seq.num_computed == 0 and len(reads.held) == 1 and key in engine.pic.reads  # waits for its read
+    now[0] = engine.pic.reads[key] + 1e-3  # the read is late
+    while engine.has_work():
+        outs += engine.step()
+    assert seq.finished and len(reads.held) == 1  # done while the read never finished
+    assert [t for o in outs for d in o.deltas for t in d.token_ids] == ref[len(DOCS)].tokens
+    assert [lp.logprob for o in outs for d in o.deltas for lp in d.logprobs] == pytest.approx(
+        [lp.logprob for lp in ref[len(DOCS)].logprobs[0]], abs=1e-6)
+    assert set(seq.info.cached_tokens_by_kind) - {"prefix"} == set()  # recomputed, not a disk hit
+    reads.finish()
+    engine.step()  # lands the read
+    assert engine.store.lower.tier(key) == "host" and engine.store.tier(key) == "pool"
+    disk = engine.stats().segment_disk
+    assert (disk.late, disk.recomputed, disk.hits, disk.errors) == (1, 0, 1, 0)
+    engine.close()
+
+
 def test_a_peer_pulling_an_entry_held_only_on_disk_gets_it_read(tiny_model_dir, reference, tmp_path):
     _, config = disk_warmed(tiny_model_dir, reference, tmp_path)
     unbounded = tier_config(tiny_model_dir)
@@ -375,7 +448,7 @@ def test_on_a_gpu_host_and_disk_hits_give_the_outputs_of_an_unbounded_pool(tiny_
     assert pinned and all(pinned)
     restarted, core = serve(tight, jobs()[len(DOCS):])
     assert_same_outputs(restarted, ref[len(DOCS):])
-    assert kinds(restarted) == [{"pic_disk"}] * len(DOCS)  # read into pinned memory, then copied up
+    assert kinds(restarted) == [{"pic_disk"}] * len(DOCS)  # read into the pinned host arena, then copied up
     assert core.store.stats().pinned == core.store.lower.stats().pinned == 0
 
 

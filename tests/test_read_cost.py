@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from hypic.cache.disk_tier import ReadMeter
 from hypic.engine.pic.read_cost import MIN_MEASURED_TOKENS, UNMEASURED_TOKENS_PER_S, ReadOrRecompute, StepClock
 from hypic.engine.prefill_cost import StepWork
 
@@ -15,12 +16,36 @@ def _work(tokens: int) -> StepWork:
 
 
 def test_reads_when_the_disk_beats_the_prefill_and_recomputes_otherwise():
-    costs = ReadOrRecompute(lambda: 1e9, tokens_per_s=10_000)  # 1 GB/s disk, 10k tokens/s prefill
-    assert costs.read(nbytes=50_000_000, tokens=1000)  # 50 ms to read, 100 ms to recompute
-    assert not costs.read(nbytes=50_000_000, tokens=100)  # a short segment: 10 ms to recompute
+    costs = ReadOrRecompute(lambda: 1e9, tokens_per_s=10_000, clock=lambda: 5.0)  # 1 GB/s disk, 10k tokens/s
+    assert costs.read_deadline(nbytes=50_000_000, tokens=1000) == pytest.approx(5.1)  # 50 ms to read, 100 to recompute
+    assert costs.read_deadline(nbytes=50_000_000, tokens=100) is None  # a short segment: 10 ms to recompute
     slow = ReadOrRecompute(lambda: 1e7, tokens_per_s=10_000)  # a 10 MB/s disk
-    assert not slow.read(nbytes=50_000_000, tokens=1000)
+    assert slow.read_deadline(nbytes=50_000_000, tokens=1000) is None
     assert (costs.recomputed, slow.recomputed) == (1, 1)
+
+
+def test_reads_queue_behind_the_reads_under_way_and_recomputes_behind_the_recomputes():
+    backlog = [30_000_000]
+    costs = ReadOrRecompute(lambda: 1e9, tokens_per_s=10_000, reading_bytes=lambda: backlog[0], clock=lambda: 0.0)
+    assert costs.read_deadline(50_000_000, 1000) == pytest.approx(0.1)  # 30 + 50 MB: 80 ms <= 100 ms
+    backlog[0] = 60_000_000
+    assert costs.read_deadline(50_000_000, 1000) is None  # 110 ms to read, 100 to recompute
+    assert costs.read_deadline(50_000_000, 1000, recomputing=500) == pytest.approx(0.15)  # 150 ms to recompute
+
+
+def test_the_read_rate_is_overall_throughput_not_the_rate_of_each_read():
+    """Hand-worked: A reads 100 bytes over [0, 2], B 100 over [1, 3] (at once), C 50 over [10, 11]
+    (alone). Each read's own rate is 50 B/s; the disk delivered 250 bytes in 4 s of reading."""
+    now = [0.0]
+    meter = ReadMeter(clock=lambda: now[0])
+    assert meter.bytes_per_s is None
+    for at, event, nbytes in [(0, "start", 0), (1, "start", 0), (2, "end", 100), (3, "end", 100),
+                              (10, "start", 0), (11, "end", 50)]:
+        now[0] = at
+        meter.started() if event == "start" else meter.finished(nbytes)
+        if at == 3:
+            assert meter.bytes_per_s == pytest.approx(200 / 3)
+    assert (meter.nbytes, meter.busy_s, meter.bytes_per_s) == (250, pytest.approx(4.0), pytest.approx(62.5))
 
 
 def test_the_prefill_rate_is_a_constant_until_measured_then_follows_the_steps():

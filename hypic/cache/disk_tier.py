@@ -7,18 +7,26 @@ name and is never read. Reads and writes run on threads of their own; the index 
 thread's. Each file is a header (magic, version, identity, key digest, a hash of the
 salt — never the salt itself —, interior, byte count, checksum) and the entry's bytes. A file that
 fails any check is deleted and counts as a miss: it costs a recompute, never a wrong answer. A
-file is written under a temporary name, then renamed. The read rate is measured at start-up (a
-probe file), then from every read (its buffer, the read and the checksum: what a read costs).
-Beside the files, `rates.json` keeps the figures an engine measured on this directory for the
-next one (`rates_path`).
+file is written under a temporary name, then renamed. A read lands in memory its caller owns (the
+host tier's arena): nothing is allocated per read, least of all pinned memory, whose allocation
+holds the CUDA driver's lock and so stalls the engine's launches.
+
+The read rate is the disk's overall throughput (`ReadMeter`: bytes over the wall time during which
+reads were under way, however many at once), what a request reading several entries sees. Beside
+the files, `rates.json` keeps what engines measured on this directory (this read rate, and the
+engine's prefill rate: `hypic.engine.pic.read_cost`) for the next one; only a directory without a
+recorded read rate is probed at start-up.
 """
 from __future__ import annotations
 
+import json
 import os
 import struct
+import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,8 +39,9 @@ from hypic.cache.tier_stats import TierStats
 FORMAT_VERSION = 1
 _MAGIC = b"HYPICSEG"
 _HEADER = struct.Struct("<8sI16s16s16sQQQQ")  # magic, version, identity, digest, salt hash, start, end, bytes, sum
-_PROBE_BYTES = 16 << 20  # well past the OS's read-ahead: a rate, not a latency
-_SMOOTHING = 0.2  # weight of the newest read in the running read rate
+_PROBE_BYTES = 16 << 20  # per probe file: well past the OS's read-ahead, a rate, not a latency
+READERS = 2  # reads under way at once
+READ_RATE = "read_bytes_per_s"  # its key in the rates file
 
 
 @dataclass(frozen=True)
@@ -47,9 +56,10 @@ class DiskStats(TierStats):
     """`pinned`: writes under way; `demotions`: files written; `errors`: failed writes, and files
     found missing, truncated or corrupt. The engine fills in the last two fields."""
 
-    read_bytes_per_s: float = 0.0  # measured at start-up, then from every read
+    read_bytes_per_s: float = 0.0  # overall throughput: kept or probed at start-up, then from this engine's reads
     recompute_tokens_per_s: float = 0.0  # the engine's prefill rate it weighs reads against
     recomputed: int = 0  # entries recomputed rather than read: cheaper so (short segments, a slow disk)
+    late: int = 0  # reads not done by their deadline: recomputed instead (the read still lands in host memory)
 
 
 def layout_signature(layout: SegmentLayout) -> str:
@@ -64,25 +74,84 @@ def salt_hash(salt: str | None) -> bytes:
     return bytes(16) if salt is None else xxhash.xxh3_128(b"salt\x00" + salt.encode()).digest()
 
 
+def kept_rates(path: Path) -> dict[str, float]:
+    """The positive figures a rates file holds ({} when there is none, or it is torn or foreign)."""
+    try:
+        figures = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(figures, dict):
+        return {}
+    return {k: float(v) for k, v in figures.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
+
+
+def keep_rates(path: Path, **figures: float) -> None:
+    """Merge `figures` into a rates file (written whole, then renamed: never torn)."""
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps({**kept_rates(path), **figures}))
+    os.replace(temporary, path)
+
+
+class ReadMeter:
+    """Overall read throughput: the bytes of finished reads over the wall time during which at
+    least one read was under way. Concurrent reads share the disk, so a per-read rate (its bytes
+    over its own time) understates what several reads at once deliver. Thread-safe."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock, self._lock = clock, threading.Lock()
+        self._under_way, self._since, self.busy_s, self.nbytes = 0, 0.0, 0.0, 0
+
+    @property
+    def bytes_per_s(self) -> float | None:
+        """None until a read has finished."""
+        with self._lock:
+            return self.nbytes / self.busy_s if self.nbytes and self.busy_s > 0 else None
+
+    def started(self) -> None:
+        with self._lock:
+            now = self._clock()
+            if self._under_way:
+                self.busy_s += now - self._since
+            self._under_way, self._since = self._under_way + 1, now
+
+    def finished(self, nbytes: int) -> None:
+        with self._lock:
+            now = self._clock()
+            self.busy_s += now - self._since
+            self._under_way, self._since, self.nbytes = self._under_way - 1, now, self.nbytes + nbytes
+
+
 class DiskTier:
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, fingerprint: str, layout: SegmentLayout,
-                 *, pin_reads: bool = False) -> None:
-        """`pin_reads`: read entries into pinned memory (a GPU engine), so their promotion copies
-        run asynchronously instead of making the engine thread wait for them."""
-        self.layout, self._pin_reads = layout, pin_reads
+                 *, readers: Executor | None = None) -> None:
+        """`readers`: where reads run (default: READERS threads; tests inject one whose reads they
+        finish when they choose)."""
+        self.layout = layout
         self.identity = xxhash.xxh3_128(f"{FORMAT_VERSION}|{fingerprint}|{layout_signature(layout)}".encode()).digest()
         self.directory = Path(root) / self.identity.hex()
         self.directory.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
         self._index: OrderedDict[bytes, _File] = OrderedDict()  # key digest -> file, LRU first
         self._pending: list[tuple[Future, SegmentKey, _File]] = []
+        self._reading: list[tuple[Future, int]] = []  # reads submitted: (future, bytes)
         self._doomed: set[bytes] = set()  # flushed while their write was under way
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="hypic-disk-write")
-        self._readers = ThreadPoolExecutor(2, thread_name_prefix="hypic-disk-read")
+        self.readers = readers or ThreadPoolExecutor(READERS, thread_name_prefix="hypic-disk-read")
         self._counts = dict.fromkeys(("hits", "misses", "promotions", "demotions", "evictions", "errors"), 0)
         self._scan()
-        self.read_bytes_per_s = self._measure_read_rate()
-        self._reads_measured = False  # the probe's rate stands until the first read of an entry
+        self.meter = ReadMeter()
+        kept = kept_rates(self.rates_path).get(READ_RATE)
+        self.probed = kept is None  # this engine measured the rate before its first read
+        self._start_rate = kept or self._measure_read_rate()
+        if self.probed:
+            keep_rates(self.rates_path, **{READ_RATE: self._start_rate})
+
+    @property
+    def read_bytes_per_s(self) -> float:
+        """Overall read throughput: this engine's reads' once there are any, else the one kept
+        beside the files (or probed at start-up)."""
+        return self.meter.bytes_per_s or self._start_rate
 
     @property
     def rates_path(self) -> Path:
@@ -104,15 +173,33 @@ class DiskTier:
         self._pending.append((future, key, record))
         return future
 
-    def start_read(self, key: SegmentKey) -> Future | None:
-        """Read a stored entry on a reader thread (finish with `finish_read`); None on a miss."""
+    def entry_bytes(self, key: SegmentKey) -> int | None:
+        """The bytes of a stored entry (what reading it needs room for), or None on a miss."""
+        return self._index[key.digest].nbytes if key in self else None
+
+    def start_read(self, key: SegmentKey, dst: torch.Tensor) -> Future | None:
+        """Read a stored entry into `dst` (uint8, `entry_bytes(key)` of them, untouched until the
+        future is done) on a reader thread; finish with `finish_read`. None on a miss."""
         if key not in self:
             self._counts["misses"] += 1
             return None
-        return self._readers.submit(self._read_file, key.digest, self._index[key.digest])
+        record = self._index[key.digest]
+        if dst.dtype != torch.uint8 or dst.numel() != record.nbytes:
+            raise ValueError(f"segment file {key.digest.hex()} holds {record.nbytes} bytes; its read was given "
+                             f"{dst.numel()} of {dst.dtype}")
+        read = self.readers.submit(self._read_file, key.digest, record, dst)
+        self._reading.append((read, record.nbytes))
+        return read
 
-    def finish_read(self, key: SegmentKey, read: Future) -> tuple[tuple[int, int], torch.Tensor] | None:
-        """(interior, bytes) of a finished read that passed every check, or None (a miss)."""
+    @property
+    def reading_bytes(self) -> int:
+        """Bytes of the reads not done yet (what a read started now queues behind)."""
+        self._reading = [(read, nbytes) for read, nbytes in self._reading if not read.done()]
+        return sum(nbytes for _, nbytes in self._reading)
+
+    def finish_read(self, key: SegmentKey, read: Future) -> tuple[int, int] | None:
+        """The interior of a finished read that passed every check (its bytes are in the read's
+        `dst`), or None (a miss)."""
         if read.exception() is not None:
             self._drop(key.digest, error=True)
         if read.exception() is not None or key not in self:  # failed, or flushed meanwhile
@@ -121,15 +208,16 @@ class DiskTier:
         self._index.move_to_end(key.digest)
         self._counts["hits"] += 1
         self._counts["promotions"] += 1
-        data, seconds = read.result()
-        self._observe_read(data.numel(), seconds)
-        return self._index[key.digest].interior, data
+        return self._index[key.digest].interior
 
     def close(self) -> None:
-        """Wait for the writes and reads under way, then stop the threads (an engine shutting down)."""
+        """Wait for the writes and reads under way, stop the threads (an engine shutting down), and
+        keep the read rate this engine measured for the next one."""
         self._writer.shutdown(wait=True)
-        self._readers.shutdown(wait=True)
+        self.readers.shutdown(wait=True)
         self.reap()
+        if self.meter.bytes_per_s is not None and self.directory.is_dir():
+            keep_rates(self.rates_path, **{READ_RATE: self.meter.bytes_per_s})
 
     def flush(self, salt: str | None = None) -> int:
         wanted = salt_hash(salt)
@@ -191,30 +279,11 @@ class DiskTier:
             f.write(payload)
         os.replace(temporary, path)
 
-    def _observe_read(self, nbytes: int, seconds: float) -> None:
-        rate = nbytes / max(seconds, 1e-9)
-        smoothed = (1 - _SMOOTHING) * self.read_bytes_per_s + _SMOOTHING * rate
-        self.read_bytes_per_s = smoothed if self._reads_measured else rate
-        self._reads_measured = True
-
-    def _read_file(self, digest: bytes, record: _File) -> tuple[torch.Tensor, float]:
-        """The entry's bytes (checked) and the seconds it took to read them."""
-        data, header, checksum, seconds = self._read_payload(self._path(digest), record.nbytes)
+    def _read_file(self, digest: bytes, record: _File, dst: torch.Tensor) -> None:
+        """The entry's bytes into `dst`, checked (the reader thread)."""
+        header, checksum = _read_payload(self._path(digest), dst, self.meter)
         if header != self._header(digest, record, checksum):
             raise ValueError(f"segment file {digest.hex()} fails its checksum or header")
-        return data, seconds
-
-    def _read_payload(self, path: Path, nbytes: int) -> tuple[torch.Tensor, bytes, int, float]:
-        """(payload, header, payload checksum, seconds) of a file of `nbytes` after its header: the
-        payload read straight into its buffer (no copies holding the GIL)."""
-        start = time.perf_counter()
-        data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin_reads)
-        with open(path, "rb") as f:
-            header, read, rest = f.read(_HEADER.size), f.readinto(data.numpy()), f.read(1)
-        if len(header) < _HEADER.size or read != nbytes or rest:
-            raise ValueError(f"segment file {path.name} is truncated")
-        checksum = xxhash.xxh3_64_intdigest(data.numpy())
-        return data, header, checksum, time.perf_counter() - start
 
     def _scan(self) -> None:
         """Index this identity's files (oldest first) from their headers; drop what cannot be trusted."""
@@ -246,16 +315,39 @@ class DiskTier:
         return _File(salt, (start, end), nbytes)
 
     def _measure_read_rate(self) -> float:
-        """Bytes per second of reading a freshly written file (dropped from the page cache where
-        the OS allows) the way an entry is read (its buffer, the read, the checksum), so that a
-        slow disk is known before it is relied on."""
-        probe = self.directory / "read-rate.probe"
-        with open(probe, "wb") as f:
-            f.write(bytes(_HEADER.size) + os.urandom(_PROBE_BYTES))
-            f.flush()
-            os.fsync(f.fileno())
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        seconds = self._read_payload(probe, _PROBE_BYTES)[-1]
-        probe.unlink()
-        return _PROBE_BYTES / max(seconds, 1e-9)
+        """Overall bytes per second of READERS freshly written files (dropped from the page cache
+        where the OS allows) read at once, the way entries are read (into memory made beforehand,
+        then the checksum), so that a slow disk is known before it is relied on."""
+        probes = [self.directory / f"read-rate-{i}.probe" for i in range(READERS)]
+        for probe in probes:
+            _write_probe(probe)
+        meter, buffers = ReadMeter(), [torch.empty(_PROBE_BYTES, dtype=torch.uint8) for _ in probes]
+        with ThreadPoolExecutor(READERS, thread_name_prefix="hypic-disk-probe") as pool:
+            list(pool.map(lambda pair: _read_payload(*pair, meter), zip(probes, buffers)))
+        for probe in probes:
+            probe.unlink()
+        return meter.bytes_per_s
+
+
+def _write_probe(path: Path) -> None:
+    with open(path, "wb") as f:
+        f.write(bytes(_HEADER.size) + os.urandom(_PROBE_BYTES))
+        f.flush()
+        os.fsync(f.fileno())
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _read_payload(path: Path, dst: torch.Tensor, meter: ReadMeter) -> tuple[bytes, int]:
+    """(header, payload checksum) of a file whose payload, after its header, is `dst.numel()` bytes:
+    read straight into `dst` (no copies holding the GIL), the time it took counted by `meter`."""
+    meter.started()
+    read = 0
+    try:
+        with open(path, "rb") as f:
+            header, read, rest = f.read(_HEADER.size), f.readinto(dst.numpy()), f.read(1)
+        if len(header) < _HEADER.size or read != dst.numel() or rest:
+            raise ValueError(f"segment file {path.name} is truncated")
+        return header, xxhash.xxh3_64_intdigest(dst.numpy())
+    finally:
+        meter.finished(read)

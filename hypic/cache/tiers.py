@@ -6,9 +6,10 @@ and an entry is pinned while a copy still reads it. On a GPU engine the host are
 and every copy between it and the pool runs on one side stream, so copies are ordered among
 themselves and overlap the engine's work: a request using a promoted entry is scheduled once its
 copy's event has completed (no other request waits), and an evicted entry's pool space is reused
-once its demotion copy has. On a CPU engine copies are plain memcpys. Single-threaded (the engine
-loop owns it); the disk tier's writes, and the pinning of the host arena's slabs, run on threads of
-their own.
+once its demotion copy has. On a CPU engine copies are plain memcpys. A disk read lands in the host
+arena, as a host entry (its first claim a disk hit): the memory the tier already holds, never an
+allocation per read. Single-threaded (the engine loop owns it); the disk tier's reads and writes,
+and the pinning of the host arena's slabs, run on threads of their own.
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ class Claim:
     key: SegmentKey
     interior: tuple[int, int]
     data: torch.Tensor  # the entry's bytes in host memory
-    tier: str  # "host" or "disk"
-    held: _Held | None = None  # the host-arena entry it pins
+    tier: str  # "host", or "disk": read into host memory for this claim
+    held: _Held  # the host-arena entry it pins
 
     @property
     def nbytes(self) -> int:
@@ -50,6 +51,7 @@ class _Held:
     offset: int
     nbytes: int
     pins: int = 0
+    from_disk: bool = False  # read from disk and not claimed since: its first claim is a disk hit
 
 
 class SideCopies:
@@ -214,13 +216,12 @@ class LowerTiers:
         self._index: OrderedDict[SegmentKey, _Held] = OrderedDict()  # LRU first
         self._flushed: list[_Held] = []  # dropped while pinned: freed on their last unpin
         self._copies = SideCopies(device)
-        self._in_flight: list[tuple[torch.cuda.Event | None, _Held | None, torch.Tensor]] = []
+        self._in_flight: list[tuple[torch.cuda.Event | None, _Held, torch.Tensor]] = []
         self._writes: list[tuple[futures.Future, _Held]] = []  # (disk write future, host entry it reads)
-        self._reads: dict[SegmentKey, futures.Future] = {}  # disk reads under way
-        self._read: dict[SegmentKey, futures.Future] = {}  # finished, until claimed or the next poll
+        self._reads: dict[SegmentKey, tuple[futures.Future, _Held]] = {}  # disk reads under way, into the arena
         self.disk = disk
         self._counts = dict.fromkeys(("hits", "misses", "promotions", "demotions", "evictions"), 0)
-        self._moved: set[SegmentKey] = set()  # host entries evicted since `take_moved`
+        self._moved: set[SegmentKey] = set()  # host entries evicted or read in since `take_moved`
 
     @property
     def capacity_bytes(self) -> int:
@@ -245,9 +246,7 @@ class LowerTiers:
         if key in self._index:  # promoted earlier and unchanged since (entries never change)
             self._index.move_to_end(key)
             return None
-        offset = None
-        if src.numel() <= self.arena.slab_bytes:
-            offset = self.arena.free.allocate_evicting(src.numel(), lambda: self.arena.grow() or self._evict_one())
+        offset = self._allocate(src.numel())
         if offset is None:
             return None  # pinned entries hold the arena (or it never fits): dropped, a later hit recomputes
         held = self._index[key] = _Held(key, interior, offset, src.numel())
@@ -258,34 +257,35 @@ class LowerTiers:
         return event
 
     def start_read(self, key: SegmentKey) -> bool:
-        """Start reading an entry only the disk holds (off the engine thread); True while one is
-        under way (`finished_reads` tells when)."""
-        if key not in self._reads and key not in self._index and self.disk is not None:
-            read = self.disk.start_read(key)
-            if read is not None:
-                self._reads[key] = read
+        """Start reading an entry only the disk holds into the host arena (off the engine thread);
+        True while one is under way (`finished_reads` tells when). False also when pinned host
+        entries leave no room for it: it is recomputed rather than waited for."""
+        if key not in self._reads and key not in self._index and self.disk is not None and key in self.disk:
+            self._read_into_arena(key, self.disk.entry_bytes(key))
         return key in self._reads
 
     def finished_reads(self) -> list[SegmentKey]:
-        """Keys whose disk reads finished since the last call: `claim` them now (what is left
-        unclaimed is dropped at the next call)."""
-        self._read = {key: read for key, read in self._reads.items() if read.done()}
-        self._reads = {key: read for key, read in self._reads.items() if key not in self._read}
-        return list(self._read)
+        """Keys whose disk reads finished since the last call. Each that passed its checks is a
+        host entry now (`claim` promotes it); a failed one's room is given back."""
+        done = [key for key, (read, _) in self._reads.items() if read.done()]
+        for key in done:
+            self._land(key, *self._reads.pop(key))
+        return done
 
     def claim(self, key: SegmentKey) -> Claim | None:
-        """Hold a lower-tier entry for promotion (host, or a finished disk read), or None on a miss."""
+        """Hold a host entry for promotion (one a disk read just landed counts as a disk hit), or
+        None on a miss."""
         self.reap()
         held = self._index.get(key)
-        if held is None:
+        if held is None or held.from_disk:
             self._counts["misses"] += 1
-            read = self._read.pop(key, None)
-            found = self.disk.finish_read(key, read) if read is not None else None
-            return None if found is None else Claim(key, found[0], found[1], "disk")
-        self._counts["hits"] += 1
+        if held is None:
+            return None
+        self._counts["hits"] += not held.from_disk
+        tier, held.from_disk = "disk" if held.from_disk else "host", False
         self._index.move_to_end(key)
         held.pins += 1
-        return Claim(key, held.interior, self._bytes(held), "host", held)
+        return Claim(key, held.interior, self._bytes(held), tier, held)
 
     def copy_up(self, claim: Claim, dst: torch.Tensor) -> torch.cuda.Event | None:
         """Copy a claimed entry into the pool; returns the copy's event (None: done). Only the
@@ -299,8 +299,7 @@ class LowerTiers:
 
     def release(self, claim: Claim) -> None:
         """Give a claim back unused (the pool had no room: the request recomputes instead of waiting)."""
-        if claim.held is not None:
-            self._unpin(claim.held)
+        self._unpin(claim.held)
 
     def flush(self, salt: str | None = None) -> int:
         """Drop every entry (of one salt) from both tiers; returns how many were dropped."""
@@ -311,7 +310,7 @@ class LowerTiers:
         """Unpin what finished copies and disk writes held."""
         landed, self._in_flight = _split(self._in_flight, lambda item: item[0] is None or item[0].query())
         written, self._writes = _split(self._writes, lambda item: item[0].done())
-        for held in [h for _, h, _ in landed if h is not None] + [h for _, h in written]:
+        for held in [h for _, h, _ in landed] + [h for _, h in written]:
             self._unpin(held)
         if self.disk is not None:
             self.disk.reap()
@@ -327,7 +326,7 @@ class LowerTiers:
         the arena's slabs are released; the counters stay."""
         self._settle()
         self._index.clear()
-        self._flushed, self._reads, self._read = [], {}, {}  # finished reads hold their buffers
+        self._flushed, self._reads = [], {}
         self.arena.close()
         if self.disk is not None:
             self.disk.close()
@@ -336,7 +335,7 @@ class LowerTiers:
         for event, _, _ in self._in_flight:
             if event is not None:
                 event.synchronize()
-        futures.wait([future for future, _ in self._writes] + list(self._reads.values()))
+        futures.wait([future for future, _ in self._writes] + [read for read, _ in self._reads.values()])
         self.reap()
 
     def stats(self) -> TierStats:
@@ -348,6 +347,34 @@ class LowerTiers:
         if future is not None:
             held.pins += 1
             self._writes.append((future, held))
+
+    def _allocate(self, nbytes: int) -> int | None:
+        """Room in the arena: free space, its next slab (if already pinned), or LRU unpinned entries."""
+        if nbytes > self.arena.slab_bytes:
+            return None
+        return self.arena.free.allocate_evicting(nbytes, lambda: self.arena.grow() or self._evict_one())
+
+    def _read_into_arena(self, key: SegmentKey, nbytes: int) -> None:
+        offset = self._allocate(nbytes)
+        if offset is None:
+            return
+        held = _Held(key, (0, 0), offset, nbytes, pins=1)  # its interior comes with the file's header
+        read = self.disk.start_read(key, self._bytes(held))
+        if read is None:
+            self.arena.free.release(offset, nbytes)
+        else:
+            self._reads[key] = (read, held)
+
+    def _land(self, key: SegmentKey, read: futures.Future, held: _Held) -> None:
+        """Index a finished read's entry (pins none) unless it failed, was flushed meanwhile, or the
+        key came down from the pool meanwhile (the entry is host memory already)."""
+        interior = self.disk.finish_read(key, read)
+        if interior is None or key in self._index:
+            self.arena.free.release(held.offset, held.nbytes)
+            return
+        held.interior, held.pins, held.from_disk = interior, 0, True
+        self._index[key] = held
+        self._moved.add(key)  # its best tier: host now
 
     def _unpin(self, held: _Held) -> None:
         held.pins -= 1

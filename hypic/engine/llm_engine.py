@@ -446,7 +446,7 @@ class LLMEngine:
         if lower is None or lower.disk is None:
             return None
         return dataclasses.replace(lower.disk.stats(), recompute_tokens_per_s=costs.tokens_per_s,
-                                   recomputed=costs.recomputed)
+                                   recomputed=costs.recomputed, late=costs.late)
 
     def stats(self) -> EngineStats:
         c = self.counters

@@ -112,5 +112,5 @@ def build_lower_tiers(config: EngineConfig, device: torch.device, layout: Segmen
         root.mkdir(parents=True, exist_ok=True)
         weights = weights_digest(model_dir, config.state_dict, root / "weights-digests.json")
         capacity = config.segment_disk_bytes or shutil.disk_usage(root).free // 2
-        disk = DiskTier(root, capacity, f"{fingerprint}:{weights}", layout, pin_reads=device.type == "cuda")
+        disk = DiskTier(root, capacity, f"{fingerprint}:{weights}", layout)
     return LowerTiers(host_bytes, device, disk, host_slab_bytes(layout, max_model_len))

@@ -31,7 +31,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 _CUMULATIVE = frozenset({"hits", "misses", "hit_tokens", "evictions", "promotions", "demotions", "errors",
-                         "recomputed", "no_room"})  # cache stats that only grow: counters
+                         "recomputed", "late", "no_room"})  # cache stats that only grow: counters
 
 
 class ServerMetrics:

@@ -7,9 +7,11 @@ misses become cold child jobs (one per key, however many requests want it). A re
 being next before it runs gives its pins back and is looked up again later: queued requests never
 hold the pool that the admitted ones promote into. A cold job is an isolated prefill, chunked like
 any other, whose tuple is captured chunk by chunk (composed exactly across chunks) and stored after
-its last chunk; the requests waiting for it then get their pieces. When nothing is awaited the
-sequence is admitted like any other: its interiors' K/V are scattered into its pages at admission,
-and linear layers compose the pieces as its chunks reach them.
+its last chunk; the requests waiting for it then get their pieces. A miss only the disk holds is
+read instead when the cost model finds that no slower (`ReadOrRecompute`), with a deadline: the
+requests stop waiting for a read not done by then, and its segment becomes a cold job. When
+nothing is awaited the sequence is admitted like any other: its interiors' K/V are scattered into
+its pages at admission, and linear layers compose the pieces as its chunks reach them.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class PicAssembler:
         self.jobs: dict[SegmentKey, Sequence] = {}  # cold segments being prefilled
         self.waiters: dict[SegmentKey, list[tuple[Sequence, PlannedSegment]]] = defaultdict(list)
         self.fetching: set[SegmentKey] = set()  # disk reads for a peer's pull, promoted when done
+        self.reads: dict[SegmentKey, float] = {}  # disk reads requests wait for -> deadline (`costs.clock`)
 
     def plan(self, prompt: SegmentedPrompt, mode: str, salt: str | None) -> list[PlannedSegment]:
         if mode not in ("hypic", "naive"):
@@ -107,25 +110,52 @@ class PicAssembler:
         return self.store.layout.entry_bytes(job.interior[1] - job.interior[0])
 
     def _read_from_disk(self, job: SegmentJob) -> bool:
-        """Start reading an entry only the disk holds, unless recomputing it is cheaper (then False)."""
+        """Start reading an entry only the disk holds (or go on waiting for its read), unless
+        recomputing it is cheaper (then False)."""
         if self.store.tier(job.key) != "disk":
             return False
-        return self.costs.read(self._entry_bytes(job), len(job.token_ids)) and self.store.start_read(job.key)
+        if job.key in self.reads:
+            return True
+        deadline = self.costs.read_deadline(self._entry_bytes(job), len(job.token_ids), self._recomputing())
+        if deadline is None or not self.store.start_read(job.key):
+            return False
+        self.reads[job.key] = deadline
+        return True
+
+    def _recomputing(self) -> int:
+        """Tokens the cold jobs under way have still to prefill."""
+        return sum(job.remaining for job in self.jobs.values())
 
     def poll(self) -> list[Sequence]:
-        """Disk reads that finished: promoted for the requests waiting on them; a failed one (or no
-        room to promote into) is prefilled cold instead. Returns the new cold jobs to schedule."""
+        """Disk reads that finished: promoted for the requests waiting on them (or a peer); a failed
+        one (or no room to promote into) is prefilled cold instead. Reads past their deadline are
+        prefilled cold too, and land in host memory when they finish. Returns the new cold jobs."""
         new_jobs = []
         for key in self.store.finished_reads():
-            waiting = self.waiters.get(key)
-            entry = self.store.get(key) if waiting or key in self.fetching else None
-            self.fetching.discard(key)
-            if entry is not None:
-                self.store.unpin(entry)
-                self._wake(key, stored=True, source="disk")
-            elif waiting and key not in self.jobs:
-                new_jobs.append(self.start_job(waiting[0][1].job))
+            if key in self.reads or key in self.fetching:
+                new_jobs += self._landed(key)
+        now = self.costs.clock()
+        for key in [key for key, deadline in self.reads.items() if deadline < now]:
+            del self.reads[key]
+            self.costs.late += 1
+            new_jobs += self._recompute(key)
         return new_jobs
+
+    def _landed(self, key: SegmentKey) -> list[Sequence]:
+        """Promote a finished read for its requests (or peer); a cold job if that fails."""
+        self.reads.pop(key, None)
+        self.fetching.discard(key)
+        entry = self.store.get(key)
+        if entry is None:
+            return self._recompute(key)
+        self.store.unpin(entry)
+        self._wake(key, stored=True, source="disk")
+        return []
+
+    def _recompute(self, key: SegmentKey) -> list[Sequence]:
+        """The cold job of a key requests wait for, unless one is under way already."""
+        waiting = self.waiters.get(key)
+        return [self.start_job(waiting[0][1].job)] if waiting and key not in self.jobs else []
 
     def scatter(self, batch: ScheduledBatch) -> None:
         """Interior K (rotated to its global positions) and V into the pages of admitted sequences;
@@ -188,8 +218,11 @@ class PicAssembler:
         self._unpin_pieces(seq)
         for key in seq.pic.awaiting:
             self.waiters[key] = [(s, p) for s, p in self.waiters[key] if s is not seq]
-        abandoned = [key for key in seq.pic.awaiting if not self.waiters[key] and key in self.jobs]
+        unwanted = [key for key in seq.pic.awaiting if not self.waiters[key]]
+        abandoned = [key for key in unwanted if key in self.jobs]
         seq.pic.awaiting.clear()
+        for key in unwanted:
+            self.reads.pop(key, None)  # it lands in host memory, for no one
         for key in abandoned:
             del self.waiters[key]
         return [self.jobs.pop(key) for key in abandoned]
