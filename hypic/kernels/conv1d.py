@@ -143,6 +143,36 @@ def _conv_decode_kernel(x, w, bias, y, pool, slots, has_state, stride_x, stride_
 
 
 @triton_kernel
+def decode_conv_channels(x_row, w, bias, p_window, c, m_c, keep, W: tl.constexpr, BW: tl.constexpr,
+                         HAS_BIAS: tl.constexpr):
+    """For fused decode kernels: silu(conv + bias) of channels c for one token (float32, not yet rounded)
+    and the token's inputs there; p_window is the sequence's [D, W-1] window, read as zeros unless keep."""
+    o_w = tl.arange(0, BW)
+    b_x = tl.load(x_row + c, mask=m_c, other=0.0).to(tl.float32)
+    inputs = tl.load(p_window + c[:, None] * (W - 1) + o_w[None, :], mask=m_c[:, None] & (o_w[None, :] < W - 1),
+                     other=0.0)
+    inputs = tl.where(keep, inputs.to(tl.float32), 0.0)
+    inputs = tl.where(o_w[None, :] == W - 1, b_x[:, None], inputs)
+    b_w = tl.load(w + c[:, None] * W + o_w[None, :], mask=m_c[:, None] & (o_w[None, :] < W), other=0.0)
+    acc = tl.sum(inputs * b_w.to(tl.float32), axis=1)
+    if HAS_BIAS:
+        acc += tl.load(bias + c, mask=m_c, other=0.0).to(tl.float32)
+    return acc * tl.sigmoid(acc), b_x
+
+
+@triton_kernel
+def decode_shifted_window(p_window, c, m_c, b_x, keep, W: tl.constexpr, BW: tl.constexpr):
+    """The window of channels c after the token: window[:, j + 1], the token's input last (read again:
+    registers cannot shift); returns (pointers, values, mask) to store."""
+    o_w = tl.arange(0, BW)
+    p = p_window + c[:, None] * (W - 1) + o_w[None, :]
+    shifted = tl.load(p + 1, mask=m_c[:, None] & (o_w[None, :] < W - 2), other=0.0)
+    shifted = tl.where(keep, shifted.to(tl.float32), 0.0)
+    shifted = tl.where(o_w[None, :] == W - 2, b_x[:, None], shifted)
+    return p, shifted.to(p_window.dtype.element_ty), m_c[:, None] & (o_w[None, :] < W - 1)
+
+
+@triton_kernel
 def _conv_varlen_kernel(x, w, bias, y, pool, slots, has_state, cu_seqlens, first_seq, num_seqs,
                         stride_x, stride_y, D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
                         BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
