@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import mamba2_models
 from hypic.kernels.mamba2_decode import mamba2_decode_ref, mamba2_decode_triton
 from hypic.models.batch import ForwardBatch
 from hypic.models.mamba2 import Mamba2Mixer
 from hypic.models.mamba2_config import Mamba2HybridConfig
 from hypic.models.mixer import LinearMixer
+
+import mamba2_models
 from engine_util import greedy
 from kernel_cases import interpreted, rel_err
 from pic_util import DOCS, engine_run, logprobs, prompt
@@ -29,9 +30,11 @@ SLOT_ROWS, HAS_STATE = torch.tensor([4, 0, 2, SCRATCH, SCRATCH]), torch.tensor([
 REAL = 3  # rows after these pad a captured step: all on the scratch slot, whose contents are anyone's
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 UNCLAMPED, CLAMPED = (0.0, float("inf")), (0.3, 0.9)  # time_step_limit; dt is in [0.3, 1.3]
-CASES = [(1, UNCLAMPED, torch.float32), (2, CLAMPED, torch.bfloat16), (2, CLAMPED, torch.float32),
-         (1, UNCLAMPED, torch.bfloat16)]  # (n_groups, time_step_limit, activations)
-KERNEL_CASES = CASES[:3]  # the interpreter is slow
+CASES = [pytest.param(1, UNCLAMPED, torch.float32, id="1group-fp32"),  # (n_groups, time_step_limit, activations)
+         pytest.param(2, CLAMPED, torch.bfloat16, id="2groups-clamped-bf16"),
+         pytest.param(2, CLAMPED, torch.float32, id="2groups-clamped-fp32"),
+         pytest.param(1, UNCLAMPED, torch.bfloat16, id="1group-bf16")]
+KERNEL_CASES = CASES[:2]  # the interpreter is slow: one group in float32, two in bf16 clamped
 DEVICES = [pytest.param("cpu", marks=interpreted), pytest.param("cuda", marks=pytest.mark.gpu)]
 REPO = Path(__file__).resolve().parents[1]
 GRANITE_SMALL = {"heads": 128, "head_dim": 64, "state": 128, "groups": 1, "width": 4}  # one group of 8192 channels
@@ -123,7 +126,7 @@ def test_fused_kernels_match_reference(device: str, groups: int, limit: tuple[fl
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="compiling for sm90 needs triton")
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter compiles nothing")
-@pytest.mark.parametrize("tokens,shape", [(16, None), (1, GRANITE_SMALL)])
+@pytest.mark.parametrize("tokens,shape", [(16, None), (1, GRANITE_SMALL)], ids=["nemotron3-nano", "granite4-h"])
 def test_fused_kernels_compile_for_hopper_without_spills(tokens: int, shape: dict[str, int] | None) -> None:
     """No GPU needed: Nemotron 3 Nano's heads at a batch of wide value blocks, and Granite-4.0-H's single
     group, whose norm program takes a whole 8192-channel row."""

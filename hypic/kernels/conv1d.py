@@ -4,7 +4,9 @@ lives in the state slab (conv_pool [S, D, W-1], oldest first) and is updated the
 Paths: CPU -> `causal_conv1d_ref` (F.conv1d per sequence); CUDA -> our Triton kernels: a fused
 decode kernel (one token per sequence, window shifted in place) and a varlen prefill kernel pair
 (outputs, then windows). FLA's conv keeps [N, D, W] states, so it would need a gather and a scatter
-per call; reading the slab by slot inside our kernels avoids both.
+per call; reading the slab by slot inside our kernels avoids both. `decode_conv_channels` and
+`decode_shifted_window` are the decode kernel's arithmetic for the fused decode steps of a layer
+(gdn_decode, mamba2_decode), which convolve some channels of a program and move their windows.
 """
 from __future__ import annotations
 
