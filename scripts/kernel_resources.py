@@ -14,6 +14,7 @@ thread) and, for MLA, the tensor-core instructions (HGMMA: wgmma; HMMA: mma.sync
     python scripts/kernel_resources.py --mla-tokens 1     # MLA at the 48B shape: decode tiles
     python scripts/kernel_resources.py --mla-tokens 150   # a PIC assembly step's seam tiles
     python scripts/kernel_resources.py --tuple-kernels   # the GDN tuple kernels (hypic/kernels/gdn_tuples.py)
+    python scripts/kernel_resources.py --mamba2-decode 1  # the fused Mamba2 decode step at Nemotron 3 Nano's shape
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from hypic.config import SEGMENT_STATE_DTYPES
-from hypic.kernels import compose, gdn_tuples, mla_attention
+from hypic.kernels import compose, gdn_tuples, mamba2_decode, mla_attention
 from hypic.kernels.linear_families import get_family
 from hypic.kernels.triton_lazy import bind_module
 
@@ -86,6 +87,32 @@ def compile_tuple_kernels(args: argparse.Namespace) -> dict[str, Any]:
     return {name: compile_sm90(bind_module(vars(gdn_tuples))[name], {**shape, **constants}, pointers,
                                {"num_warps": gdn_tuples.NUM_WARPS, **options})
             for name, (constants, options) in extra.items()}
+
+
+# Nemotron 3 Nano (30B-A3B)'s Mamba2 layers
+MAMBA2_SHAPE = {"heads": 64, "head_dim": 64, "state": 128, "groups": 8, "width": 4}
+
+
+def compile_mamba2_decode(tokens: int, shape: dict[str, int] = MAMBA2_SHAPE) -> dict[str, Any]:
+    """The step and norm kernels compiled as `mamba2_decode_triton` launches them (bf16) for a decode
+    batch of `tokens` sequences of layers of `shape` (MAMBA2_SHAPE's keys)."""
+    s = shape
+    inner = s["heads"] * s["head_dim"]
+    conv_dim = inner + 2 * s["groups"] * s["state"]
+    meta = dict(device="meta")
+    per_head = (torch.empty(s["heads"], **meta),) * 3  # A_log, dt_bias, D
+    layer = mamba2_decode.Mamba2DecodeLayer(
+        torch.empty(conv_dim, s["width"], **meta), torch.empty(conv_dim, **meta), *per_head, torch.empty(inner, **meta),
+        1e-5, s["heads"], s["head_dim"], s["groups"], s["state"], (0.0, float("inf")))
+    _, step = mamba2_decode.step_launch(layer, torch.empty(tokens, conv_dim, **meta),
+                                        torch.empty(tokens, s["heads"], s["head_dim"], **meta))
+    norm, warps = mamba2_decode.norm_launch(layer)
+    pointers = {name: "*bf16" for name in ("xbc", "dt", "z", "w", "bias", "norm_w", "y", "out", "conv_pool")}
+    pointers.update({name: "*fp32" for name in ("A_log", "dt_bias", "D", "pool")}, slots="*i64", has_state="*i1",
+                    dt_min="fp32", dt_max="fp32", eps="fp32")
+    kernels = bind_module(vars(mamba2_decode))
+    return {"_ssd_step_kernel": compile_sm90(kernels["_ssd_step_kernel"], step, pointers, {"num_warps": 4}),
+            "_group_norm_kernel": compile_sm90(kernels["_group_norm_kernel"], norm, pointers, {"num_warps": warps})}
 
 
 def compile_sm90(kernel, constants: dict, pointers: dict[str, str], options: dict) -> Any:
@@ -163,7 +190,13 @@ def main() -> None:
     parser.add_argument("--mla-tokens", type=int, help="the MLA latent kernel instead, for a chunk of this many "
                         "queries (1: decodes) at the Kimi-Linear-48B shape")
     parser.add_argument("--tuple-kernels", action="store_true", help="the GDN tuple kernels instead of the walk")
+    parser.add_argument("--mamba2-decode", type=int, metavar="BATCH", help="the fused Mamba2 decode kernels "
+                        "instead, for a decode batch of this many sequences at Nemotron 3 Nano's shape")
     args = parser.parse_args()
+    if args.mamba2_decode:
+        for name, compiled in compile_mamba2_decode(args.mamba2_decode).items():
+            print(f"{name} sm90 {MAMBA2_SHAPE} batch {args.mamba2_decode}: {resource_usage(compiled)}")
+        return
     if args.mla_tokens:
         tiling, compiled = compile_mla(args.mla_tokens)
         sass = Counter(op.split(".")[0] for _, op, _ in sass_code(compiled.asm["cubin"]))

@@ -4,7 +4,9 @@ lives in the state slab (conv_pool [S, D, W-1], oldest first) and is updated the
 Paths: CPU -> `causal_conv1d_ref` (F.conv1d per sequence); CUDA -> our Triton kernels: a fused
 decode kernel (one token per sequence, window shifted in place) and a varlen prefill kernel pair
 (outputs, then windows). FLA's conv keeps [N, D, W] states, so it would need a gather and a scatter
-per call; reading the slab by slot inside our kernels avoids both.
+per call; reading the slab by slot inside our kernels avoids both. `decode_conv_channels` and
+`decode_shifted_window` are the decode kernel's arithmetic for the fused decode steps of a layer
+(gdn_decode, mamba2_decode), which convolve some channels of a program and move their windows.
 """
 from __future__ import annotations
 
@@ -140,6 +142,36 @@ def _conv_decode_kernel(x, w, bias, y, pool, slots, has_state, stride_x, stride_
     shifted = tl.where(o_w[None, :] == W - 2, b_x[:, None], shifted)
     tl.store(p_window + o_w[None, :], shifted.to(pool.dtype.element_ty),
              mask=m_d[:, None] & (o_w[None, :] < W - 1))
+
+
+@triton_kernel
+def decode_conv_channels(x_row, w, bias, p_window, c, m_c, keep, W: tl.constexpr, BW: tl.constexpr,
+                         HAS_BIAS: tl.constexpr):
+    """For fused decode kernels: silu(conv + bias) of channels c for one token (float32, not yet rounded)
+    and the token's inputs there; p_window is the sequence's [D, W-1] window, read as zeros unless keep."""
+    o_w = tl.arange(0, BW)
+    b_x = tl.load(x_row + c, mask=m_c, other=0.0).to(tl.float32)
+    inputs = tl.load(p_window + c[:, None] * (W - 1) + o_w[None, :], mask=m_c[:, None] & (o_w[None, :] < W - 1),
+                     other=0.0)
+    inputs = tl.where(keep, inputs.to(tl.float32), 0.0)
+    inputs = tl.where(o_w[None, :] == W - 1, b_x[:, None], inputs)
+    b_w = tl.load(w + c[:, None] * W + o_w[None, :], mask=m_c[:, None] & (o_w[None, :] < W), other=0.0)
+    acc = tl.sum(inputs * b_w.to(tl.float32), axis=1)
+    if HAS_BIAS:
+        acc += tl.load(bias + c, mask=m_c, other=0.0).to(tl.float32)
+    return acc * tl.sigmoid(acc), b_x
+
+
+@triton_kernel
+def decode_shifted_window(p_window, c, m_c, b_x, keep, W: tl.constexpr, BW: tl.constexpr):
+    """The window of channels c after the token: window[:, j + 1], the token's input last (read again:
+    registers cannot shift); returns (pointers, values, mask) to store."""
+    o_w = tl.arange(0, BW)
+    p = p_window + c[:, None] * (W - 1) + o_w[None, :]
+    shifted = tl.load(p + 1, mask=m_c[:, None] & (o_w[None, :] < W - 2), other=0.0)
+    shifted = tl.where(keep, shifted.to(tl.float32), 0.0)
+    shifted = tl.where(o_w[None, :] == W - 2, b_x[:, None], shifted)
+    return p, shifted.to(p_window.dtype.element_ty), m_c[:, None] & (o_w[None, :] < W - 1)
 
 
 @triton_kernel

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hypic.kernels.conv1d import causal_conv1d_ref
+from hypic.kernels.conv1d import causal_conv1d_ref, decode_conv_channels, decode_shifted_window
 from hypic.kernels.gdn import gated_delta_rule_ref
 from hypic.kernels.gdn_inputs import L2NORM_EPS, gdn_gates_ref, qk_l2norm
 from hypic.kernels.norms import gated_rms_norm_ref
@@ -103,32 +103,6 @@ def group_counters(count: int, device: torch.device) -> torch.Tensor:
 
 
 @triton_kernel
-def conv_channels(x_row, w, p_window, c, m_c, keep, W: tl.constexpr, BW: tl.constexpr):
-    """silu(conv) of channels c for one token (float32, not yet rounded) and the token's inputs there."""
-    o_w = tl.arange(0, BW)
-    b_x = tl.load(x_row + c, mask=m_c, other=0.0).to(tl.float32)
-    inputs = tl.load(p_window + c[:, None] * (W - 1) + o_w[None, :], mask=m_c[:, None] & (o_w[None, :] < W - 1),
-                     other=0.0)
-    inputs = tl.where(keep, inputs.to(tl.float32), 0.0)
-    inputs = tl.where(o_w[None, :] == W - 1, b_x[:, None], inputs)
-    b_w = tl.load(w + c[:, None] * W + o_w[None, :], mask=m_c[:, None] & (o_w[None, :] < W), other=0.0)
-    acc = tl.sum(inputs * b_w.to(tl.float32), axis=1)
-    return acc * tl.sigmoid(acc), b_x
-
-
-@triton_kernel
-def shifted_window(p_window, c, m_c, b_x, keep, W: tl.constexpr, BW: tl.constexpr):
-    """The window of channels c after the token: window[:, j + 1], the token's input last (read again:
-    registers cannot shift); returns (pointers, values, mask) to store."""
-    o_w = tl.arange(0, BW)
-    p = p_window + c[:, None] * (W - 1) + o_w[None, :]
-    shifted = tl.load(p + 1, mask=m_c[:, None] & (o_w[None, :] < W - 2), other=0.0)
-    shifted = tl.where(keep, shifted.to(tl.float32), 0.0)
-    shifted = tl.where(o_w[None, :] == W - 2, b_x[:, None], shifted)
-    return p, shifted.to(p_window.dtype.element_ty), m_c[:, None] & (o_w[None, :] < W - 1)
-
-
-@triton_kernel
 def l2_normalized(y, eps, o):
     """The conv output y rounded to o's dtype, normalised as qk_l2norm does (float32 sums, rounded)."""
     y = y.to(o.dtype.element_ty).to(tl.float32)
@@ -145,10 +119,10 @@ def _gdn_decode_step_kernel(x, z, a, b, w, A_log, dt_bias, norm_w, o, y, pool, c
     x_row = x + i_b.to(tl.int64) * stride_x
     p_window = conv_pool + slot * (2 * H * K + HV * V) * (W - 1)
     c_q, c_k, c_v = i_h * K + o_k, H * K + i_h * K + o_k, 2 * H * K + i_hv * V + o_v
-    y_q, x_q = conv_channels(x_row, w, p_window, c_q, m_k, keep, W, BW)
-    y_k, x_k = conv_channels(x_row, w, p_window, c_k, m_k, keep, W, BW)
-    y_v, x_v = conv_channels(x_row, w, p_window, c_v, m_v, keep, W, BW)
-    p_shift, shifted, m_shift = shifted_window(p_window, c_v, m_v, x_v, keep, W, BW)
+    y_q, x_q = decode_conv_channels(x_row, w, None, p_window, c_q, m_k, keep, W, BW, False)
+    y_k, x_k = decode_conv_channels(x_row, w, None, p_window, c_k, m_k, keep, W, BW, False)
+    y_v, x_v = decode_conv_channels(x_row, w, None, p_window, c_v, m_v, keep, W, BW, False)
+    p_shift, shifted, m_shift = decode_shifted_window(p_window, c_v, m_v, x_v, keep, W, BW)
     tl.store(p_shift, shifted, mask=m_shift)  # value channels: this program's own
     b_q = l2_normalized(y_q, eps, o) * scale
     b_k = l2_normalized(y_k, eps, o)
@@ -169,9 +143,9 @@ def _gdn_decode_step_kernel(x, z, a, b, w, A_log, dt_bias, norm_w, o, y, pool, c
     # the key head's programs have all read its q/k window once its counter reaches their number
     p_read = counters + i_b * H + i_h
     if tl.atomic_add(p_read, 1) == (HV // H) * tl.num_programs(2) - 1:
-        p_q, shifted_q, m_q = shifted_window(p_window, c_q, m_k, x_q, keep, W, BW)
+        p_q, shifted_q, m_q = decode_shifted_window(p_window, c_q, m_k, x_q, keep, W, BW)
         tl.store(p_q, shifted_q, mask=m_q)
-        p_k, shifted_k, m_kw = shifted_window(p_window, c_k, m_k, x_k, keep, W, BW)
+        p_k, shifted_k, m_kw = decode_shifted_window(p_window, c_k, m_k, x_k, keep, W, BW)
         tl.store(p_k, shifted_k, mask=m_kw)
         tl.atomic_xchg(p_read, 0)
     # and the value head's whole output row is written once its counter reaches theirs: the last norms it

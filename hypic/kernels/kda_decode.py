@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hypic.kernels.conv1d import causal_conv1d_ref
-from hypic.kernels.gdn_decode import conv_channels, group_counters, l2_normalized, shifted_window
+from hypic.kernels.conv1d import causal_conv1d_ref, decode_conv_channels, decode_shifted_window
+from hypic.kernels.gdn_decode import group_counters, l2_normalized
 from hypic.kernels.gdn_inputs import L2NORM_EPS, qk_l2norm
 from hypic.kernels.kda_rule import kda_rule_ref
 from hypic.kernels.norms import gated_rms_norm_ref
@@ -114,10 +114,10 @@ def _kda_decode_step_kernel(x, b, f, gate, w, A_log, dt_bias, norm_w, o, y, pool
     x_row = x + i_b.to(tl.int64) * stride_x
     p_window = conv_pool + slot * (3 * H * K) * (W - 1)
     c_q, c_k, c_v = i_h * K + o_k, (H + i_h) * K + o_k, (2 * H + i_h) * K + o_v
-    y_q, x_q = conv_channels(x_row, w, p_window, c_q, m_k, keep, W, BW)
-    y_k, x_k = conv_channels(x_row, w, p_window, c_k, m_k, keep, W, BW)
-    y_v, x_v = conv_channels(x_row, w, p_window, c_v, m_v, keep, W, BW)
-    p_shift, shifted, m_shift = shifted_window(p_window, c_v, m_v, x_v, keep, W, BW)
+    y_q, x_q = decode_conv_channels(x_row, w, None, p_window, c_q, m_k, keep, W, BW, False)
+    y_k, x_k = decode_conv_channels(x_row, w, None, p_window, c_k, m_k, keep, W, BW, False)
+    y_v, x_v = decode_conv_channels(x_row, w, None, p_window, c_v, m_v, keep, W, BW, False)
+    p_shift, shifted, m_shift = decode_shifted_window(p_window, c_v, m_v, x_v, keep, W, BW)
     tl.store(p_shift, shifted, mask=m_shift)  # value channels: this program's own
     b_g, b_beta = _gates(f + i_b * stride_f, b + i_b * stride_b, A_log, dt_bias, i_h, o_k, m_k, K)
     p_state = pool + ((slot * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
@@ -134,9 +134,9 @@ def _kda_decode_step_kernel(x, b, f, gate, w, A_log, dt_bias, norm_w, o, y, pool
     # the head's programs have all read its q/k windows and written its output row once the count is theirs
     p_count = counters + i_b * H + i_h
     if tl.atomic_add(p_count, 1) == tl.num_programs(2) - 1:
-        p_q, shifted_q, m_q = shifted_window(p_window, c_q, m_k, x_q, keep, W, BW)
+        p_q, shifted_q, m_q = decode_shifted_window(p_window, c_q, m_k, x_q, keep, W, BW)
         tl.store(p_q, shifted_q, mask=m_q)
-        p_k, shifted_k, m_kw = shifted_window(p_window, c_k, m_k, x_k, keep, W, BW)
+        p_k, shifted_k, m_kw = decode_shifted_window(p_window, c_k, m_k, x_k, keep, W, BW)
         tl.store(p_k, shifted_k, mask=m_kw)
         _sigmoid_gated_norm_row(o, gate + i_b * stride_gate + i_h * V, norm_w, y, i_b * H + i_h, norm_eps, V, BK)
         tl.atomic_xchg(p_count, 0)

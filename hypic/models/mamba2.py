@@ -3,17 +3,19 @@ recurrence S_t = exp(dt_t A) S_{t-1} + dt_t B_t x_t^T, y_t = C_t^T S_t + D x_t p
 [d_state, head_dim], float32; B and C shared by the heads of a group); grouped gated norm; out_proj.
 
 As a `LinearMixer` of the scalar family: q = C, k = B (key heads = groups), v = dt x, g = dt A,
-scale 1; the D skip and the gate stay in `output`.
+scale 1; the D skip and the gate stay in `output`. A plain decode step runs all of it but the
+projections as one fused step (`hypic.kernels.mamba2_decode`).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hypic.cache.model_caches import LinearShape
 from hypic.kernels.linear_families import get_family
+from hypic.kernels.mamba2_decode import Mamba2DecodeLayer, d_skip, mamba2_decode, split_xbc, ssd_gates
 from hypic.kernels.varlen import Operands
+from hypic.models.batch import ForwardBatch
 from hypic.models.layers import GroupedGatedRMSNorm
 from hypic.models.mamba2_config import Mamba2HybridConfig
 from hypic.models.mixer import LinearMixer
@@ -50,22 +52,31 @@ class Mamba2Mixer(LinearMixer):
         return xbc, (z, dt)
 
     def operands(self, conv_out: torch.Tensor, side: tuple[torch.Tensor, ...]) -> Operands:
-        """q = C, k = B [N, G, d_state]; v = dt x [N, H, P] (rounded to x's dtype: the kernels take
-        q, k, v in one dtype); g = dt A, dt = clamp(softplus(dt + dt_bias)), A = -exp(A_log) (float32)."""
+        """q = C, k = B [N, G, d_state]; v = dt x [N, H, P] and g = dt A (`ssd_gates`)."""
         x, b, c = self.split(conv_out)
-        dt = F.softplus(side[1].float() + self.dt_bias).clamp(*self.time_step_limit)
-        v = (x.float() * dt[..., None]).to(x.dtype)
-        return Operands(c, b, v, dt * -torch.exp(self.A_log), None)
+        v, g = ssd_gates(x, side[1], self.dt_bias, self.A_log, self.time_step_limit)
+        return Operands(c, b, v, g, None)
 
     def split(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Post-conv channels -> x [N, H, P], B and C [N, G, d_state]."""
-        sizes = (self.inner, self.n_groups * self.state_size, self.n_groups * self.state_size)
-        x, b, c = conv_out.split(sizes, dim=-1)
-        groups = (-1, self.n_groups, self.state_size)
-        return x.reshape(-1, self.num_heads, self.head_dim), b.reshape(groups), c.reshape(groups)
+        return split_xbc(conv_out, self.num_heads, self.n_groups, self.state_size)
 
     def output(self, o: torch.Tensor, conv_out: torch.Tensor, side: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """y = o + D x, gated grouped norm (gate z), out projection: [N, H, P] -> [N, hidden]."""
         x = conv_out[:, :self.inner].reshape(-1, self.num_heads, self.head_dim)
-        y = (o.float() + self.D[:, None] * x.float()).to(x.dtype).reshape(x.shape[0], self.inner)
-        return self.out_proj(self.norm(y, side[0]))
+        return self.out_proj(self.norm(d_skip(o, x, self.D).reshape(x.shape[0], self.inner), side[0]))
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, ssm_pool: torch.Tensor,
+                conv_pool: torch.Tensor, linear_index: int) -> torch.Tensor:
+        """A decode-only step without PIC work (what a CUDA graph replays) runs conv, gates, recurrence,
+        D skip and gated norm as one fused step (`mamba2_decode`); every other step the mixer's shared path."""
+        if not batch.plain_decode:
+            return super().forward(hidden, batch, ssm_pool, conv_pool, linear_index)
+        xbc, (z, dt) = self.project(hidden)
+        normed = mamba2_decode(xbc, z, dt, self.decode_layer(), ssm_pool, conv_pool, batch.slots, batch.has_state)
+        return self.out_proj(normed)
+
+    def decode_layer(self) -> Mamba2DecodeLayer:
+        return Mamba2DecodeLayer(self.conv1d_weight, self.conv1d_bias, self.A_log, self.dt_bias, self.D,
+                                 self.norm.weight, self.norm.eps, self.num_heads, self.head_dim, self.n_groups,
+                                 self.state_size, self.time_step_limit)
