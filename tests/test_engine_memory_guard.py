@@ -6,6 +6,7 @@ the cache plan leaves room for the capture of cold segments, in numbers worked o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 
@@ -20,6 +21,7 @@ from hypic.cache.memory_plan import CaptureWorkspace, longest_context, plan_besi
 from hypic.cache.model_caches import CacheShape, LinearShape
 from hypic.cache.segment_store import SegmentLayout
 from hypic.config import EngineConfig
+from hypic.dist.remote_errors import error_info, raise_remote
 from hypic.engine.client import InProcessEngineClient
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
@@ -143,6 +145,88 @@ def test_a_cold_segment_whose_step_fails_is_not_stored_and_its_request_computes_
     assert tokens[waiting] == _reference(pic_config(tiny_model_dir, cache_mode="none"), [text])[0]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_real_cuda_out_of_memory_is_survived_and_its_cache_given_back(tiny_model_dir):
+    """A step asks the device for more than it has: the request fails with torch's figures, the
+    allocator's cache goes back (empty_cache) and the next request gets the reference tokens."""
+    config = cpu_config(tiny_model_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+    engine = LLMEngine(config)
+    too_much = torch.cuda.get_device_properties(0).total_memory * 2
+    last = [m for name, m in engine.model.named_modules() if re.fullmatch(r".*layers\.\d+", name)][-1]
+    hook = last.register_forward_pre_hook(lambda *_: torch.empty(too_much, dtype=torch.uint8, device="cuda"))
+    failed, reserved = _add(engine, PROMPTS[0]), torch.cuda.memory_reserved()
+    outputs = [out for _ in range(4) for out in engine.step()]
+    hook.remove()
+    assert [(out.request_id, type(out.error)) for out in outputs] == [(failed, StepOutOfMemoryError)]
+    assert outputs[0].error.asked_bytes == pytest.approx(too_much, rel=1e-3) and outputs[0].error.free_bytes
+    assert torch.cuda.memory_reserved() <= reserved + (16 << 20)  # the failed step's blocks went back
+    later = _add(engine, PROMPTS[1])
+    tokens: dict[str, list[int]] = {}
+    assert _drain(engine, tokens) == []
+    assert tokens[later] == _reference(config, [PROMPTS[1]])[0]
+
+
+def test_the_error_crosses_processes_with_its_numbers():
+    error = StepOutOfMemoryError(2048, 3, 640 << 20, None, retry_after=2.0)
+    with pytest.raises(StepOutOfMemoryError) as raised:
+        raise_remote(error_info(error), "node-1")
+    again = raised.value
+    assert (again.step_tokens, again.step_requests, again.asked_bytes, again.free_bytes, again.retry_after) == (
+        2048, 3, 640 << 20, None, 2.0)
+    assert str(again) == str(error)
+
+
+# ---- what the capture of cold segments holds -------------------------------------------------------
+
+
+def _two_documents(engine: LLMEngine) -> tuple[str, list]:
+    text = SEP.join([SYSTEM, DOCS[0], DOCS[2], "the lazy dog"])
+    return text, engine.segment_jobs(SegmentedPrompt.build(engine.tokenizer, text, separator=SEP))
+
+
+def test_a_partial_job_keeps_only_its_own_tuple_rows(tiny_model_dir):
+    """A step that ends one cold job and cuts the next keeps, for the one cut, its own (T, S0) of
+    every linear layer, not the step's [jobs, ...] tensors."""
+    probe = LLMEngine(pic_config(tiny_model_dir))
+    text, jobs = _two_documents(probe)
+    budget = max(len(job.token_ids) for job in jobs) + 20  # one job whole, 20 tokens of the other
+    engine = LLMEngine(pic_config(tiny_model_dir, max_num_batched_tokens=budget))
+    _add(engine, text)
+    engine.step()
+    partial, = [seq for seq in engine.pic.jobs.values() if seq.pic.captured is not None]
+    assert engine.store.stats().entries == 1
+    for t in (*partial.pic.captured.T, *partial.pic.captured.S0):
+        assert t.untyped_storage().nbytes() == t.nbytes
+
+
+@pytest.mark.parametrize("bound", ["capture_jobs", "partial_jobs"])
+def test_capture_bounds_hold_and_change_no_token(tiny_model_dir, bound):
+    """At most `capture_jobs` cold jobs capture in a step, and one that would start a partial tuple
+    waits while `partial_jobs` are kept; the request's tokens stay those of an unbounded run."""
+    probe = LLMEngine(pic_config(tiny_model_dir))
+    text, jobs = _two_documents(probe)
+    budget = max(len(job.token_ids) for job in jobs) + 20
+    runs = {}
+    for limit in (None, 1 if bound == "capture_jobs" else 0):
+        engine = LLMEngine(pic_config(tiny_model_dir, max_num_batched_tokens=budget))
+        if limit is not None:
+            engine.scheduler.limits = dataclasses.replace(engine.scheduler.limits, **{bound: limit})
+        counts, schedule = [], engine.scheduler.schedule
+
+        def counted():
+            batch = schedule()
+            counts.append(sum(c.seq.pic.job is not None for c in batch.chunks))
+            return batch
+        engine.scheduler.schedule = counted
+        tokens: dict[str, list[int]] = {}
+        request = _add(engine, text)
+        assert _drain(engine, tokens) == []
+        runs[limit] = tokens[request], max(counts)
+    assert runs[None][1] == 2 and list(runs.values())[1][1] == 1  # both jobs in a step; one at a time
+    assert list(runs.values())[1][0] == runs[None][0]
+
+
 # ---- the server: 503 with Retry-After, and an error event on a stream ----------------------------
 
 
@@ -187,9 +271,9 @@ def test_the_server_answers_503_with_retry_after_and_keeps_serving():
 # Three GDN layers (HV 2, K = V = 4, conv 8 channels, W 4) and two full layers (2 KV heads of 4), bf16:
 # float32 tuple per layer: 4 * (2*4*4 + 2*4*4) = 256 bytes; an entry's fixed part: T, S0 and conv blocks of
 # 3 * 64, 3 * 64 and 3 * 48 bytes, each aligned to 256: 768; one row's K/V: 2 layers * 2 * 2 heads * 4 * 2 = 64
-# bytes. Steps of 128 tokens, 16 jobs and 2 partial: staging 16 * 768 + 128 * 64 = 20480, one layer's tuples
-# (16 + 128 / 64 + 16) * 256 = 8704, the partial jobs' tuples 2 * 2 * 3 * 256 = 3072: 32256 bytes, and
-# 2 * 64 = 128 bytes a context token (the partial jobs' K/V rows).
+# bytes. Steps of 128 tokens, 16 jobs and 1 partial: staging 16 * 768 + 128 * 64 = 20480, one layer's tuples
+# (16 + 128 / 64 + 16) * 256 = 8704, the partial job's tuples 2 * 3 * 256 = 1536: 30720 bytes, and 64 bytes
+# a context token (the partial job's K/V rows).
 SHAPE = CacheShape(full_layers=(3, 7), linear_layers=(0, 1, 2), num_kv_heads=2, head_dim=4,
                    linear=(LinearShape(get_family("gdn"), value_heads=2, key_dim=4, value_dim=4, conv_dim=8,
                                        conv_kernel=4),) * 3)
@@ -200,22 +284,22 @@ PLAN = dict(block_size=4, dtype=torch.bfloat16, max_num_seqs=4)  # pages of 256 
 
 def test_capture_workspace_from_the_shapes():
     assert LAYOUT.fixed_bytes == 768
-    assert WORKSPACE == CaptureWorkspace(32256, 128) and WORKSPACE.total(64) == 40448
+    assert WORKSPACE == CaptureWorkspace(30720, 64) and WORKSPACE.total(64) == 34816
     assert CaptureWorkspace.of(LAYOUT, step_tokens=0) == CaptureWorkspace(0, 0)  # CPU: the budget is the caches'
 
 
 def test_the_plan_leaves_the_capture_workspace_free():
     plan, context = plan_beside_capture(SHAPE, WORKSPACE, budget_bytes=100_000, max_model_len=64,
                                         fit_context=False, **PLAN)
-    # 8 slots; (100000 - 40448 - 8 * 528) // 256 = 216 pages, not (100000 - 8 * 528) // 256 = 374
-    assert context == 64 and (plan.num_slots, plan.num_blocks) == (8, 216)
+    # 8 slots; (100000 - 34816 - 8 * 528) // 256 = 238 pages, not (100000 - 8 * 528) // 256 = 374
+    assert context == 64 and (plan.num_slots, plan.num_blocks) == (8, 238)
 
 
 def test_a_fitted_context_leaves_room_for_its_partial_jobs_rows():
     plan, context = plan_beside_capture(SHAPE, WORKSPACE, budget_bytes=100_000, max_model_len=4096,
                                         fit_context=True, **PLAN)
-    # 100000 - 32256 = 67744; less 8 slots: 63520 for pages of 256 bytes and 4 * 128 bytes of workspace
-    # each: 82 pages, 328 tokens (not 374 pages, 1496 tokens); 67744 - 328 * 128 = 25760 for the cache:
-    # (25760 - 8 * 528) // 256 = 84 pages
-    assert context == 328 and (plan.num_slots, plan.num_blocks) == (8, 84)
+    # 100000 - 30720 = 69280; less 8 slots: 65056 for pages of 256 bytes and 4 * 64 bytes of workspace
+    # each: 127 pages, 508 tokens (not 374 pages, 1496 tokens); 69280 - 508 * 64 = 36768 for the cache:
+    # (36768 - 8 * 528) // 256 = 127 pages, one full context
+    assert context == 508 and (plan.num_slots, plan.num_blocks) == (8, 127)
     assert longest_context(SHAPE, budget_bytes=100_000, **PLAN) == 1496

@@ -17,9 +17,10 @@ from hypic.kernels.gdn import CHUNK
 # would otherwise stage hundreds; 16 one-thousand-token documents already fill a 16k-token step.
 CAPTURE_JOBS = 16
 # Cold segments kept part-captured between steps (a long one, cut by the token budget, the long-prefill
-# cap or memory): each keeps every linear layer's float32 tuple and its interior's K/V rows until its
-# last chunk. The budget cuts one job a step, the long-prefill cap one more.
-PARTIAL_JOBS = 2
+# cap or memory): each keeps every linear layer's float32 tuple and its interior's K/V rows (as many as
+# its pages) until its last chunk. One: a step cuts at most its last job, and a kept one goes first in
+# the next step (long chunks in running order, the first always moves), so a second would only wait.
+PARTIAL_JOBS = 1
 
 
 @dataclass(frozen=True)
