@@ -15,7 +15,7 @@ import pytest
 import torch
 from aiohttp import web
 from engine_util import cpu_config, greedy
-from pic_util import DOCS, SEP, SYSTEM, pic_config
+from pic_util import DOCS, SEP, SYSTEM, pic_config, prompt
 
 from hypic.cache.memory_plan import CaptureWorkspace, longest_context, plan_beside_capture
 from hypic.cache.model_caches import CacheShape, LinearShape
@@ -56,7 +56,7 @@ class Fault:
                 raise torch.OutOfMemoryError(TORCH_MESSAGE)
 
 
-def _add(engine: LLMEngine, text: str, max_tokens: int = 4, **kwargs) -> str:
+def _add(engine: LLMEngine, text: str | list[int], max_tokens: int = 4, **kwargs) -> str:
     prompt = SegmentedPrompt.build(engine.tokenizer, text, separator=SEP)
     return engine.add_request(prompt, greedy(max_tokens), **kwargs)
 
@@ -143,6 +143,25 @@ def test_a_cold_segment_whose_step_fails_is_not_stored_and_its_request_computes_
     assert _drain(engine, tokens) == []
     assert engine.store.stats().pinned == 0
     assert tokens[waiting] == _reference(pic_config(tiny_model_dir, cache_mode="none"), [text])[0]
+
+
+def test_a_failed_assembly_step_gives_back_its_pins_and_its_checkpoint_slot(tiny_model_dir):
+    """A warm request composes stored documents and keeps the state before its last token in a slot
+    of its own, all in one step: failed, its pieces are unpinned and the slot goes back empty."""
+    config = pic_config(tiny_model_dir)
+    warm_up, target = prompt(*reversed(DOCS), query="?"), prompt(*DOCS)  # another order: no prefix hit
+    engine = LLMEngine(config)
+    fault, tokens = Fault(engine.model), {}
+    _add(engine, warm_up)
+    assert _drain(engine, tokens) == []
+    held = _held(engine)
+    failed = _add(engine, target)
+    fault.arm()
+    assert [(out.request_id, type(out.error)) for out in engine.step()] == [(failed, StepOutOfMemoryError)]
+    assert _held(engine) == held
+    again = _add(engine, target)
+    assert _drain(engine, tokens) == []
+    assert tokens[again] == _reference(config, [warm_up, target])[1]
 
 
 @pytest.mark.gpu

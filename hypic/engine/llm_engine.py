@@ -29,7 +29,7 @@ from hypic.engine.request_state import Completion, RequestState
 from hypic.engine.runner import ModelRunner, RunnerSettings
 from hypic.engine.sampler import Sampler, SamplingRow, make_generator, validate_for_vocab
 from hypic.engine.scheduler import ScheduledBatch, ScheduledChunk, Scheduler, SchedulerLimits
-from hypic.engine.structured import StructuredDecoding
+from hypic.engine.structured import PendingMasks, StructuredDecoding
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.sequence import RequestInfo, Sequence
 from hypic.engine.setup import (build_lower_tiers, cache_budget_bytes, resolve_device, resolve_dtype,
@@ -213,7 +213,7 @@ class LLMEngine:
         # outside the except block, whose traceback holds the step's tensors until it ends
         return self._fail_step(batch, *figures)
 
-    def _compute(self, batch: ScheduledBatch):
+    def _compute(self, batch: ScheduledBatch) -> tuple[PendingMasks | None, torch.Tensor, list[Sequence]]:
         """The step's device work (where it can run out of memory) and what keeps the cold jobs'
         tuples: (masks, logits, finished cold jobs). Changes nothing the step's failure must undo
         but what its sequences hold (pages, slots, pins: `_fail_step` frees them)."""
@@ -226,7 +226,7 @@ class LLMEngine:
             self._record_prompt_scores(scored, scores)
         return masks, logits, [job for job, _ in done]
 
-    def _advance(self, batch: ScheduledBatch, masks, logits: torch.Tensor,
+    def _advance(self, batch: ScheduledBatch, masks: PendingMasks | None, logits: torch.Tensor,
                  finished_jobs: list[Sequence]) -> list[RequestOutput]:
         """After a step's forward: computed counts and checkpoints, then each sampling row's token."""
         self.scheduler.after_step(batch)

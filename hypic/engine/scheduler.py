@@ -4,7 +4,9 @@ Decodes go first (one token each), then running short or warm prefills, then new
 requests, then long prefills and cold segment jobs, all under one token budget. While anything else
 is in flight, the long ones together cost at most `long_prefill_token_threshold` a step (counted by
 `PrefillCost`: a chunk deep in its context counts its attention), so a step that holds one stays
-near a decode step's time; alone they take the whole budget. Admission is fair between requests: waiting sequences are taken round-robin over
+near a decode step's time; alone they take the whole budget. Cold jobs also stay within the capture
+workspace the memory plan leaves free: at most `capture_jobs` capture in a step, and one starts a
+partial tuple only while fewer than `partial_jobs` are kept (`hypic.cache.memory_plan`). Admission is fair between requests: waiting sequences are taken round-robin over
 their admission groups (a client's batch is one group). A queued sequence's turn is one past the
 turn being served or its group's last queued turn, whichever is later; turns are admitted in
 order (queue order within one), so a batch of many prompts never holds back a request that came
