@@ -219,31 +219,43 @@ def test_a_partial_job_keeps_only_its_own_tuple_rows(tiny_model_dir):
         assert t.untyped_storage().nbytes() == t.nbytes
 
 
+def _job_steps(model_dir, text: str, budget: int, **limits) -> tuple[list[int], list[tuple[int, ...]]]:
+    """The request's tokens, and each step's cold-job chunk lengths, under `limits`."""
+    engine = LLMEngine(pic_config(model_dir, max_num_batched_tokens=budget))
+    engine.scheduler.limits = dataclasses.replace(engine.scheduler.limits, **limits)
+    steps, schedule = [], engine.scheduler.schedule
+
+    def recorded():
+        batch = schedule()
+        steps.append(tuple(c.chunk.num_tokens for c in batch.chunks if c.seq.pic.job is not None))
+        return batch
+    engine.scheduler.schedule = recorded
+    tokens: dict[str, list[int]] = {}
+    request = _add(engine, text)
+    assert _drain(engine, tokens) == []
+    return tokens[request], steps
+
+
 @pytest.mark.parametrize("bound", ["capture_jobs", "partial_jobs"])
 def test_capture_bounds_hold_and_change_no_token(tiny_model_dir, bound):
     """At most `capture_jobs` cold jobs capture in a step, and one that would start a partial tuple
     waits while `partial_jobs` are kept; the request's tokens stay those of an unbounded run."""
-    probe = LLMEngine(pic_config(tiny_model_dir))
-    text, jobs = _two_documents(probe)
-    budget = max(len(job.token_ids) for job in jobs) + 20
-    runs = {}
-    for limit in (None, 1 if bound == "capture_jobs" else 0):
-        engine = LLMEngine(pic_config(tiny_model_dir, max_num_batched_tokens=budget))
-        if limit is not None:
-            engine.scheduler.limits = dataclasses.replace(engine.scheduler.limits, **{bound: limit})
-        counts, schedule = [], engine.scheduler.schedule
+    text, jobs = _two_documents(LLMEngine(pic_config(tiny_model_dir)))
+    budget = max(len(job.token_ids) for job in jobs) + 20  # one job whole and a part of the other
+    free_tokens, free_steps = _job_steps(tiny_model_dir, text, budget)
+    tokens, steps = _job_steps(tiny_model_dir, text, budget, **{bound: 1 if bound == "capture_jobs" else 0})
+    assert max(map(len, free_steps)) == 2 and max(map(len, steps)) == 1
+    assert tokens == free_tokens
 
-        def counted():
-            batch = schedule()
-            counts.append(sum(c.seq.pic.job is not None for c in batch.chunks))
-            return batch
-        engine.scheduler.schedule = counted
-        tokens: dict[str, list[int]] = {}
-        request = _add(engine, text)
-        assert _drain(engine, tokens) == []
-        runs[limit] = tokens[request], max(counts)
-    assert runs[None][1] == 2 and list(runs.values())[1][1] == 1  # both jobs in a step; one at a time
-    assert list(runs.values())[1][0] == runs[None][0]
+
+def test_a_kept_partial_that_ends_lets_the_next_job_start_one(tiny_model_dir):
+    """With one partial tuple kept at a time, a step that finishes the kept one starts the next job's
+    in its tail: the schedule is that of unbounded partial tuples."""
+    text, jobs = _two_documents(LLMEngine(pic_config(tiny_model_dir)))
+    budget = min(len(job.token_ids) for job in jobs) * 3 // 4  # every job is cut
+    one = _job_steps(tiny_model_dir, text, budget)
+    assert one == _job_steps(tiny_model_dir, text, budget, partial_jobs=8)
+    assert any(len(step) == 2 for step in one[1])  # a step that ends one job and starts the other
 
 
 # ---- the server: 503 with Retry-After, and an error event on a stream ----------------------------

@@ -134,7 +134,8 @@ class Scheduler:
         the step's short ones (only `jobs=False` returns any)."""
         deferred = []
         for seq in self._admission_order(jobs):
-            if budget.tokens <= 0 or len(self.running) >= self.limits.max_num_seqs or not self._admit(seq):
+            full = budget.tokens <= 0 or (jobs and budget.capture_jobs <= 0)
+            if full or len(self.running) >= self.limits.max_num_seqs or not self._admit(seq):
                 break
             self.waiting.remove(seq)
             self.running.append(seq)
@@ -244,9 +245,9 @@ class Scheduler:
         batch.chunks.append(scheduled)
         budget.tokens -= scheduled.chunk.num_tokens
         if seq.pic.job is not None:
-            captures, starts_partial = _capture_kind(seq, scheduled.chunk)
+            captures, partial = _capture_kind(seq, scheduled.chunk)
             budget.capture_jobs -= captures
-            budget.partial_jobs -= starts_partial
+            budget.partial_jobs += partial
         if self._long(seq):
             budget.long_cost -= self.cost.cost(chunk.start, chunk.num_tokens)
             budget.long_started = True
@@ -292,10 +293,13 @@ class Scheduler:
     @staticmethod
     def _capture_tokens(seq: Sequence, tokens: int, budget: StepBudget) -> int:
         """A cold job's chunk of `tokens` within the step's capture bounds (`SchedulerLimits`), else
-        none: the job waits for a step with room."""
-        captures, starts_partial = _capture_kind(seq, seq.next_chunk(tokens))
-        over = (captures and budget.capture_jobs <= 0) or (starts_partial and budget.partial_jobs <= 0)
-        return 0 if over else tokens
+        none, and no job captures more this step: it waits for the next, and the jobs behind it are
+        not admitted only to wait in seats."""
+        captures, partial = _capture_kind(seq, seq.next_chunk(tokens))
+        if captures and (budget.capture_jobs <= 0 or budget.partial_jobs + partial < 0):
+            budget.capture_jobs = 0
+            return 0
+        return tokens
 
     def _fitting_tokens(self, seq: Sequence) -> int:
         capacity = (len(seq.block_ids) + self.blocks.num_free) * self.limits.block_size
@@ -414,12 +418,13 @@ class Scheduler:
                                seq.block_ids, seq.slot if state_slot is None else state_slot)
 
 
-def _capture_kind(seq: Sequence, chunk: Chunk) -> tuple[bool, bool]:
-    """Whether a cold job's chunk holds interior rows (captures), and whether it leaves the
-    interior unfinished with no partial tuple before (starts one, kept until its next chunk)."""
+def _capture_kind(seq: Sequence, chunk: Chunk) -> tuple[bool, int]:
+    """Whether a cold job's chunk holds interior rows (captures), and how it changes the partial
+    tuples kept: -1 when it leaves the interior unfinished with none before (one kept until its next
+    chunk), +1 when it finishes one kept from an earlier step, else 0."""
     start, end = seq.pic.job.interior
-    captures = chunk.start < end and chunk.end > start
-    return captures, captures and chunk.end < end and seq.pic.captured is None
+    captures, kept, ends = chunk.start < end and chunk.end > start, seq.pic.captured is not None, chunk.end >= end
+    return captures, int(captures and kept and ends) - int(captures and not kept and not ends)
 
 
 def _in_turn(waiting: list[Sequence]) -> list[Sequence]:
