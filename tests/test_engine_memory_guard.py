@@ -25,7 +25,7 @@ from hypic.dist.remote_errors import error_info, raise_remote
 from hypic.engine.client import InProcessEngineClient
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
-from hypic.errors import StepOutOfMemoryError
+from hypic.errors import OutOfMemoryError, StepOutOfMemoryError
 from hypic.kernels.linear_families import get_family
 from hypic.serve.app import build_app, runner_for
 from hypic.serve.state import ServerSettings
@@ -334,3 +334,9 @@ def test_a_fitted_context_leaves_room_for_its_partial_jobs_rows():
     # (36768 - 8 * 528) // 256 = 127 pages, one full context
     assert context == 508 and (plan.num_slots, plan.num_blocks) == (8, 127)
     assert longest_context(SHAPE, budget_bytes=100_000, **PLAN) == 1496
+
+
+def test_a_budget_the_workspace_leaves_too_small_says_so():
+    with pytest.raises(OutOfMemoryError, match="34816 bytes .* capturing cold segments"):
+        plan_beside_capture(SHAPE, WORKSPACE, budget_bytes=34816 + 64 * 64, max_model_len=64, fit_context=False,
+                            **PLAN)

@@ -70,7 +70,11 @@ def plan_beside_capture(shape: CacheShape, workspace: CaptureWorkspace, *, budge
         longest = longest_context(shape, budget_bytes=budget_bytes, token_bytes=workspace.context_token_bytes, **args)
         max_model_len = min(max_model_len, longest)
     budget_bytes -= workspace.context_token_bytes * max_model_len
-    return plan_cache(shape, budget_bytes=budget_bytes, max_model_len=max_model_len, **args), max_model_len
+    try:
+        return plan_cache(shape, budget_bytes=budget_bytes, max_model_len=max_model_len, **args), max_model_len
+    except OutOfMemoryError as error:
+        raise OutOfMemoryError(f"{error}; {_size(workspace.total(max_model_len))} of the budget was left first for "
+                               "capturing cold segments (lower max_num_batched_tokens for less)") from None
 
 
 def longest_context(shape: CacheShape, *, budget_bytes: int, block_size: int, dtype: torch.dtype,

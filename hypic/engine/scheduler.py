@@ -423,7 +423,8 @@ def _capture_kind(seq: Sequence, chunk: Chunk) -> tuple[bool, int]:
     tuples kept: -1 when it leaves the interior unfinished with none before (one kept until its next
     chunk), +1 when it finishes one kept from an earlier step, else 0."""
     start, end = seq.pic.job.interior
-    captures, kept, ends = chunk.start < end and chunk.end > start, seq.pic.captured is not None, chunk.end >= end
+    captures = max(chunk.start, start) < min(chunk.end, end)  # an empty chunk captures nothing
+    kept, ends = seq.pic.captured is not None, chunk.end >= end
     return captures, int(captures and kept and ends) - int(captures and not kept and not ends)
 
 
