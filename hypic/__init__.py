@@ -5,7 +5,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from hypic.config import CACHE_MODES, PIC_SEPARATOR, EngineConfig
 from hypic.errors import (EngineDeadError, EngineOverloadedError, HypicError, InvalidRequestError,
-                          OutOfMemoryError, PromptTooLongError, UnsupportedModelError)
+                          OutOfMemoryError, PromptTooLongError, StepOutOfMemoryError, UnsupportedModelError)
 from hypic.outputs import CompletionDelta, RequestMetrics, RequestOutput, TokenLogprob
 from hypic.sampling_params import SamplingParams
 
@@ -17,8 +17,8 @@ except PackageNotFoundError:  # a source tree on PYTHONPATH that pip never insta
 __all__ = [
     "AsyncEngine", "CACHE_MODES", "CompletionDelta", "EngineConfig", "EngineDeadError",
     "EngineOverloadedError", "HypicError", "InvalidRequestError", "OutOfMemoryError", "PIC_SEPARATOR",
-    "PromptTooLongError", "RequestMetrics", "RequestOutput", "SamplingParams", "TokenLogprob",
-    "UnsupportedModelError",
+    "PromptTooLongError", "RequestMetrics", "RequestOutput", "SamplingParams", "StepOutOfMemoryError",
+    "TokenLogprob", "UnsupportedModelError",
 ]
 
 

@@ -64,3 +64,23 @@ class EngineOverloadedError(HypicError):
     def __init__(self, waiting: int, limit: int, retry_after: float = 1.0) -> None:
         self.waiting, self.limit, self.retry_after = waiting, limit, retry_after
         super().__init__(f"{waiting} requests are waiting (limit {limit}); retry in {retry_after:g} s")
+
+
+class StepOutOfMemoryError(HypicError):
+    """The device ran out of memory in one engine step. Only the requests in that step fail (with
+    this error; retry them after `retry_after` seconds); the engine goes on serving the others."""
+
+    def __init__(self, step_tokens: int, step_requests: int, asked_bytes: int | None, free_bytes: int | None,
+                 retry_after: float = 1.0) -> None:
+        self.step_tokens, self.step_requests = step_tokens, step_requests
+        self.asked_bytes, self.free_bytes, self.retry_after = asked_bytes, free_bytes, retry_after
+        asked = "" if asked_bytes is None else f", asking {_mib(asked_bytes)}"
+        free = "" if free_bytes is None else f" with {_mib(free_bytes)} free"
+        super().__init__(
+            f"the device ran out of memory in an engine step of {step_tokens} tokens and {step_requests} "
+            f"requests{asked}{free}; the engine goes on serving: retry in {retry_after:g} s (if it recurs, "
+            "lower max_num_batched_tokens or gpu_memory_utilization)")
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"

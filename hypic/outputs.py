@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hypic.errors import HypicError
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -47,3 +49,5 @@ class RequestOutput:
     # Once, on the first output after the whole prompt is scored (params.prompt_logprobs set): one
     # entry per prompt token
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    # The request failed (finished=True, no deltas): AsyncEngine.generate raises it
+    error: HypicError | None = None

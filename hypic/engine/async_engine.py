@@ -284,7 +284,7 @@ class AsyncEngine:
                 outputs = core.step()
                 self._waiting = core.waiting_sequences()  # before any output: a client that saw one counts right
                 for output in outputs:
-                    self._send(output.request_id, output)
+                    self._send(output.request_id, output if output.error is None else output.error)
                 self._settle_segment_waits(core)
         except BaseException as error:  # noqa: BLE001 - every waiter must learn the engine died
             logger.exception("engine loop died")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import torch
 import xxhash
 
 from hypic.cache.block_pool import BlockPool
-from hypic.cache.memory_plan import CachePlan, longest_context, plan_cache
+from hypic.cache.memory_plan import CachePlan, CaptureWorkspace, plan_beside_capture
 from hypic.cache.model_caches import ModelCaches
 from hypic.cache.prefix_cache import PrefixCache, PrefixCacheStats
 from hypic.cache.disk_tier import DiskStats
@@ -28,13 +29,13 @@ from hypic.engine.request_state import Completion, RequestState
 from hypic.engine.runner import ModelRunner, RunnerSettings
 from hypic.engine.sampler import Sampler, SamplingRow, make_generator, validate_for_vocab
 from hypic.engine.scheduler import ScheduledBatch, ScheduledChunk, Scheduler, SchedulerLimits
-from hypic.engine.structured import StructuredDecoding
+from hypic.engine.structured import PendingMasks, StructuredDecoding
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.sequence import RequestInfo, Sequence
 from hypic.engine.setup import (build_lower_tiers, cache_budget_bytes, resolve_device, resolve_dtype,
                                 resolve_long_prefill_threshold, resolve_model_dir, resolve_segment_state_dtype)
 from hypic.engine.text.tokenizer import Tokenizer
-from hypic.errors import InvalidRequestError, PromptTooLongError
+from hypic.errors import InvalidRequestError, PromptTooLongError, StepOutOfMemoryError
 from hypic.kernels.host_copy import host_to_device
 from hypic.kernels.scatter_kv import rope_inv_freq
 from hypic.models.registry import load_model
@@ -79,8 +80,9 @@ class LLMEngine:
         self.model = load_model(str(self.model_dir), device=self.device, dtype=self.dtype,
                                 state_dict=config.state_dict)
         self.model_config = self.model.config
-        self.plan, self.max_model_len, pool_bytes = self._plan_memory()
-        self._build_caches(self.plan, pool_bytes)
+        layout = self._segment_layout()
+        self.plan, self.max_model_len, pool_bytes = self._plan_memory(layout)
+        self._build_caches(self.plan, pool_bytes, layout)
         self.sampler = Sampler(self.tokenizer.vocab_size, self.tokenizer.token_text, seed=config.seed)
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self.structured = StructuredDecoding(self.tokenizer.to_json(), self.tokenizer.vocab_size, self.eos_ids,
@@ -157,10 +159,15 @@ class LLMEngine:
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
-        deltas = [self._finish(c, "abort") for c in state.completions.values() if not c.seq.finished]
-        self.structured.release(request_id)
+        return state.output(self._end(state, checkpoint=True))
+
+    def _end(self, state: RequestState, *, checkpoint: bool) -> list[CompletionDelta]:
+        """Aborts a request's unfinished completions; `checkpoint`: each keeps a prefix checkpoint
+        of what it computed."""
+        deltas = [self._finish(c, "abort", checkpoint) for c in state.completions.values() if not c.seq.finished]
+        self.structured.release(state.info.request_id)
         self.counters["aborted"] += 1
-        return state.output([d for d in deltas if d is not None])
+        return [d for d in deltas if d is not None]
 
     def close(self) -> None:
         """Let the engine's host memory go (the host tier's pinned slabs, the disk tier's threads)
@@ -197,14 +204,33 @@ class LLMEngine:
             return []
         self.steps += 1
         self.step_clock.start(_step_work(batch))
+        try:
+            computed = self._compute(batch)
+        except torch.OutOfMemoryError as error:  # torch.cuda.OutOfMemoryError too (the same class)
+            figures = _memory_figures(str(error))
+        else:
+            return self._advance(batch, *computed)
+        # outside the except block, whose traceback holds the step's tensors until it ends
+        return self._fail_step(batch, *figures)
+
+    def _compute(self, batch: ScheduledBatch) -> tuple[PendingMasks | None, torch.Tensor, list[Sequence]]:
+        """The step's device work (where it can run out of memory) and what keeps the cold jobs'
+        tuples: (masks, logits, finished cold jobs). Changes nothing the step's failure must undo
+        but what its sequences hold (pages, slots, pins: `_fail_step` frees them)."""
         self.pic.scatter(batch)
         masks = self.structured.fill(batch)  # beside the forward, if not prefetched
         scoring, scored = self._prompt_scoring(batch)
         logits, capture, scores = self.runner.execute(batch, scoring)
+        done = self.pic.after_step(batch, capture)
         if scores is not None:
             self._record_prompt_scores(scored, scores)
+        return masks, logits, [job for job, _ in done]
+
+    def _advance(self, batch: ScheduledBatch, masks: PendingMasks | None, logits: torch.Tensor,
+                 finished_jobs: list[Sequence]) -> list[RequestOutput]:
+        """After a step's forward: computed counts and checkpoints, then each sampling row's token."""
         self.scheduler.after_step(batch)
-        for job, _ in self.pic.after_step(batch, capture):
+        for job in finished_jobs:
             self.scheduler.finish(job, "stop")
         rows = self._sampling_rows(batch)
         deltas: dict[str, list[CompletionDelta]] = {}
@@ -221,6 +247,28 @@ class LLMEngine:
                 self._collect(deltas, chunk.seq, self._finish(self._completion(chunk.seq), "length"))
         self.step_clock.stop()
         return self._outputs(deltas)
+
+    def _fail_step(self, batch: ScheduledBatch, asked: int | None, free: int | None) -> list[RequestOutput]:
+        """A step that ran out of device memory: its requests (those it admitted too) fail with
+        StepOutOfMemoryError and free what they hold, keeping no checkpoint (their state slots are
+        half-written); its cold jobs are dropped; everyone else goes on."""
+        self.scheduler.drop_step(batch)
+        seqs = {id(s): s for s in [*(c.seq for c in batch.chunks), *batch.admitted]}.values()
+        request_ids = list(dict.fromkeys(s.info.request_id for s in seqs if s.pic.job is None))
+        error = StepOutOfMemoryError(batch.num_tokens, len(request_ids), asked, free)
+        logger.warning("%s (failed: %s)", error, ", ".join(request_ids) or "no request, only cold segments")
+        for job in [s for s in seqs if s.pic.job is not None]:
+            self.scheduler.finish(job, "abort", checkpoint=False)
+            self.pic.drop_job(job)
+        outputs = [self._fail(request_id, error) for request_id in request_ids if request_id in self.requests]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # what the failed step had cached goes back to the driver
+        return outputs
+
+    def _fail(self, request_id: str, error: StepOutOfMemoryError) -> RequestOutput:
+        state = self.requests.pop(request_id)
+        self._end(state, checkpoint=False)
+        return dataclasses.replace(state.output([]), error=error)
 
     def _look_ahead(self) -> None:
         """The requests the scheduler takes next (as many as it has seats for, and a few more so that
@@ -302,8 +350,8 @@ class LLMEngine:
         at_max = params.max_tokens is not None and len(seq.output_ids) >= params.max_tokens
         return "length" if at_max or len(seq.token_ids) >= self.max_model_len else None
 
-    def _finish(self, completion: Completion, reason: str) -> CompletionDelta | None:
-        self.scheduler.finish(completion.seq, reason)
+    def _finish(self, completion: Completion, reason: str, checkpoint: bool = True) -> CompletionDelta | None:
+        self.scheduler.finish(completion.seq, reason, checkpoint=checkpoint)
         for job in self.pic.release(completion.seq):
             self.scheduler.finish(job, "abort")
         return completion.delta(reason)
@@ -378,7 +426,11 @@ class LLMEngine:
                 f"the prompt has {len(prompt.segments)} segments, more than max_segments={self.config.max_segments}")
         return RequestInfo(request_id, params, prompt, cache_salt, mode, self.config.seam_width, group)
 
-    def _plan_memory(self) -> tuple[CachePlan, int, int]:
+    def _segment_layout(self) -> SegmentLayout:
+        state_dtype = resolve_segment_state_dtype(self.config.segment_state_dtype, self.dtype)
+        return SegmentLayout.from_cache_shape(self.model.cache_shape(), state_dtype, self.dtype)
+
+    def _plan_memory(self, layout: SegmentLayout) -> tuple[CachePlan, int, int]:
         shape = self.model.cache_shape()
         weight_bytes = sum(t.numel() * t.element_size() for t in self.model.parameters())
         total = cache_budget_bytes(self.config, self.device, self.config.max_num_batched_tokens,
@@ -390,13 +442,15 @@ class LLMEngine:
         if self.config.max_model_len and self.config.max_model_len > model_max:
             raise InvalidRequestError(
                 f"max_model_len={self.config.max_model_len} exceeds the model's {model_max} positions")
-        plan_args = dict(budget_bytes=budget, block_size=self.config.block_size, dtype=self.dtype,
-                         max_num_seqs=self.config.max_num_seqs)
-        if self.config.max_model_len is None:
-            wanted = min(wanted, longest_context(shape, **plan_args))
-        return plan_cache(shape, max_model_len=wanted, **plan_args), wanted, pool
+        # cpu_cache_bytes budgets the caches alone, as cache_budget_bytes reserves no activations on CPU
+        step_tokens = self.config.max_num_batched_tokens if self.device.type == "cuda" else 0
+        plan, max_model_len = plan_beside_capture(
+            shape, CaptureWorkspace.of(layout, step_tokens=step_tokens), budget_bytes=budget, max_model_len=wanted,
+            fit_context=self.config.max_model_len is None, block_size=self.config.block_size, dtype=self.dtype,
+            max_num_seqs=self.config.max_num_seqs)
+        return plan, max_model_len, pool
 
-    def _build_caches(self, plan: CachePlan, pool_bytes: int) -> None:
+    def _build_caches(self, plan: CachePlan, pool_bytes: int, layout: SegmentLayout) -> None:
         bs, shape = self.config.block_size, self.model.cache_shape()
         # One extra page and slot: the scratch that CUDA-graph padding rows write into.
         self.caches = ModelCaches(shape, plan.num_blocks + 1, bs, plan.num_slots + 1, self.dtype, self.device)
@@ -409,8 +463,6 @@ class LLMEngine:
         settings = RunnerSettings(bs, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                   self.max_model_len, self.tokenizer.vocab_size,
                                   not self.config.enforce_eager and self.device.type == "cuda")
-        state_dtype = resolve_segment_state_dtype(self.config.segment_state_dtype, self.dtype)
-        layout = SegmentLayout.from_cache_shape(shape, state_dtype, self.dtype)
         lower = build_lower_tiers(self.config, self.device, layout, pool_bytes, self._fingerprint(), self.model_dir,
                                   self.max_model_len)
         self.store = SegmentStore(layout, pool_bytes, self.device, lower)
@@ -471,6 +523,17 @@ def _step_work(batch: ScheduledBatch) -> StepWork | None:
     prefills = [c.chunk for c in batch.chunks[batch.num_decodes:]]
     return StepWork(sum(c.num_tokens for c in prefills), sum(chunk_attention(c.start, c.num_tokens) for c in prefills),
                     batch.num_decodes, sum(c.start for c in prefills))
+
+
+def _memory_figures(message: str) -> tuple[int | None, int | None]:
+    """(bytes asked, bytes free) from torch's message: "Tried to allocate 640.00 MiB. GPU 0 has a
+    total capacity of 139.80 GiB of which 163.12 MiB is free"; None where it says nothing."""
+    asked = re.search(r"Tried to allocate ([\d.]+) ([KMGT]?i?B)", message)
+    free = re.search(r"of which ([\d.]+) ([KMGT]?i?B) is free", message)
+    return tuple(None if m is None else int(float(m.group(1)) * _UNITS[m.group(2)]) for m in (asked, free))
+
+
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
 
 def _logits_rows(logits: torch.Tensor, index: list[int]) -> torch.Tensor:

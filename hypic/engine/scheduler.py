@@ -4,7 +4,9 @@ Decodes go first (one token each), then running short or warm prefills, then new
 requests, then long prefills and cold segment jobs, all under one token budget. While anything else
 is in flight, the long ones together cost at most `long_prefill_token_threshold` a step (counted by
 `PrefillCost`: a chunk deep in its context counts its attention), so a step that holds one stays
-near a decode step's time; alone they take the whole budget. Admission is fair between requests: waiting sequences are taken round-robin over
+near a decode step's time; alone they take the whole budget. Cold jobs also stay within the capture
+workspace the memory plan leaves free: at most `capture_jobs` capture in a step, and one starts a
+partial tuple only while fewer than `partial_jobs` are kept (`hypic.cache.memory_plan`). Admission is fair between requests: waiting sequences are taken round-robin over
 their admission groups (a client's batch is one group). A queued sequence's turn is one past the
 turn being served or its group's last queued turn, whichever is later; turns are admitted in
 order (queue order within one), so a batch of many prompts never holds back a request that came
@@ -19,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hypic.cache.block_pool import BlockPool, NoFreeBlocks
+from hypic.cache.memory_plan import CAPTURE_JOBS, PARTIAL_JOBS
 from hypic.cache.model_caches import ModelCaches
 from hypic.cache.prefix_cache import PrefixCache, accepted_provenances, share_pages
 from hypic.cache.slot_pool import SlotPool
@@ -64,6 +67,8 @@ class SchedulerLimits:
     max_num_batched_tokens: int
     block_size: int
     long_prefill_cost: int = 0  # EngineConfig.long_prefill_token_threshold, resolved; 0: no cap
+    capture_jobs: int = CAPTURE_JOBS  # cold jobs capturing interior rows in one step
+    partial_jobs: int = PARTIAL_JOBS  # cold jobs kept part-captured between steps
 
 
 @dataclass
@@ -73,6 +78,8 @@ class StepBudget:
     tokens: int  # of max_num_batched_tokens
     long_cost: float  # of the long-prefill cost cap (math.inf: none this step)
     long_started: bool = False  # a long chunk is in the step
+    capture_jobs: int = 0  # cold jobs that may still capture interior rows this step
+    partial_jobs: int = 0  # cold jobs that may still start a partial tuple this step
 
 
 class Scheduler:
@@ -97,7 +104,10 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> ScheduledBatch:
-        batch, budget = ScheduledBatch(), StepBudget(self.limits.max_num_batched_tokens, self._long_prefill_cap())
+        partial = sum(s.pic.captured is not None for s in self.running)
+        batch, budget = ScheduledBatch(), StepBudget(self.limits.max_num_batched_tokens, self._long_prefill_cap(),
+                                                     capture_jobs=self.limits.capture_jobs,
+                                                     partial_jobs=self.limits.partial_jobs - partial)
         for seq in [s for s in self.running if s.in_decode]:
             if budget.tokens > 0 and seq in self.running and self._reserve(seq, seq.num_computed + 1, batch):
                 batch.chunks.append(ScheduledChunk(seq, seq.next_chunk(1)))
@@ -124,7 +134,8 @@ class Scheduler:
         the step's short ones (only `jobs=False` returns any)."""
         deferred = []
         for seq in self._admission_order(jobs):
-            if budget.tokens <= 0 or len(self.running) >= self.limits.max_num_seqs or not self._admit(seq):
+            full = budget.tokens <= 0 or (jobs and budget.capture_jobs <= 0)
+            if full or len(self.running) >= self.limits.max_num_seqs or not self._admit(seq):
                 break
             self.waiting.remove(seq)
             self.running.append(seq)
@@ -152,9 +163,10 @@ class Scheduler:
             not s.pic.blocked and not self._long(s) for s in self.waiting)  # a job is long
         return self.limits.long_prefill_cost if others else math.inf
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Free a sequence's memory, keeping a checkpoint of everything it computed."""
-        if seq.status is SequenceStatus.RUNNING and seq.num_computed > 0:
+    def finish(self, seq: Sequence, reason: str, *, checkpoint: bool = True) -> None:
+        """Free a sequence's memory, keeping a checkpoint of everything it computed (unless not
+        `checkpoint`: its step failed, leaving its state slot half-written)."""
+        if checkpoint and seq.status is SequenceStatus.RUNNING and seq.num_computed > 0:
             self._checkpoint(seq, seq.num_computed)
         if seq in self.running:
             self.running.remove(seq)
@@ -173,6 +185,13 @@ class Scheduler:
                 self._checkpoint(seq, end)
             if scheduled.checkpoint_slot is not None:
                 self._checkpoint(seq, end - 1, scheduled.checkpoint_slot)
+                self.slots.release(scheduled.checkpoint_slot)
+
+    def drop_step(self, batch: ScheduledBatch) -> None:
+        """A step whose forward failed (`after_step` never runs): the slots it took for checkpoints
+        go back empty."""
+        for scheduled in batch.chunks:
+            if scheduled.checkpoint_slot is not None:
                 self.slots.release(scheduled.checkpoint_slot)
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
@@ -225,6 +244,10 @@ class Scheduler:
         scheduled = self._through_last_checkpoint(seq, chunk, budget.tokens, batch) or ScheduledChunk(seq, chunk)
         batch.chunks.append(scheduled)
         budget.tokens -= scheduled.chunk.num_tokens
+        if seq.pic.job is not None:
+            captures, partial = _capture_kind(seq, scheduled.chunk)
+            budget.capture_jobs -= captures
+            budget.partial_jobs += partial
         if self._long(seq):
             budget.long_cost -= self.cost.cost(chunk.start, chunk.num_tokens)
             budget.long_started = True
@@ -234,7 +257,9 @@ class Scheduler:
         tokens = min(budget.tokens, self._fitting_tokens(seq))
         if self._long(seq):
             tokens = min(tokens, self._long_tokens(seq, budget))
-        return self._job_tokens(seq, tokens) if seq.pic.job is not None else tokens
+        if seq.pic.job is None:
+            return tokens
+        return self._capture_tokens(seq, self._job_tokens(seq, tokens), budget)
 
     def _long_tokens(self, seq: Sequence, budget: StepBudget) -> int:
         """Tokens from `seq`'s position within the long-prefill cost left this step; the step's first
@@ -264,6 +289,17 @@ class Scheduler:
         start, end = seq.num_computed, seq.pic.job.interior[1]
         stop, tail_start = min(end, start + tokens), end - self.caches.shape.conv_kernel + 1
         return max(0, (tail_start if tail_start < stop < end else stop) - start)
+
+    @staticmethod
+    def _capture_tokens(seq: Sequence, tokens: int, budget: StepBudget) -> int:
+        """A cold job's chunk of `tokens` within the step's capture bounds (`SchedulerLimits`), else
+        none, and no job captures more this step: it waits for the next, and the jobs behind it are
+        not admitted only to wait in seats."""
+        captures, partial = _capture_kind(seq, seq.next_chunk(tokens))
+        if captures and (budget.capture_jobs <= 0 or budget.partial_jobs + partial < 0):
+            budget.capture_jobs = 0
+            return 0
+        return tokens
 
     def _fitting_tokens(self, seq: Sequence) -> int:
         capacity = (len(seq.block_ids) + self.blocks.num_free) * self.limits.block_size
@@ -380,6 +416,16 @@ class Scheduler:
         if seq.info.cache_mode != "none" and seq.pic.job is None:
             self.prefix.insert(seq.token_bytes(length), seq.info.cache_salt, seq.provenance(length),
                                seq.block_ids, seq.slot if state_slot is None else state_slot)
+
+
+def _capture_kind(seq: Sequence, chunk: Chunk) -> tuple[bool, int]:
+    """Whether a cold job's chunk holds interior rows (captures), and how it changes the partial
+    tuples kept: -1 when it leaves the interior unfinished with none before (one kept until its next
+    chunk), +1 when it finishes one kept from an earlier step, else 0."""
+    start, end = seq.pic.job.interior
+    captures = max(chunk.start, start) < min(chunk.end, end)  # an empty chunk captures nothing
+    kept, ends = seq.pic.captured is not None, chunk.end >= end
+    return captures, int(captures and kept and ends) - int(captures and not kept and not ends)
 
 
 def _in_turn(waiting: list[Sequence]) -> list[Sequence]:

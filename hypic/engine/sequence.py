@@ -117,3 +117,4 @@ class Sequence:
         """After preemption: everything is recomputed later (possibly from a prefix checkpoint)."""
         self.num_computed, self.block_ids, self.slot = 0, [], None
         self.status = SequenceStatus.WAITING
+        self.pic.captured, self.pic.captured_kv = None, []  # a cold job's partial tuple: recomputed too

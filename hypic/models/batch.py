@@ -126,8 +126,11 @@ class Capture:
     tail_rows: torch.Tensor  # [E, W-1] rows of the pre-conv inputs just before each ending interior's end
     staged: TupleStaging  # the E ending jobs' tuples, in order; K/V of every job's interior rows
     ending: torch.Tensor | None  # [E] the ending jobs among the J (None: all of them)
-    T: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, HV, *t_shape], if a job goes on
-    S0: list[torch.Tensor] = field(default_factory=list)  # per linear layer [J, HV, K, V], if a job goes on
+    going_on: torch.Tensor | None  # [P] the other jobs among the J, whose next chunks compose after this one
+    # per linear layer [P, HV, *t_shape] and [P, HV, K, V]: only the rows of the jobs going on (each keeps
+    # its own until its next chunk), not the step's [J, ...]
+    T: list[torch.Tensor] = field(default_factory=list)
+    S0: list[torch.Tensor] = field(default_factory=list)
     full_layers: int = 0  # full layers captured so far
 
     def add_linear(self, linear_index: int, T: torch.Tensor, S0: torch.Tensor, conv_in: torch.Tensor) -> None:
@@ -137,9 +140,9 @@ class Capture:
         st.part(0, linear_index).copy_(T if self.ending is None else T[self.ending])
         st.part(1, linear_index).copy_(S0 if self.ending is None else S0[self.ending])
         st.part(2, linear_index).copy_(conv_in[self.tail_rows].transpose(1, 2))
-        if self.ending is not None:
-            self.T.append(T)
-            self.S0.append(S0)
+        if self.going_on is not None:
+            self.T.append(T[self.going_on])
+            self.S0.append(S0[self.going_on])
 
     def add_full(self, k_pre_rope: torch.Tensor, v: torch.Tensor | None) -> None:
         """A full layer's interior K (before RoPE) and V, gathered into the staging; v None: the K rows

@@ -15,6 +15,7 @@ from hypic.errors import (
     HypicError,
     InvalidRequestError,
     PromptTooLongError,
+    StepOutOfMemoryError,
 )
 from hypic.serve.protocol import ErrorBody, ErrorDetail, encoder
 
@@ -88,11 +89,16 @@ def from_engine_error(error: HypicError, param_names: dict[str, str]) -> ApiErro
         first_word = str(error).split(" ", 1)[0]  # SamplingParams messages start with the field name
         return bad_request(str(error), param_names.get(first_word))
     if isinstance(error, EngineOverloadedError):
-        retry = str(max(1, math.ceil(error.retry_after)))
-        return ApiError(503, f"server overloaded: {error}", code="overloaded", headers={"Retry-After": retry})
+        return ApiError(503, f"server overloaded: {error}", code="overloaded", headers=_retry_after(error.retry_after))
+    if isinstance(error, StepOutOfMemoryError):
+        return ApiError(503, str(error), code="step_out_of_memory", headers=_retry_after(error.retry_after))
     if isinstance(error, EngineDeadError):
         return ApiError(503, f"the engine cannot serve this request: {error}", code=type(error).__name__)
     return ApiError(500, f"the engine failed: {type(error).__name__}: {error}")
+
+
+def _retry_after(seconds: float) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
 def from_http_exception(error: web.HTTPException) -> ApiError:

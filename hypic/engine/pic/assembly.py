@@ -166,21 +166,25 @@ class PicAssembler:
                 self._scatter_pieces(seq)
 
     def after_step(self, batch: ScheduledBatch, capture: Capture | None) -> list[tuple[Sequence, bool]]:
-        """Unpins composed pieces, keeps each cold job's tuple so far and stores the complete ones;
-        returns (finished job, stored) pairs."""
+        """Keeps each cold job's tuple so far, stores the complete ones and unpins composed pieces
+        (last: a step that runs out of memory before then gives back every pin its sequences hold,
+        `release`); returns (finished job, stored) pairs."""
+        done = [] if capture is None else self._keep_captures(batch, capture)
         for scheduled in batch.chunks:
             for _, piece in scheduled.chunk.cached:
                 self.store.unpin(piece.entry)
-        if capture is None:
-            return []
-        done, ending = [], itertools.count()
+        return done
+
+    def _keep_captures(self, batch: ScheduledBatch, capture: Capture) -> list[tuple[Sequence, bool]]:
+        done, ending, going_on = [], itertools.count(), itertools.count()
         starts = itertools.accumulate(capture.spans.lens, initial=0)
         for j, (i, start) in enumerate(zip(capture.jobs, starts)):
             pic = batch.chunks[i].seq.pic
             kv = [*([] if capture.priors[j] is None else pic.captured_kv),
                   capture.staged.kv[start:start + capture.spans.lens[j]]]
             if not capture.ends[j]:  # its next chunk composes after this one's (T, S0)
-                pic.captured = TupleSoFar([t[j] for t in capture.T], [s[j] for s in capture.S0])
+                p = next(going_on)
+                pic.captured = TupleSoFar([t[p] for t in capture.T], [s[p] for s in capture.S0])
                 pic.captured_kv = [*kv[:-1], kv[-1].clone()]  # a copy: the step's staging is let go
                 continue
             stored = self.store.put_staged(pic.job.key, pic.job.interior, capture.staged.fixed[next(ending)], kv)
@@ -188,6 +192,14 @@ class PicAssembler:
             self._wake(pic.job.key, stored)
             done.append((self.jobs.pop(pic.job.key), stored))
         return done
+
+    def drop_job(self, seq: Sequence) -> None:
+        """A cold job whose step ran out of memory: its partial tuple goes (its state slot is
+        half-written) and the requests waiting for it compute the segment in full (exact)."""
+        seq.pic.captured, seq.pic.captured_kv = None, []
+        if self.jobs.get(seq.pic.job.key) is seq:  # else the step stored it before failing
+            del self.jobs[seq.pic.job.key]
+            self._wake(seq.pic.job.key, stored=False)
 
     def start_job(self, job: SegmentJob) -> Sequence:
         """The isolated prefill of one cold segment (one per key at a time)."""

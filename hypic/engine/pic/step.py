@@ -125,7 +125,8 @@ def build_capture(chunks: list, seq_lens: tuple[int, ...], layout: SegmentLayout
                    priors=tuple(None if chunk.start <= job.interior[0] else so_far for _, job, chunk, so_far in jobs),
                    ends=ends, spans=rows, tail_rows=_long(tails, device).reshape(len(tails), width - 1),
                    staged=TupleStaging(layout, len(tails), rows.rows.numel(), device),
-                   ending=None if all(ends) else _long([j for j, end in enumerate(ends) if end], device))
+                   ending=None if all(ends) else _long([j for j, end in enumerate(ends) if end], device),
+                   going_on=None if all(ends) else _long([j for j, end in enumerate(ends) if not end], device))
 
 
 def _interior_rows(job, chunk) -> tuple[int, int] | None:
