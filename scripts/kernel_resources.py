@@ -70,7 +70,7 @@ def compile_mla(tokens: int) -> tuple[mla_attention.LatentTiling, Any]:
     constants = mla_attention.launch_constants(s["heads"], s["rank"], s["rope"], s["page"], torch.bfloat16, tiling)
     pointers = {"q": "*bf16", "pages": "*bf16", "block_tables": "*i32", "kv_lens": "*i32", "positions": "*i64",
                 "cu_seqlens": "*i32", "out": "*fp32" if tiling.splits > 1 else "*bf16", "lse": "*fp32",
-                "num_seqs": "i32", "scale_log2": "fp32", "stride_bt": "i32", "stride_os": "i32", "stride_ls": "i32"}
+                "scale_log2": "fp32"}
     options = {"num_warps": tiling.warps, "num_stages": tiling.stages}
     return tiling, compile_sm90(kernel, constants, pointers, options)
 
@@ -123,9 +123,11 @@ def compile_sm90(kernel, constants: dict, pointers: dict[str, str], options: dic
     from triton.compiler import ASTSource
 
     signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in kernel.arg_names}
-    # pointers 16-byte aligned, as Triton's launcher specialises torch's allocations
+    # pointers 16-byte aligned, as Triton's launcher specialises torch's allocations (but those the kernel
+    # leaves unspecialised)
+    unaligned = kernel.fn.jit_options["do_not_specialize_on_alignment"]
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-               if signature[name].startswith("*")}
+               if signature[name].startswith("*") and name not in unaligned}
     source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(n),): v for n, v in constants.items()},
                        attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)

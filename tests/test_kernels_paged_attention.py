@@ -9,6 +9,8 @@ import itertools
 import pytest
 import torch
 
+from hypic.kernels import activation
+from hypic.kernels import paged_attention as paged_attention_module
 from hypic.kernels.paged_attention import (NARROW_PREFILL_TILINGS, PREFILL_SPLIT_MIN_KV, SPLIT_TILING, Tiling,
                                            paged_attention, paged_attention_ref, paged_attention_triton, write_kv)
 from kernel_cases import PagedBatch, dense_causal_attention, interpreted, make_paged, rel_err
@@ -262,6 +264,62 @@ def test_gpu_decode_replays_in_cuda_graph() -> None:
     pb.positions.copy_(pb.kv_lens.long() - 1)
     graph.replay()
     assert rel_err(out, call(paged_attention_ref, pb, 4, scale)) < 1e-2
+
+
+def compiled_variants() -> dict[str, int]:
+    """Variants Triton has compiled so far of each kernel a paged-attention step may launch (its
+    per-device kernel caches; 0 before the module is bound)."""
+    kernels = {name: vars(paged_attention_module)[name] for name in ("_paged_attention_kernel", "_merge_kernel")}
+    kernels["_sigmoid_gate_kernel"] = activation._sigmoid_gate_kernel
+    return {name: sum(len(caches[0]) for caches in getattr(kernel, "device_caches", {}).values())
+            for name, kernel in kernels.items()}
+
+
+@pytest.mark.gpu
+def test_gpu_decode_sweep_compiles_no_new_variants() -> None:
+    """Issues 28, 29: after one unsplit and one split decode step, gated decode steps of 1 to 40
+    sequences over 9 to 8000 keys (1 to 62 KV splits) compile nothing more. Every sequence reads
+    the same pages of one cache (the kernels only read them)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cache = torch.randn(8000 // GPU_BLOCK, GPU_BLOCK, GPU_KV_HEADS, GPU_HEAD_DIM, generator=gen, device="cuda",
+                        dtype=torch.bfloat16)
+
+    def step(kv_lens: list[int]) -> int:
+        batch, width = len(kv_lens), -(-max(kv_lens) // GPU_BLOCK)
+        q = torch.randn(batch, GPU_HEADS, GPU_HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
+        lens = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
+        tables = torch.arange(width, dtype=torch.int32, device="cuda").expand(batch, width).contiguous()
+        gate = torch.randn(batch, GPU_HEADS * GPU_HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
+        paged_attention(q, cache, cache, tables, lens, lens.long() - 1,
+                        torch.arange(batch + 1, dtype=torch.int32, device="cuda"), scale=GPU_HEAD_DIM ** -0.5,
+                        num_decodes=batch, seq_lens_cpu=(1,) * batch, max_kv_len=max(kv_lens), gate=gate)
+        return Tiling.choose(q, cache, (1,) * batch, max(kv_lens)).splits
+
+    assert step([40] * 40) == 1 and step([4000]) > 1
+    warm = compiled_variants()
+    splits = {step([max(1, longest - 13 * i) for i in range(batch)])
+              for batch, longest in itertools.product((1, 2, 3, 7, 16, 17, 33, 40), (9, 130, 1000, 8000))}
+    torch.cuda.synchronize()
+    assert len(splits) > 8
+    assert compiled_variants() == warm
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_step_sweep_compiles_no_new_variants() -> None:
+    """float32 steps (one tile for decodes and prefills) of 0 to 9 decodes then 1 to 3 prefill chunks,
+    all unsplit: the first step compiles the kernel, the others nothing (the prefill group's first
+    sequence and token move with the decodes before it)."""
+    def step(num_decodes: int, prefills: tuple[int, ...]) -> None:
+        q_lens = [1] * num_decodes + list(prefills)
+        pb = gpu_batch([n + 50 for n in q_lens], q_lens, torch.float32, seed=len(q_lens))
+        call(paged_attention, pb, num_decodes, GPU_HEAD_DIM ** -0.5)
+
+    step(1, (20,))
+    warm = compiled_variants()
+    for num_decodes, prefills in itertools.product((0, 1, 2, 9), ((1,), (16, 3), (40, 17, 2))):
+        step(num_decodes, prefills)
+    torch.cuda.synchronize()
+    assert compiled_variants() == warm
 
 
 def assembly_positions(kv_len: int, seam: int = 8) -> list[int]:

@@ -55,7 +55,7 @@ def silu_and_mul_triton(h: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("rows",))
 def _silu_mul_kernel(h, out, rows, stride_h, I: tl.constexpr, BI: tl.constexpr, BR: tl.constexpr):
     r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     o_i = tl.program_id(1) * BI + tl.arange(0, BI)
@@ -67,7 +67,7 @@ def _silu_mul_kernel(h, out, rows, stride_h, I: tl.constexpr, BI: tl.constexpr, 
     tl.store(out + (r * I)[:, None] + o_i[None, :], (act * up).to(out.dtype.element_ty), mask=m)
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("rows",))
 def _sigmoid_gate_kernel(x, gate, out, rows, stride_x, stride_g, C: tl.constexpr, BC: tl.constexpr,
                          BR: tl.constexpr):
     r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)

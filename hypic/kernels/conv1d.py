@@ -174,7 +174,7 @@ def decode_shifted_window(p_window, c, m_c, b_x, keep, W: tl.constexpr, BW: tl.c
     return p, shifted.to(p_window.dtype.element_ty), m_c[:, None] & (o_w[None, :] < W - 1)
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("first_seq", "num_seqs"))
 def _conv_varlen_kernel(x, w, bias, y, pool, slots, has_state, cu_seqlens, first_seq, num_seqs,
                         stride_x, stride_y, D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
                         BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
@@ -206,7 +206,7 @@ def _conv_varlen_kernel(x, w, bias, y, pool, slots, has_state, cu_seqlens, first
     tl.store(p_y, acc.to(y.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("first_seq",))
 def _conv_window_kernel(x, pool, slots, has_state, cu_seqlens, first_seq, stride_x,
                         D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr):
     seq = first_seq + tl.program_id(0)

@@ -77,7 +77,7 @@ def gdn_gates_triton(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
     return g, beta
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("rows",))
 def _l2norm_kernel(qk, q, k, rows, stride_t, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                    BR: tl.constexpr):
     """Row r = token r // (2H), head j = r % (2H): heads j < H are q's, the others k's."""
@@ -93,7 +93,7 @@ def _l2norm_kernel(qk, q, k, rows, stride_t, eps, H: tl.constexpr, D: tl.constex
     tl.store(k + dense, y, mask=m & (~is_q))
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("tokens",))
 def _gates_kernel(a, b, A_log, dt_bias, g, beta, tokens, stride_a, stride_b, HV: tl.constexpr,
                   BH: tl.constexpr, BR: tl.constexpr):
     t = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)

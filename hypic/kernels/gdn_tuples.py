@@ -145,7 +145,8 @@ def chunk_table(starts: tuple[int, ...], lens: tuple[int, ...], device: torch.de
     return host_to_device([*rows, *firsts, *sizes, *counts], torch.int32, device).view(2, -1)
 
 
-@triton_kernel
+# the chunk table's rows are views at offsets that change with the step's chunk count
+@triton_kernel(do_not_specialize_on_alignment=("chunk_sizes",))
 def _chunk_factor_kernel(k, v, g, beta, factors, chunk_rows, chunk_sizes, stride_k, stride_v, stride_g, stride_b,
                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                          BK: tl.constexpr, BN: tl.constexpr):
@@ -274,7 +275,7 @@ def _keys(p_k, m_k, row0, o_t, size, stride_k):
     return tl.load(p_k + (row0 + o_t)[:, None] * stride_k, mask=mask, other=0.0).to(tl.float32)
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize_on_alignment=("span_firsts", "span_counts"))
 def _ordered_product_kernel(factors, out, span_firsts, span_counts, H: tl.constexpr, HV: tl.constexpr,
                             K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr):
     """Columns [i_j BJ, (i_j + 1) BJ) of span i_b's [T | S0] (value head i_hv): [I | 0] through its chunks."""

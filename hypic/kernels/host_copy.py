@@ -19,7 +19,18 @@ def host_to_device(values: torch.Tensor | list, dtype: torch.dtype, device: torc
     return host.pin_memory().to(device, non_blocking=True)
 
 
-_ALIGN = 8  # bytes: each packed tensor starts where any dtype's view of it is aligned
+# bytes: each packed tensor starts where any dtype's view of it is aligned, and 16-byte aligned whatever
+# the step's sizes: Triton specialises kernels on a pointer's 16-byte alignment, so a batch whose
+# tensors landed 8 bytes off would compile them again
+_ALIGN = 16
+
+
+def packed_offsets(sizes: list[int]) -> list[int]:
+    """Where tensors of `sizes` bytes start in one packed buffer (each at a multiple of _ALIGN), then its size."""
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + -(-size // _ALIGN) * _ALIGN)
+    return offsets
 
 
 def host_to_device_packed(tensors: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
@@ -28,9 +39,7 @@ def host_to_device_packed(tensors: list[torch.Tensor], device: torch.device | st
     if torch.device(device).type != "cuda":
         return tensors
     sizes = [t.numel() * t.element_size() for t in tensors]
-    offsets = [0]
-    for size in sizes:
-        offsets.append(offsets[-1] + -(-size // _ALIGN) * _ALIGN)
+    offsets = packed_offsets(sizes)
     staging = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=True)
     for tensor, start, size in zip(tensors, offsets, sizes):
         staging[start:start + size] = tensor.contiguous().view(-1).view(torch.uint8)

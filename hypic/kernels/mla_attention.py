@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from hypic.kernels.paged_attention import attend_ref, merge_splits, paged_attention_ref, streaming_multiprocessors
+from hypic.kernels.paged_attention import (MAX_KV_SPLITS, attend_ref, merge_splits, paged_attention_ref,
+                                           streaming_multiprocessors)
 from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
 from hypic.kernels.varlen_tiles import num_tiles, tile_start
 
@@ -121,11 +122,13 @@ class LatentTiling:
         return dataclasses.replace(tiling, splits=splits)
 
     def check(self, rank: int) -> None:
-        """tl.dot's operands are at least 16 wide; the kernel knows one or two output parts."""
+        """tl.dot's operands are at least 16 wide; the kernel knows one or two output parts; the merge reads
+        up to MAX_KV_SPLITS splits."""
         if self.parts not in (1, 2) or rank % self.parts or self.rows < 16 or rank // self.parts < 16 \
-                or self.heads & (self.heads - 1):
+                or self.heads & (self.heads - 1) or not 1 <= self.splits <= MAX_KV_SPLITS:
             raise ValueError(f"a latent tile of {self.tokens} tokens x {self.heads} heads in {self.parts} parts of "
-                             f"rank {rank} needs rows >= 16, 1 or 2 parts of >= 16 channels, a power-of-two head tile")
+                             f"rank {rank} in {self.splits} KV splits needs rows >= 16, 1 or 2 parts of >= 16 "
+                             f"channels, a power-of-two head tile, 1 to {MAX_KV_SPLITS} splits")
 
     def programs(self, seq_lens: tuple[int, ...], heads: int) -> int:
         """Programs with work: token tiles of each sequence x head tiles x output parts."""
@@ -166,28 +169,30 @@ def mla_attention_triton(q_abs: torch.Tensor, pages: torch.Tensor, block_tables:
 def _launch(q_abs: torch.Tensor, pages: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
             positions: torch.Tensor, cu_seqlens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
             scale: float, rank: int, grid: tuple[int, int, int], t: LatentTiling) -> None:
-    """`out` is [N, H, rank], or [splits, N, H, rank] float32 with `lse` [splits, N, H] (log2 units)."""
+    """`out` is [N, H, rank], or [splits, N, H, rank] float32 (dense) with `lse` [splits, N, H] (log2 units)."""
     _mla_kernel[grid](
-        q_abs, pages, block_tables, kv_lens, positions, cu_seqlens, out, lse, len(cu_seqlens) - 1,
-        scale * math.log2(math.e), block_tables.stride(0), out.stride(0) if lse is not None else 0,
-        lse.stride(0) if lse is not None else 0, num_warps=t.warps, num_stages=t.stages,
+        q_abs, pages, block_tables, kv_lens, positions, cu_seqlens, out, lse, len(cu_seqlens) - 1, q_abs.shape[0],
+        t.splits, scale * math.log2(math.e), block_tables.stride(0), num_warps=t.warps, num_stages=t.stages,
         **launch_constants(q_abs.shape[1], rank, q_abs.shape[2] - rank, pages.shape[1], q_abs.dtype, t))
 
 
 def launch_constants(heads: int, rank: int, rope: int, page: int, dtype: torch.dtype,
                      t: LatentTiling) -> dict[str, int | str]:
-    """The kernel's compile-time constants (shared with scripts/kernel_resources.py)."""
+    """The kernel's compile-time constants (shared with scripts/kernel_resources.py): the tile's, never the
+    split count's (a runtime value: one variant serves every split count above 1)."""
     channels = rank // t.parts
     return dict(H=heads, R=rank, P=rope, PAGE=page, BT=t.tokens, BH=t.heads, PARTS=t.parts, C=channels,
-                BC=next_power_of_2(channels), BP=max(16, next_power_of_2(rope)), BN=t.kv_block, SPLITS=t.splits,
+                BC=next_power_of_2(channels), BP=max(16, next_power_of_2(rope)), BN=t.kv_block, SPLIT=t.splits > 1,
                 DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
 
 
-@triton_kernel
-def _mla_kernel(q, pages, block_tables, kv_lens, positions, cu_seqlens, out, lse, num_seqs, scale_log2, stride_bt,
-                stride_os, stride_ls, H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, PAGE: tl.constexpr,
+# per-step values; the index tensors are a step's sequences, views at offsets that change with the batch
+@triton_kernel(do_not_specialize=("num_seqs", "num_tokens", "num_splits", "stride_bt"),
+               do_not_specialize_on_alignment=("block_tables", "kv_lens", "positions"))
+def _mla_kernel(q, pages, block_tables, kv_lens, positions, cu_seqlens, out, lse, num_seqs, num_tokens, num_splits,
+                scale_log2, stride_bt, H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, PAGE: tl.constexpr,
                 BT: tl.constexpr, BH: tl.constexpr, PARTS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                BP: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                BP: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     i_hc, i_split = tl.program_id(1), tl.program_id(2)
     seq, t0 = tile_start(cu_seqlens, 0, num_seqs, tl.program_id(0), BT)
     # row r = token t0 + r // BH, head (i_hc // PARTS) * BH + r % BH; output channels from `mine`
@@ -206,7 +211,7 @@ def _mla_kernel(q, pages, block_tables, kv_lens, positions, cu_seqlens, out, lse
     pos = tl.load(positions + o_tok, mask=m_row, other=-1).to(tl.int32)
     kv_len = tl.load(kv_lens + seq)
     # split i_split covers [start, start + split_len); causality caps it at the tile's largest position
-    split_len = tl.cdiv(tl.cdiv(kv_len, SPLITS), BN) * BN
+    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BN) * BN
     start = i_split * split_len
     stop = tl.minimum(tl.minimum(kv_len, tl.max(pos, axis=0) + 1), start + split_len)
     # finite, not -inf: a row that sees no key here (an empty split; an earlier token of the tile)
@@ -235,9 +240,9 @@ def _mla_kernel(q, pages, block_tables, kv_lens, positions, cu_seqlens, out, lse
         m_i = m_new
     o = acc / tl.maximum(l_i, 1.0e-30)[:, None]
     row = o_tok.to(tl.int64) * H + o_head
-    p_o = out + i_split * stride_os + row[:, None] * R + mine + o_c[None, :]
+    p_o = out + i_split * (num_tokens * H * R) + row[:, None] * R + mine + o_c[None, :]  # i_split 0 unsplit
     tl.store(p_o, o.to(out.dtype.element_ty), mask=m_row[:, None] & m_c[None, :])
-    if SPLITS > 1:
+    if SPLIT:
         if i_hc % PARTS == 0:  # every part computes the same softmax: part 0 writes it
             row_lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1.0e-30)), float("-inf"))
-            tl.store(lse + i_split * stride_ls + row, row_lse, mask=m_row)
+            tl.store(lse + i_split * (num_tokens * H) + row, row_lse, mask=m_row)

@@ -417,7 +417,8 @@ def _block_rows_of(rows, block_expert, i_m, num_blocks, num_pairs, tokens, TOPK:
     return routed, expert, row, token, m_row
 
 
-@triton_kernel
+# a step's block, pair and token counts
+@triton_kernel(do_not_specialize=("num_blocks", "num_pairs", "tokens"))
 def _moe_gate_up_kernel(x, w, w_shared, rows, block_expert, num_blocks, num_pairs, tokens, act, stride_x,
                         stride_we, stride_wn, stride_sn, stride_a, TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                         I: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -455,7 +456,7 @@ def _moe_gate_up_kernel(x, w, w_shared, rows, block_expert, num_blocks, num_pair
              mask=m_row[:, None] & m_n[None, :])
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("num_blocks", "num_pairs", "tokens"))
 def _moe_down_kernel(act, w, w_shared, rows, block_expert, num_blocks, num_pairs, tokens, out, stride_a,
                      stride_we, stride_wn, stride_sn, stride_o, TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                      I: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -489,7 +490,7 @@ def _real_pairs(i, num_pairs, valid_tokens, TOPK: tl.constexpr, HAS_VALID: tl.co
     return m
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("num_pairs",))
 def _count_kernel(ids, counts, rank, num_pairs, valid_tokens, TOPK: tl.constexpr, HAS_VALID: tl.constexpr,
                   BP: tl.constexpr):
     """counts[e] += 1 per real pair of expert e; the value it found is the pair's rank within e."""
@@ -499,7 +500,7 @@ def _count_kernel(ids, counts, rank, num_pairs, valid_tokens, TOPK: tl.constexpr
     tl.store(rank + i, tl.atomic_add(counts + expert, 1, mask=m), mask=m)
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("num_pairs", "num_blocks"))
 def _layout_kernel(counts, starts, block_expert, rows, num_pairs, num_blocks, E: tl.constexpr,
                    BE: tl.constexpr, BLOCK: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr):
     """One program: each expert's first padded row, each block's expert (E past the used blocks),
@@ -518,7 +519,7 @@ def _layout_kernel(counts, starts, block_expert, rows, num_pairs, num_blocks, E:
         tl.store(rows + r, tl.full((BP,), 0, tl.int64) + num_pairs, mask=r < num_blocks * BLOCK)
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("num_pairs",))
 def _place_kernel(ids, rank, starts, rows, num_pairs, valid_tokens, TOPK: tl.constexpr, HAS_VALID: tl.constexpr,
                   BP: tl.constexpr):
     i = tl.program_id(0) * BP + tl.arange(0, BP)
@@ -555,7 +556,7 @@ def _combine_kernel(y, weights, row_of_pair, shared, gate_logit, out, valid_toke
     tl.store(out + t * H + o_h, total, mask=m_out)
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("tokens",))
 def _route_kernel(logits, weights, ids, tokens, stride_l, E: tl.constexpr, K: tl.constexpr, BE: tl.constexpr,
                   BK: tl.constexpr, BR: tl.constexpr, RENORM: tl.constexpr):
     t = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
@@ -604,7 +605,7 @@ def _top_k(logits, bias, weights, ids, t, tokens, stride_l, scaling, E: tl.const
     return picked_id
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("tokens", "num_blocks"))
 def _route_blocks_kernel(logits, bias, weights, ids, rows, block_expert, tokens, stride_l, num_blocks, scaling,
                          valid_tokens, E: tl.constexpr, K: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
                          BK: tl.constexpr, BLOCK: tl.constexpr, BJ: tl.constexpr, BRW: tl.constexpr,

@@ -155,7 +155,7 @@ def norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, off
     return y
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("rows",))
 def _norm_kernel(x, residual, total, gate, w, positions, inv_freq, y, out_rows, copy_src, copy_dst, rows, heads,
                  stride_xn, stride_xh, stride_gn, stride_gh, stride_cn, stride_ch, eps, D: tl.constexpr,
                  BD: tl.constexpr, BR: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr,

@@ -150,11 +150,15 @@ def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, ga
 
 def merge_splits_triton(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
                         gate: torch.Tensor | None = None) -> None:
+    """One compiled merge serves every split count up to MAX_KV_SPLITS (a runtime loop, not a constexpr)."""
     splits, tokens, heads, dim = partial.shape
-    _merge_kernel[(tokens, heads)](partial, lse, out, gate, partial.stride(0), partial.stride(1), partial.stride(2),
-                                   lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-                                   gate.stride(0) if gate is not None else 0, S=splits, BS=next_power_of_2(splits),
-                                   D=dim, BD=next_power_of_2(dim), GATED=gate is not None)
+    if splits > MAX_KV_SPLITS:
+        raise ValueError(f"the split-KV merge takes at most {MAX_KV_SPLITS} splits, got {splits}")
+    partial, lse = partial.contiguous(), lse.contiguous()  # the kernel derives their split strides
+    gate_stride = gate.stride(0) if gate is not None else 0
+    _merge_kernel[(tokens, heads)](partial, lse, out, gate, tokens, splits, partial.stride(1), partial.stride(2),
+                                   lse.stride(1), out.stride(0), out.stride(1), gate_stride, BS=MAX_KV_SPLITS, D=dim,
+                                   BD=next_power_of_2(dim), GATED=gate is not None)
 
 
 # Prefill tiles (rows, kv_block, warps, stages) for wide heads (D > 128) and narrow ones (D <= 128;
@@ -224,8 +228,9 @@ class Tiling:
                 rows, kv_block, warps, stages = SPLIT_TILING
                 tiling = Tiling(rows, tiling.group, kv_block, 1, warps, stages)
                 splits = _kv_splits(_programs(tiling, seq_lens, k_cache), max_kv_len, q.device, decode)
-        if splits < 1:
-            raise ValueError(f"paged attention needs at least one KV split, got {splits}")
+        if not 1 <= splits <= MAX_KV_SPLITS:
+            raise ValueError(f"paged attention needs at least one KV split and at most {MAX_KV_SPLITS} (what the "
+                             f"merge reads), got {splits}")
         # the timed candidates are for prefills that fill the GPU unsplit
         return tiling if splits == 1 else dataclasses.replace(tiling, splits=splits, candidates=())
 
@@ -262,6 +267,9 @@ def _forced_shape(shape: Tiling, q: torch.Tensor, k_cache: torch.Tensor) -> Tili
 
 # A prefill over fewer keys walks short tiles anyway: splitting it would not repay the merge.
 PREFILL_SPLIT_MIN_KV = 1024
+# The most KV splits of a row: the merge kernel's bound, a compile-time constant so that one merge
+# serves every split count.
+MAX_KV_SPLITS = 64
 
 
 def streaming_multiprocessors(device: torch.device) -> int:
@@ -280,34 +288,36 @@ def _kv_splits(programs: int, max_kv_len: int, device: torch.device, decode: boo
     sms = streaming_multiprocessors(device)
     if not decode and (max_kv_len < PREFILL_SPLIT_MIN_KV or programs >= sms):
         return 1
-    return max(1, min(-(-2 * sms // programs), max_kv_len // 128, 64))
+    return max(1, min(-(-2 * sms // programs), max_kv_len // 128, MAX_KV_SPLITS))
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
             kv_lens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
             out: torch.Tensor, lse: torch.Tensor | None, out_row0: int, grid: tuple[int, int, int],
             tiling: Tiling, first_seq: int, num_seqs: int) -> None:
-    """`out` is [N, Hq, D], or [splits, tokens, Hq, D] float32 with `lse` [splits, tokens, Hq];
-    out's row 0 holds query token out_row0."""
+    """`out` is [N, Hq, D], or [splits, tokens, Hq, D] float32 (dense) with `lse` [splits, tokens, Hq];
+    out's row 0 holds query token out_row0. The split count and the sizes of this step are runtime
+    arguments, so that a tiling compiles once (twice: whole and split) whatever the batch."""
     head_dim = q.shape[2]
-    lse_strides = lse.stride()[:2] if lse is not None else (0, 0)
+    split_rows = out.shape[1] if lse is not None else 0  # tokens of one split's slice of out and lse
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, lse, out_row0, block_tables, kv_lens, positions, cu_seqlens, first_seq,
-        num_seqs, scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(-3), out.stride(-2),
-        out.stride(0) if lse is not None else 0, *lse_strides, k_cache.stride(0), k_cache.stride(1),
+        q, k_cache, v_cache, out, lse, out_row0, split_rows, block_tables, kv_lens, positions, cu_seqlens,
+        first_seq, num_seqs, tiling.splits, scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(-3),
+        out.stride(-2), lse.stride(-2) if lse is not None else 0, k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_tables.stride(0),
         G=q.shape[1] // k_cache.shape[2], GP=tiling.group, D=head_dim, BD=next_power_of_2(head_dim),
-        BM=tiling.rows, BN=tiling.kv_block, PAGE=k_cache.shape[1], SPLITS=tiling.splits,
+        BM=tiling.rows, BN=tiling.kv_block, PAGE=k_cache.shape[1], SPLIT=lse is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=tiling.warps,
         num_stages=tiling.stages)
 
 
-@triton_kernel
-def _paged_attention_kernel(q, k_cache, v_cache, out, lse, out_row0, block_tables, kv_lens, positions, cu_seqlens,
-                            first_seq, num_seqs, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
-                            stride_os, stride_ls, stride_lt, stride_kb, stride_kt, stride_kh, stride_bt,
+# per-step values (a block table is as wide as the step's longest sequence needs)
+@triton_kernel(do_not_specialize=("out_row0", "split_rows", "first_seq", "num_seqs", "num_splits", "stride_bt"))
+def _paged_attention_kernel(q, k_cache, v_cache, out, lse, out_row0, split_rows, block_tables, kv_lens, positions,
+                            cu_seqlens, first_seq, num_seqs, num_splits, scale_log2, stride_qt, stride_qh, stride_ot,
+                            stride_oh, stride_lt, stride_kb, stride_kt, stride_kh, stride_bt,
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                            BM: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
+                            BM: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
                             DOT_PRECISION: tl.constexpr):
     i_kvh, i_split = tl.program_id(1), tl.program_id(2)
     seq, t0 = tile_start(cu_seqlens, first_seq, num_seqs, tl.program_id(0), BM // GP)
@@ -324,7 +334,7 @@ def _paged_attention_kernel(q, k_cache, v_cache, out, lse, out_row0, block_table
     pos = tl.load(positions + o_tok, mask=m_row, other=-1).to(tl.int32)
     kv_len = tl.load(kv_lens + seq)
     # split i_split covers [start, start + split_len); causality caps it at the tile's largest position
-    split_len = tl.cdiv(tl.cdiv(kv_len, SPLITS), BN) * BN
+    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BN) * BN
     start = i_split * split_len
     stop = tl.minimum(tl.minimum(kv_len, tl.max(pos, axis=0) + 1), start + split_len)
     # finite, not -inf: a row that sees no key here (an empty split; an earlier token of a tile whose
@@ -350,25 +360,30 @@ def _paged_attention_kernel(q, k_cache, v_cache, out, lse, out_row0, block_table
         m_i = m_new
     o = acc / tl.maximum(l_i, 1.0e-30)[:, None]
     o_row = (o_tok - out_row0).to(tl.int64)
-    p_o = out + i_split * stride_os + o_row[:, None] * stride_ot + o_head[:, None] * stride_oh
+    # split slices of split_rows rows (i_split is 0 unsplit); a product of the specialised token stride keeps
+    # its divisibility, so the stores still vectorise
+    p_o = out + i_split * (split_rows * stride_ot) + o_row[:, None] * stride_ot + o_head[:, None] * stride_oh
     tl.store(p_o + o_d[None, :], o.to(out.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
-    if SPLITS > 1:
+    if SPLIT:
         row_lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1.0e-30)), float("-inf"))
-        tl.store(lse + i_split * stride_ls + o_row * stride_lt + o_head, row_lse, mask=m_row)
+        tl.store(lse + i_split * (split_rows * stride_lt) + o_row * stride_lt + o_head, row_lse, mask=m_row)
 
 
-@triton_kernel
-def _merge_kernel(partial, lse, out, gate, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot,
-                  stride_oh, stride_gt, S: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                  GATED: tl.constexpr):
+@triton_kernel(do_not_specialize=("tokens", "splits"))
+def _merge_kernel(partial, lse, out, gate, tokens, splits, stride_pt, stride_ph, stride_lt, stride_ot, stride_oh,
+                  stride_gt, BS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, GATED: tl.constexpr):
+    """partial [splits, tokens, Hq, D] and lse [splits, tokens, Hq] dense; splits <= BS. The split count
+    is a runtime value: the row's lse are one vector load masked to it, the partials a loop over it
+    (one [BD] accumulator, whatever the count)."""
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_s, o_d = tl.arange(0, BS), tl.arange(0, BD)
     m_d = o_d < D
-    row_lse = tl.load(lse + o_s * stride_ls + t * stride_lt + h, mask=o_s < S, other=float("-inf"))
+    stride_ps, stride_ls = tokens * stride_pt, tokens * stride_lt
+    row_lse = tl.load(lse + o_s * stride_ls + t * stride_lt + h, mask=o_s < splits, other=float("-inf"))
     top = tl.max(row_lse, axis=0)
     total = tl.sum(tl.exp2(row_lse - top), axis=0)
     acc = tl.zeros((BD,), dtype=tl.float32)
-    for s in tl.static_range(S):
+    for s in range(0, splits):  # in split order; the compiler unrolls it by four, loads ahead (sm90 SASS)
         weight = tl.exp2(tl.load(lse + s * stride_ls + t * stride_lt + h) - top)
         acc += weight * tl.load(partial + s * stride_ps + t * stride_pt + h * stride_ph + o_d, mask=m_d, other=0.0)
     merged = (acc / total).to(out.dtype.element_ty)
