@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
+import gc
 import json
 import re
+import threading
 from pathlib import Path
 from dataclasses import dataclass
 
@@ -24,6 +27,7 @@ from hypic.serve.args import add_serve_arguments, engine_config, server_settings
 from hypic.serve.completions import completion_prompts
 from hypic.serve.http_errors import ApiError, from_body_error, from_engine_error
 from hypic.serve.limits import RequestLimits
+from hypic.serve import memory
 from hypic.serve.logprobs import chat_logprobs, completion_logprobs
 from hypic.serve.metrics import ServerMetrics
 from hypic.serve.protocol import ChatRequest, CompletionRequest, unsupported_fields
@@ -77,6 +81,26 @@ def test_schema_errors_name_the_field() -> None:
 def test_malformed_json_is_a_400() -> None:
     error = _body_error(b'{"prompt": ', CompletionRequest)
     assert error.status == 400 and "not valid JSON" in error.message
+
+
+def test_large_bodies_are_decoded_and_trimmed_on_one_thread_of_their_own(monkeypatch) -> None:
+    """Not the event loop's nor its executor's threads: glibc keeps a heap per allocating thread,
+    and decodes spread over several left resident memory to the scheduling (hypic/serve/memory.py)."""
+    trimmed = []
+    monkeypatch.setattr(memory, "_malloc_trim", lambda: lambda pad: trimmed.append(threading.get_ident()))
+
+    async def main() -> tuple[list[int], int]:
+        bodies = memory.LargeBodies()
+        try:
+            decoded = await asyncio.gather(*(bodies.decode(threading.get_ident) for _ in range(4)))
+            await bodies.give_back_memory()
+            return decoded, await asyncio.to_thread(threading.get_ident)
+        finally:
+            bodies.close()
+
+    decoded, executor = asyncio.run(main())
+    assert len(set(decoded + trimmed)) == 1 and not {threading.get_ident(), executor} & set(decoded)
+    assert gc.isenabled()
 
 
 def test_unimplemented_fields_are_rejected_but_null_is_accepted() -> None:

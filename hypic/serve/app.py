@@ -43,8 +43,13 @@ def build_app(client: EngineClient, settings: ServerSettings) -> web.Application
     app.router.add_get("/metrics", info_routes.metrics)
     app.router.add_get("/admin/cache", admin_routes.cache_stats)
     app.router.add_post("/admin/cache/flush", admin_routes.flush_cache)
+    app.on_cleanup.append(_close_large_bodies)
     freeze_startup_objects()
     return app
+
+
+async def _close_large_bodies(app: web.Application) -> None:
+    app[STATE].large_bodies.close()
 
 
 def runner_for(app: web.Application, *, access_log: bool) -> web.AppRunner:

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from hypic.serve.http_errors import ApiError, from_http_exception, internal_error
-from hypic.serve.memory import LARGE_BODY_BYTES, give_back_memory
+from hypic.serve.memory import LARGE_BODY_BYTES
 from hypic.serve.state import STATE
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ async def give_back_large_bodies(request: web.Request, handler: Handler) -> web.
         return await handler(request)
     finally:
         if request.content.total_bytes >= LARGE_BODY_BYTES:
-            await give_back_memory()
+            await request.app[STATE].large_bodies.give_back_memory()
 
 
 @web.middleware

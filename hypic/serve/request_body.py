@@ -10,29 +10,28 @@ from aiohttp import web
 from hypic.errors import PromptTooLongError
 from hypic.serve.http_errors import ApiError, bad_request, from_body_error
 from hypic.serve.limits import RequestLimits, check_json_depth, check_prompt_chars, check_segments, check_sequences
-from hypic.serve.memory import collector_paused
+from hypic.serve.memory import LARGE_BODY_BYTES
 from hypic.serve.protocol import ChatMessage
 from hypic.serve.state import STATE, ServerState
 from hypic.serve.template import message_chars
 
 Body = TypeVar("Body", bound=msgspec.Struct)
 _CHUNK = 1 << 16
-_INLINE_BYTES = 1 << 20  # larger bodies are checked and decoded in a worker thread, off the event loop
 
 
 async def read_body(request: web.Request, body_type: type[Body]) -> Body:
-    """Large bodies are read and decoded one at a time: a decoded body may take many times its
-    bytes (a list of small objects), and bodies decoded together fragment the heap for good."""
+    """Small bodies are decoded inline. Large ones are read and decoded one at a time, on the
+    large-body thread, off the event loop: a decoded body may take many times its bytes (a list of
+    small objects), and bodies decoded together fragment the heap for good."""
     state = request.app[STATE]
     limits = state.settings.limits
-    if (request.content_length or _INLINE_BYTES + 1) <= _INLINE_BYTES:
+    if (request.content_length or LARGE_BODY_BYTES) < LARGE_BODY_BYTES:
         return _decode(await _read_raw(request, limits), body_type, limits.max_json_depth)
-    async with state.large_bodies:
+    async with state.large_bodies.turn:
         raw = await _read_raw(request, limits)
-        if len(raw) <= _INLINE_BYTES:
+        if len(raw) < LARGE_BODY_BYTES:
             return _decode(raw, body_type, limits.max_json_depth)
-        with collector_paused():  # one large body at a time: no other decode re-enables it early
-            return await asyncio.to_thread(_decode, raw, body_type, limits.max_json_depth)
+        return await state.large_bodies.decode(_decode, raw, body_type, limits.max_json_depth)
 
 
 async def _read_raw(request: web.Request, limits: RequestLimits) -> bytes:

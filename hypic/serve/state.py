@@ -1,13 +1,13 @@
 """What every handler needs: the engine client, the server's settings and its metrics."""
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from hypic.engine.client import EngineClient
 from hypic.serve.limits import RequestLimits
+from hypic.serve.memory import LargeBodies
 from hypic.serve.metrics import ServerMetrics
 
 
@@ -35,7 +35,7 @@ class ServerState:
     metrics: ServerMetrics
     max_prompt_chars: int  # more characters than this cannot fit the context even at the longest token
     draining: bool = False  # set once shutdown begins: new requests get 503
-    large_bodies: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))  # see read_body
+    large_bodies: LargeBodies = field(default_factory=LargeBodies)  # see read_body
 
     @property
     def model_name(self) -> str:
