@@ -94,7 +94,7 @@ def test_plain_decode_matches_the_unfused_mixer(groups: int, limit: tuple[float,
     for step in range(2):
         hidden = torch.randn(len(SLOT_ROWS), 32, generator=gen).to(dtype)
         with torch.no_grad():
-            expected = LinearMixer.forward(mixer, hidden, batch, *unfused, 0)
+            expected = LinearMixer.shared_path(mixer, hidden, batch, *unfused, 0)
             actual = mixer(hidden, batch, *fused, 0)
         assert torch.equal(actual[:REAL], expected[:REAL]), step
         assert_slots_match(fused, unfused, 0.0)
@@ -145,7 +145,7 @@ def test_nemotron_engine_decodes_alike_with_and_without_the_fused_step(tmp_path,
     model_dir = mamba2_models.make_model_dir(tmp_path, "nemotron_h", slow_decay=True, mamba_head_dim=16)
     jobs = [(prompt(*DOCS), greedy(12, logprobs=0)), ("hello world, the quick brown fox", greedy(9, logprobs=0))]
     fused = engine_run(model_dir, "cuda", jobs, cache_mode="none")
-    monkeypatch.setattr(Mamba2Mixer, "forward", LinearMixer.forward)
+    monkeypatch.setattr(Mamba2Mixer, "forward", LinearMixer.shared_path)
     unfused = engine_run(model_dir, "cuda", jobs, cache_mode="none")
     for fused_outs, unfused_outs in zip(fused, unfused):
         for f, u in zip(fused_outs, unfused_outs):

@@ -73,7 +73,7 @@ def test_fused_kda_decode_serves_as_the_unfused_path(model_dir, mode, monkeypatc
     mixer's unfused path (conv, operands, recurrence and norm apart) picks."""
     jobs = [(prompt(*DOCS), greedy(12, logprobs=0)), ("hello world, the quick brown fox", greedy(9, logprobs=0))]
     fused = engine_run(model_dir, "cuda", jobs, cache_mode=mode)
-    monkeypatch.setattr(KimiDeltaAttention, "forward", LinearMixer.forward)
+    monkeypatch.setattr(KimiDeltaAttention, "forward", LinearMixer.shared_path)
     unfused = engine_run(model_dir, "cuda", jobs, cache_mode=mode)
     for fused_outs, unfused_outs in zip(fused, unfused):
         for f, u in zip(fused_outs, unfused_outs):

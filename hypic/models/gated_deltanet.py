@@ -58,13 +58,9 @@ class GatedDeltaNet(LinearMixer):
         """Gated RMSNorm per value head (gate z), then the out projection: [N, HV, V] -> [N, hidden]."""
         return self.out_proj(self.norm(o, side[0]).reshape(o.shape[0], self.value_dim))
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, ssm_pool: torch.Tensor,
-                conv_pool: torch.Tensor, linear_index: int) -> torch.Tensor:
-        """A decode-only step without PIC work (what a CUDA graph replays) runs conv, operands, recurrence
-        and the gated norm as one fused step; every other step the mixer's shared path."""
-        if not batch.plain_decode:
-            return super().forward(hidden, batch, ssm_pool, conv_pool, linear_index)
-        conv_in, (z, b, a) = self.project(hidden)
+    def fused_decode(self, conv_in: torch.Tensor, side: tuple[torch.Tensor, ...], ssm_pool: torch.Tensor,
+                     conv_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        z, b, a = side
         layer = GdnDecodeLayer(self.conv1d_weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
                                self.num_k_heads, self.head_k_dim, self.head_v_dim, self.scale)
         normed = gdn_decode(conv_in, z, a, b, layer, ssm_pool, conv_pool, batch.slots, batch.has_state)

@@ -65,14 +65,10 @@ class KimiDeltaAttention(LinearMixer):
         """Sigmoid-gated RMSNorm per head, then o_proj: [N, H, K] -> [N, hidden]."""
         return self.o_proj(self.o_norm(o, side[2]).reshape(o.shape[0], self.qkv_dim))
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, ssm_pool: torch.Tensor,
-                conv_pool: torch.Tensor, linear_index: int) -> torch.Tensor:
-        """A decode-only step without PIC work (what a CUDA graph replays) runs conv, operands, recurrence
-        and the gated norm as one fused step; every other step the mixer's shared path."""
-        if not batch.plain_decode:
-            return super().forward(hidden, batch, ssm_pool, conv_pool, linear_index)
-        qkv, (b, f, gate) = self.project(hidden)
+    def fused_decode(self, conv_in: torch.Tensor, side: tuple[torch.Tensor, ...], ssm_pool: torch.Tensor,
+                     conv_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        b, f, gate = side
         layer = KdaDecodeLayer(self.conv1d_weight, self.A_log, self.dt_bias, self.o_norm.weight, self.o_norm.eps,
                                self.num_heads, self.head_dim, self.scale)
-        normed = kda_decode(qkv, b, f, gate, layer, ssm_pool, conv_pool, batch.slots, batch.has_state)
+        normed = kda_decode(conv_in, b, f, gate, layer, ssm_pool, conv_pool, batch.slots, batch.has_state)
         return self.o_proj(normed.reshape(normed.shape[0], self.qkv_dim))

@@ -66,14 +66,10 @@ class Mamba2Mixer(LinearMixer):
         x = conv_out[:, :self.inner].reshape(-1, self.num_heads, self.head_dim)
         return self.out_proj(self.norm(d_skip(o, x, self.D).reshape(x.shape[0], self.inner), side[0]))
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, ssm_pool: torch.Tensor,
-                conv_pool: torch.Tensor, linear_index: int) -> torch.Tensor:
-        """A decode-only step without PIC work (what a CUDA graph replays) runs conv, gates, recurrence,
-        D skip and gated norm as one fused step (`mamba2_decode`); every other step the mixer's shared path."""
-        if not batch.plain_decode:
-            return super().forward(hidden, batch, ssm_pool, conv_pool, linear_index)
-        xbc, (z, dt) = self.project(hidden)
-        normed = mamba2_decode(xbc, z, dt, self.decode_layer(), ssm_pool, conv_pool, batch.slots, batch.has_state)
+    def fused_decode(self, conv_in: torch.Tensor, side: tuple[torch.Tensor, ...], ssm_pool: torch.Tensor,
+                     conv_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        z, dt = side
+        normed = mamba2_decode(conv_in, z, dt, self.decode_layer(), ssm_pool, conv_pool, batch.slots, batch.has_state)
         return self.out_proj(normed)
 
     def decode_layer(self) -> Mamba2DecodeLayer:

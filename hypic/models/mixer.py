@@ -45,6 +45,12 @@ class LinearMixer(nn.Module, ABC):
     def output(self, o: torch.Tensor, conv_out: torch.Tensor, side: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The layer's output [N, hidden] from the recurrence output o [N, HV, V]."""
 
+    @abstractmethod
+    def fused_decode(self, conv_in: torch.Tensor, side: tuple[torch.Tensor, ...], ssm_pool: torch.Tensor,
+                     conv_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """A decode-only step without PIC work (what a CUDA graph replays): conv, operands, recurrence and
+        the output norm in the family's few fused kernels; the layer's output [N, hidden]."""
+
     def recur(self, x: Operands, ssm_pool: torch.Tensor, spans: StateSpans) -> torch.Tensor:
         """The recurrence over spans from their slots' states (written back); o [N, HV, V]."""
         return self.shape.family.recur_spans(x, ssm_pool, spans, scale=self.scale)
@@ -58,6 +64,13 @@ class LinearMixer(nn.Module, ABC):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, ssm_pool: torch.Tensor,
                 conv_pool: torch.Tensor, linear_index: int) -> torch.Tensor:
+        if batch.plain_decode:
+            return self.fused_decode(*self.project(hidden), ssm_pool, conv_pool, batch)
+        return self.shared_path(hidden, batch, ssm_pool, conv_pool, linear_index)
+
+    def shared_path(self, hidden: torch.Tensor, batch: ForwardBatch, ssm_pool: torch.Tensor,
+                    conv_pool: torch.Tensor, linear_index: int) -> torch.Tensor:
+        """Every family's step as separate kernels: prefill, mixed batches and the PIC operations."""
         conv_in, side = self.project(hidden)
         pic = batch.pic
         assembly = None if pic is None else pic.assembly
