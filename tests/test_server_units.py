@@ -165,6 +165,7 @@ class _Stats:
     segment_host: None = None  # no lower tiers: no series
     segment_disk: None = None
     preemptions: int = 7
+    steps_out_of_memory: int = 3
 
 
 def _metric_families(metrics: ServerMetrics) -> dict[str, tuple[str, dict[tuple, float]]]:
@@ -216,6 +217,7 @@ def test_engine_stats_become_vllm_gauges_and_cache_counters() -> None:
     assert f["vllm:kv_cache_usage_perc"] == ("gauge", {("vllm:kv_cache_usage_perc", ()): pytest.approx(0.25)})
     assert f["vllm:num_requests_waiting"] == ("gauge", {("vllm:num_requests_waiting", ()): 2})
     assert f["vllm:num_preemptions"] == ("counter", {("vllm:num_preemptions_total", ()): 7})
+    assert f["hypic_steps_out_of_memory"] == ("counter", {("hypic_steps_out_of_memory_total", ()): 3})
     for cache in ("prefix_cache", "segment_pool"):
         assert f[f"hypic_{cache}_hits"] == ("counter", {(f"hypic_{cache}_hits_total", ()): 5})
         assert f[f"hypic_{cache}_misses"] == ("counter", {(f"hypic_{cache}_misses_total", ()): 3})

@@ -68,6 +68,7 @@ class EngineStats:
     generated_tokens: int
     cached_tokens: int
     preemptions: int
+    steps_out_of_memory: int  # steps whose forward ran out of device memory (their requests failed)
 
 
 class LLMEngine:
@@ -90,7 +91,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.last_step_ran = True  # False when the last step found nothing it could schedule
         self.steps = 0  # steps that ran a batch (how a watchdog sees the loop advance)
-        self.counters = dict.fromkeys(("finished", "aborted", "prompt", "generated", "cached"), 0)
+        self.counters = dict.fromkeys(("finished", "aborted", "prompt", "generated", "cached", "steps_oom"), 0)
         logger.info("hypic engine ready: %s on %s (%s), %s, max_model_len %d; %s", self.model_dir.name,
                     self.device, str(self.dtype).removeprefix("torch."), self.plan, self.max_model_len,
                     self._tier_capacities())
@@ -253,6 +254,7 @@ class LLMEngine:
         StepOutOfMemoryError and free what they hold, keeping no checkpoint (their state slots are
         half-written); its cold jobs are dropped; everyone else goes on."""
         self.scheduler.drop_step(batch)
+        self.counters["steps_oom"] += 1
         seqs = {id(s): s for s in [*(c.seq for c in batch.chunks), *batch.admitted]}.values()
         request_ids = list(dict.fromkeys(s.info.request_id for s in seqs if s.pic.job is None))
         error = StepOutOfMemoryError(batch.num_tokens, len(request_ids), asked, free)
@@ -512,7 +514,7 @@ class LLMEngine:
             segment_disk=self._disk_stats(),
             requests_finished=c["finished"], requests_aborted=c["aborted"], prompt_tokens=c["prompt"],
             generated_tokens=c["generated"], cached_tokens=c["cached"],
-            preemptions=self.scheduler.preemptions)
+            preemptions=self.scheduler.preemptions, steps_out_of_memory=c["steps_oom"])
 
 
 def _step_work(batch: ScheduledBatch) -> StepWork | None:

@@ -135,6 +135,8 @@ class EngineStatsCollector(Collector):
         yield _gauge("vllm:num_requests_waiting", "Requests queued for admission", s.waiting)
         yield _gauge("vllm:kv_cache_usage_perc", "Fraction of KV pages in use", _used(s.kv_blocks_free, s.kv_blocks_total))
         yield CounterMetricFamily("vllm:num_preemptions", "Sequences preempted (recomputed later)", value=s.preemptions)
+        yield CounterMetricFamily("hypic_steps_out_of_memory", "Engine steps that ran out of device memory (their "
+                                  "requests failed with a 503, the engine went on)", value=s.steps_out_of_memory)
         yield _gauge("hypic_kv_blocks", "KV-cache pages", s.kv_blocks_total)
         yield _gauge("hypic_kv_blocks_free", "KV-cache pages free", s.kv_blocks_free)
         yield _gauge("hypic_kv_block_size_tokens", "Tokens per KV-cache page", s.block_size)
