@@ -277,12 +277,11 @@ class LowerTiers:
         None on a miss."""
         self.reap()
         held = self._index.get(key)
-        if held is None or held.from_disk:
-            self._counts["misses"] += 1
         if held is None:
+            self._counts["misses"] += 1
             return None
-        self._counts["hits"] += not held.from_disk
         tier, held.from_disk = "disk" if held.from_disk else "host", False
+        self._counts["hits" if tier == "host" else "misses"] += 1  # a disk hit is the host's miss
         self._index.move_to_end(key)
         held.pins += 1
         return Claim(key, held.interior, self._bytes(held), tier, held)
