@@ -87,7 +87,10 @@ def kept_rates(path: Path) -> dict[str, float]:
 
 
 def keep_rates(path: Path, **figures: float) -> None:
-    """Merge `figures` into a rates file (written whole, then renamed: never torn)."""
+    """Merge `figures` into a rates file (written whole, then renamed: never torn); nothing when its
+    directory is gone."""
+    if not path.parent.is_dir():
+        return
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps({**kept_rates(path), **figures}))
     os.replace(temporary, path)
@@ -216,7 +219,7 @@ class DiskTier:
         self._writer.shutdown(wait=True)
         self.readers.shutdown(wait=True)
         self.reap()
-        if self.meter.bytes_per_s is not None and self.directory.is_dir():
+        if self.meter.bytes_per_s is not None:
             keep_rates(self.rates_path, **{READ_RATE: self.meter.bytes_per_s})
 
     def flush(self, salt: str | None = None) -> int:

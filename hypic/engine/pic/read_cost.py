@@ -76,7 +76,7 @@ class ReadOrRecompute:
 
     def keep(self) -> None:
         """Write the prefill rate this engine measured to `kept`, for the next engine."""
-        if self.kept is not None and self.measured and self.kept.parent.is_dir():
+        if self.kept is not None and self.measured:
             keep_rates(self.kept, **{PREFILL_RATE: self.tokens_per_s})
 
 
