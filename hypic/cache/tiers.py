@@ -264,6 +264,11 @@ class LowerTiers:
             self._read_into_arena(key, self.disk.entry_bytes(key))
         return key in self._reads
 
+    @property
+    def reading_bytes(self) -> int:
+        """Bytes of the disk reads not done yet (what a read started now queues behind)."""
+        return sum(held.nbytes for read, held in self._reads.values() if not read.done())
+
     def finished_reads(self) -> list[SegmentKey]:
         """Keys whose disk reads finished since the last call. Each that passed its checks is a
         host entry now (`claim` promotes it); a failed one's room is given back."""

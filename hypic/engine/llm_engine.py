@@ -470,7 +470,7 @@ class LLMEngine:
         self.store = SegmentStore(layout, pool_bytes, self.device, lower)
         c = self.model_config
         inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta).to(self.device)
-        costs = ReadOrRecompute.for_disk(lower.disk if lower else None)
+        costs = ReadOrRecompute.for_tiers(lower)
         self.pic = PicAssembler(self.store, self.caches, inv_freq, self._fingerprint(),
                                 shape.conv_kernel, self.config.seam_width, costs)
         self.step_clock = StepClock(self.device, (costs, self.scheduler.cost))
