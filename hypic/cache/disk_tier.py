@@ -87,7 +87,10 @@ def kept_rates(path: Path) -> dict[str, float]:
 
 
 def keep_rates(path: Path, **figures: float) -> None:
-    """Merge `figures` into a rates file (written whole, then renamed: never torn)."""
+    """Merge `figures` into a rates file (written whole, then renamed: never torn); nothing when its
+    directory is gone."""
+    if not path.parent.is_dir():
+        return
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps({**kept_rates(path), **figures}))
     os.replace(temporary, path)
@@ -134,7 +137,6 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self._index: OrderedDict[bytes, _File] = OrderedDict()  # key digest -> file, LRU first
         self._pending: list[tuple[Future, SegmentKey, _File]] = []
-        self._reading: list[tuple[Future, int]] = []  # reads submitted: (future, bytes)
         self._doomed: set[bytes] = set()  # flushed while their write was under way
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="hypic-disk-write")
         self.readers = readers or ThreadPoolExecutor(READERS, thread_name_prefix="hypic-disk-read")
@@ -187,15 +189,7 @@ class DiskTier:
         if dst.dtype != torch.uint8 or dst.numel() != record.nbytes:
             raise ValueError(f"segment file {key.digest.hex()} holds {record.nbytes} bytes; its read was given "
                              f"{dst.numel()} of {dst.dtype}")
-        read = self.readers.submit(self._read_file, key.digest, record, dst)
-        self._reading.append((read, record.nbytes))
-        return read
-
-    @property
-    def reading_bytes(self) -> int:
-        """Bytes of the reads not done yet (what a read started now queues behind)."""
-        self._reading = [(read, nbytes) for read, nbytes in self._reading if not read.done()]
-        return sum(nbytes for _, nbytes in self._reading)
+        return self.readers.submit(self._read_file, key.digest, record, dst)
 
     def finish_read(self, key: SegmentKey, read: Future) -> tuple[int, int] | None:
         """The interior of a finished read that passed every check (its bytes are in the read's
@@ -216,7 +210,7 @@ class DiskTier:
         self._writer.shutdown(wait=True)
         self.readers.shutdown(wait=True)
         self.reap()
-        if self.meter.bytes_per_s is not None and self.directory.is_dir():
+        if self.meter.bytes_per_s is not None:
             keep_rates(self.rates_path, **{READ_RATE: self.meter.bytes_per_s})
 
     def flush(self, salt: str | None = None) -> int:

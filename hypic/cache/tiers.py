@@ -264,6 +264,11 @@ class LowerTiers:
             self._read_into_arena(key, self.disk.entry_bytes(key))
         return key in self._reads
 
+    @property
+    def reading_bytes(self) -> int:
+        """Bytes of the disk reads not done yet (what a read started now queues behind)."""
+        return sum(held.nbytes for read, held in self._reads.values() if not read.done())
+
     def finished_reads(self) -> list[SegmentKey]:
         """Keys whose disk reads finished since the last call. Each that passed its checks is a
         host entry now (`claim` promotes it); a failed one's room is given back."""
@@ -277,12 +282,11 @@ class LowerTiers:
         None on a miss."""
         self.reap()
         held = self._index.get(key)
-        if held is None or held.from_disk:
-            self._counts["misses"] += 1
         if held is None:
+            self._counts["misses"] += 1
             return None
-        self._counts["hits"] += not held.from_disk
         tier, held.from_disk = "disk" if held.from_disk else "host", False
+        self._counts["hits" if tier == "host" else "misses"] += 1  # a disk hit is the host's miss
         self._index.move_to_end(key)
         held.pins += 1
         return Claim(key, held.interior, self._bytes(held), tier, held)

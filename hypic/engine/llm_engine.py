@@ -255,7 +255,7 @@ class LLMEngine:
         half-written); its cold jobs are dropped; everyone else goes on."""
         self.scheduler.drop_step(batch)
         self.counters["steps_oom"] += 1
-        seqs = {id(s): s for s in [*(c.seq for c in batch.chunks), *batch.admitted]}.values()
+        seqs = dict.fromkeys([*(c.seq for c in batch.chunks), *batch.admitted])  # once each, in order
         request_ids = list(dict.fromkeys(s.info.request_id for s in seqs if s.pic.job is None))
         error = StepOutOfMemoryError(batch.num_tokens, len(request_ids), asked, free)
         logger.warning("%s (failed: %s)", error, ", ".join(request_ids) or "no request, only cold segments")
@@ -470,7 +470,7 @@ class LLMEngine:
         self.store = SegmentStore(layout, pool_bytes, self.device, lower)
         c = self.model_config
         inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta).to(self.device)
-        costs = ReadOrRecompute.for_disk(lower.disk if lower else None)
+        costs = ReadOrRecompute.for_tiers(lower)
         self.pic = PicAssembler(self.store, self.caches, inv_freq, self._fingerprint(),
                                 shape.conv_kernel, self.config.seam_width, costs)
         self.step_clock = StepClock(self.device, (costs, self.scheduler.cost))

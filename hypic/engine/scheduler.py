@@ -237,6 +237,9 @@ class Scheduler:
         chunk = seq.next_chunk(self._chunk_tokens(seq, budget))
         if not chunk.token_ids and seq.pic.job is None and self._reserve(seq, seq.num_computed + 1, batch):
             chunk = seq.next_chunk(self._chunk_tokens(seq, budget))  # memory freed for at least one token
+        captures, partial = _capture_kind(seq, chunk)
+        if not self._within_capture(captures, partial, budget):
+            return
         if not chunk.token_ids or not self._reserve(seq, chunk.end, batch):
             return
         if seq.info.first_scheduled_time is None:
@@ -244,10 +247,8 @@ class Scheduler:
         scheduled = self._through_last_checkpoint(seq, chunk, budget.tokens, batch) or ScheduledChunk(seq, chunk)
         batch.chunks.append(scheduled)
         budget.tokens -= scheduled.chunk.num_tokens
-        if seq.pic.job is not None:
-            captures, partial = _capture_kind(seq, scheduled.chunk)
-            budget.capture_jobs -= captures
-            budget.partial_jobs += partial
+        budget.capture_jobs -= captures
+        budget.partial_jobs += partial
         if self._long(seq):
             budget.long_cost -= self.cost.cost(chunk.start, chunk.num_tokens)
             budget.long_started = True
@@ -257,9 +258,7 @@ class Scheduler:
         tokens = min(budget.tokens, self._fitting_tokens(seq))
         if self._long(seq):
             tokens = min(tokens, self._long_tokens(seq, budget))
-        if seq.pic.job is None:
-            return tokens
-        return self._capture_tokens(seq, self._job_tokens(seq, tokens), budget)
+        return tokens if seq.pic.job is None else self._job_tokens(seq, tokens)
 
     def _long_tokens(self, seq: Sequence, budget: StepBudget) -> int:
         """Tokens from `seq`'s position within the long-prefill cost left this step; the step's first
@@ -291,15 +290,14 @@ class Scheduler:
         return max(0, (tail_start if tail_start < stop < end else stop) - start)
 
     @staticmethod
-    def _capture_tokens(seq: Sequence, tokens: int, budget: StepBudget) -> int:
-        """A cold job's chunk of `tokens` within the step's capture bounds (`SchedulerLimits`), else
-        none, and no job captures more this step: it waits for the next, and the jobs behind it are
-        not admitted only to wait in seats."""
-        captures, partial = _capture_kind(seq, seq.next_chunk(tokens))
+    def _within_capture(captures: bool, partial: int, budget: StepBudget) -> bool:
+        """Whether a chunk (`_capture_kind`) keeps the step within its capture bounds
+        (`SchedulerLimits`); if not, no job captures more this step: it waits for the next, and the
+        jobs behind it are not admitted only to wait in seats."""
         if captures and (budget.capture_jobs <= 0 or budget.partial_jobs + partial < 0):
             budget.capture_jobs = 0
-            return 0
-        return tokens
+            return False
+        return True
 
     def _fitting_tokens(self, seq: Sequence) -> int:
         capacity = (len(seq.block_ids) + self.blocks.num_free) * self.limits.block_size
@@ -421,7 +419,9 @@ class Scheduler:
 def _capture_kind(seq: Sequence, chunk: Chunk) -> tuple[bool, int]:
     """Whether a cold job's chunk holds interior rows (captures), and how it changes the partial
     tuples kept: -1 when it leaves the interior unfinished with none before (one kept until its next
-    chunk), +1 when it finishes one kept from an earlier step, else 0."""
+    chunk), +1 when it finishes one kept from an earlier step, else 0. (False, 0) for any other chunk."""
+    if seq.pic.job is None:
+        return False, 0
     start, end = seq.pic.job.interior
     captures = max(chunk.start, start) < min(chunk.end, end)  # an empty chunk captures nothing
     kept, ends = seq.pic.captured is not None, chunk.end >= end

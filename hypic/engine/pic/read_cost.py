@@ -26,7 +26,8 @@ from typing import Protocol
 
 import torch
 
-from hypic.cache.disk_tier import DiskTier, keep_rates, kept_rates
+from hypic.cache.disk_tier import keep_rates, kept_rates
+from hypic.cache.tiers import LowerTiers
 from hypic.engine.prefill_cost import StepWork
 
 UNMEASURED_TOKENS_PER_S = 2000.0
@@ -50,11 +51,12 @@ class ReadOrRecompute:
         self.late = 0  # disk reads not done by their deadline (the assembler counts them)
 
     @classmethod
-    def for_disk(cls, disk: DiskTier | None) -> ReadOrRecompute:
-        """The decision for an engine's disk tier (None: no disk, nothing ever to decide)."""
-        if disk is None:
+    def for_tiers(cls, lower: LowerTiers | None) -> ReadOrRecompute:
+        """The decision for an engine's disk tier (none: nothing ever to decide)."""
+        if lower is None or lower.disk is None:
             return cls(lambda: math.inf)
-        return cls(lambda: disk.read_bytes_per_s, kept=disk.rates_path, reading_bytes=lambda: disk.reading_bytes)
+        disk = lower.disk
+        return cls(lambda: disk.read_bytes_per_s, kept=disk.rates_path, reading_bytes=lambda: lower.reading_bytes)
 
     def observe(self, work: StepWork, seconds: float) -> None:
         """One step's prefill tokens and wall time (the step's decode rows ride along: a rate on the low side)."""
@@ -76,7 +78,7 @@ class ReadOrRecompute:
 
     def keep(self) -> None:
         """Write the prefill rate this engine measured to `kept`, for the next engine."""
-        if self.kept is not None and self.measured and self.kept.parent.is_dir():
+        if self.kept is not None and self.measured:
             keep_rates(self.kept, **{PREFILL_RATE: self.tokens_per_s})
 
 
