@@ -128,6 +128,12 @@ def _conv_decode_kernel(x, w, bias, y, pool, slots, has_state, stride_x, stride_
     tl.store(p_shift, shifted, mask=m_shift)
 
 
+def decode_conv_constants(weight: torch.Tensor) -> dict[str, int]:
+    """The width constexprs (W, BW) that `decode_conv_channels` and `decode_shifted_window` take, of weight [D, W]."""
+    width = weight.shape[1]
+    return {"W": width, "BW": next_power_of_2(width)}
+
+
 @triton_kernel
 def decode_conv_channels(x_row, w, bias, p_window, c, m_c, keep, W: tl.constexpr, BW: tl.constexpr,
                          HAS_BIAS: tl.constexpr, SILU: tl.constexpr = True):

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from hypic.kernels.conv1d import causal_conv1d_ref, decode_conv_channels, decode_shifted_window
+from hypic.kernels.conv1d import (causal_conv1d_ref, decode_conv_channels, decode_conv_constants,
+                                  decode_shifted_window)
 from hypic.kernels.gdn import gated_delta_rule_ref
 from hypic.kernels.gdn_inputs import L2NORM_EPS, gdn_gates_ref, qk_l2norm
 from hypic.kernels.norms import gated_rms_norm_ref
@@ -88,8 +89,7 @@ def gdn_decode_triton(mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor,
         mixed_qkv, z, a, b, c.conv_weight.contiguous(), c.A_log, c.dt_bias, c.norm_weight, o, y, ssm_pool,
         conv_pool, slots, has_state, group_counters(tokens * (c.heads + value_heads), mixed_qkv.device), c.scale,
         L2NORM_EPS, c.norm_eps, mixed_qkv.stride(0), z.stride(0), a.stride(0), b.stride(0),
-        W=c.conv_weight.shape[1], BW=next_power_of_2(c.conv_weight.shape[1]), BVR=next_power_of_2(c.head_v),
-        **shape)
+        BVR=next_power_of_2(c.head_v), **decode_conv_constants(c.conv_weight), **shape)
     return y
 
 

@@ -19,12 +19,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hypic.kernels.conv1d import causal_conv1d_ref, decode_conv_channels, decode_shifted_window
+from hypic.kernels.conv1d import (causal_conv1d_ref, decode_conv_channels, decode_conv_constants,
+                                  decode_shifted_window)
 from hypic.kernels.gdn_decode import group_counters, l2_normalized
 from hypic.kernels.gdn_inputs import L2NORM_EPS, qk_l2norm
 from hypic.kernels.kda_rule import kda_rule_ref
 from hypic.kernels.norms import gated_rms_norm_ref
-from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
+from hypic.kernels.triton_lazy import triton_kernel
 from hypic.kernels.varlen import decode_launch, decode_program
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
@@ -94,8 +95,7 @@ def kda_decode_triton(qkv: torch.Tensor, b: torch.Tensor, f: torch.Tensor, gate:
     _kda_decode_step_kernel[grid](
         qkv, b, f, gate, c.conv_weight.contiguous(), c.A_log, c.dt_bias, c.norm_weight, o, y, ssm_pool, conv_pool,
         slots, has_state, group_counters(tokens * c.heads, qkv.device), c.scale, L2NORM_EPS, c.norm_eps,
-        qkv.stride(0), b.stride(0), f.stride(0), gate.stride(0), W=c.conv_weight.shape[1],
-        BW=next_power_of_2(c.conv_weight.shape[1]), **shape)
+        qkv.stride(0), b.stride(0), f.stride(0), gate.stride(0), **decode_conv_constants(c.conv_weight), **shape)
     return y
 
 

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hypic.kernels.conv1d import causal_conv1d_ref, decode_conv_channels, decode_shifted_window
+from hypic.kernels.conv1d import (causal_conv1d_ref, decode_conv_channels, decode_conv_constants,
+                                  decode_shifted_window)
 from hypic.kernels.norms import grouped_gated_rms_norm
 from hypic.kernels.scalar_gated import scalar_gated_rule_ref
 from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
@@ -129,20 +130,15 @@ def step_launch(layer: Mamba2DecodeLayer, xbc: torch.Tensor,
     c = layer
     c_view = xbc[:, c.inner + c.groups * c.state_size:].unflatten(1, (c.groups, c.state_size))
     grid, shape = decode_launch(c_view, y)
-    return grid, {**shape, **_conv_constants(c), "HAS_BIAS": c.conv_bias is not None}
+    return grid, {**shape, **decode_conv_constants(c.conv_weight), "HAS_BIAS": c.conv_bias is not None}
 
 
 def norm_launch(layer: Mamba2DecodeLayer) -> tuple[dict[str, Any], int]:
     """Constants and warps of the norm kernel (a program per sequence and group)."""
     c, group = layer, layer.inner // layer.groups
     constants = dict(H=c.heads, G=c.groups, N=c.state_size, P=c.head_dim, R=group, BR=next_power_of_2(group),
-                     BN=next_power_of_2(c.state_size), **_conv_constants(c))
+                     BN=next_power_of_2(c.state_size), **decode_conv_constants(c.conv_weight))
     return constants, 8 if group >= 2048 else 4
-
-
-def _conv_constants(layer: Mamba2DecodeLayer) -> dict[str, int]:
-    width = layer.conv_weight.shape[1]
-    return {"W": width, "BW": next_power_of_2(width)}
 
 
 @triton_kernel
