@@ -25,7 +25,7 @@ from hypic.kernels.gdn import gated_delta_rule_ref
 from hypic.kernels.gdn_inputs import L2NORM_EPS, gdn_gates_ref, qk_l2norm
 from hypic.kernels.norms import gated_rms_norm_ref
 from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
-from hypic.kernels.varlen import decode_launch, decode_program
+from hypic.kernels.varlen import decode_launch, decode_program, one_token_each
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -66,8 +66,7 @@ def gdn_decode_ref(mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b:
                    has_state: torch.Tensor) -> torch.Tensor:
     """Same contract as `gdn_decode`: conv1d, l2norm, gates, recurrence and gated norm references in turn."""
     tokens, c = mixed_qkv.shape[0], layer
-    cu_seqlens = torch.arange(tokens + 1, dtype=torch.int32, device=mixed_qkv.device)
-    one_each = dict(num_decodes=tokens, seq_lens_cpu=(1,) * tokens)
+    cu_seqlens, one_each = one_token_each(tokens, mixed_qkv.device)
     conv_out = causal_conv1d_ref(mixed_qkv, c.conv_weight, None, conv_pool, slots, has_state, cu_seqlens,
                                  **one_each)
     q, k = qk_l2norm(conv_out, c.heads, c.head_k)

@@ -26,7 +26,7 @@ from hypic.kernels.gdn_inputs import L2NORM_EPS, qk_l2norm
 from hypic.kernels.kda_rule import kda_rule_ref
 from hypic.kernels.norms import gated_rms_norm_ref
 from hypic.kernels.triton_lazy import triton_kernel
-from hypic.kernels.varlen import decode_launch, decode_program
+from hypic.kernels.varlen import decode_launch, decode_program, one_token_each
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -74,8 +74,7 @@ def kda_decode_ref(qkv: torch.Tensor, b: torch.Tensor, f: torch.Tensor, gate: to
                    has_state: torch.Tensor) -> torch.Tensor:
     """Same contract as `kda_decode`: conv1d, l2norm, gates, recurrence and gated norm references in turn."""
     tokens, c = qkv.shape[0], layer
-    cu_seqlens = torch.arange(tokens + 1, dtype=torch.int32, device=qkv.device)
-    one_each = dict(num_decodes=tokens, seq_lens_cpu=(1,) * tokens)
+    cu_seqlens, one_each = one_token_each(tokens, qkv.device)
     conv_out = causal_conv1d_ref(qkv, c.conv_weight, None, conv_pool, slots, has_state, cu_seqlens, **one_each)
     q, k = qk_l2norm(conv_out, c.heads, c.head_dim)
     v = conv_out[:, 2 * c.heads * c.head_dim:].reshape(tokens, c.heads, c.head_dim)

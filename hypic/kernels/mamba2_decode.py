@@ -27,7 +27,7 @@ from hypic.kernels.conv1d import (causal_conv1d_ref, decode_conv_channels, decod
 from hypic.kernels.norms import grouped_gated_rms_norm
 from hypic.kernels.scalar_gated import scalar_gated_rule_ref
 from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
-from hypic.kernels.varlen import decode_launch, decode_program
+from hypic.kernels.varlen import decode_launch, decode_program, one_token_each
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -94,8 +94,7 @@ def mamba2_decode_ref(xbc: torch.Tensor, z: torch.Tensor, dt: torch.Tensor, laye
                       has_state: torch.Tensor) -> torch.Tensor:
     """Same contract as `mamba2_decode`: the unfused references in turn."""
     tokens, m = xbc.shape[0], layer
-    cu_seqlens = torch.arange(tokens + 1, dtype=torch.int32, device=xbc.device)
-    one_each = dict(num_decodes=tokens, seq_lens_cpu=(1,) * tokens)
+    cu_seqlens, one_each = one_token_each(tokens, xbc.device)
     conv_out = causal_conv1d_ref(xbc, m.conv_weight, m.conv_bias, conv_pool, slots, has_state, cu_seqlens,
                                  **one_each)
     x, b, c = split_xbc(conv_out, m.heads, m.groups, m.state_size)
