@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hypic.kernels.activation import softplus
 from hypic.kernels.conv1d import (causal_conv1d_ref, decode_conv_channels, decode_conv_constants,
                                   decode_shifted_window)
 from hypic.kernels.gdn import gated_delta_rule_ref
@@ -126,9 +127,8 @@ def _gdn_decode_step_kernel(x, z, a, b, w, A_log, dt_bias, norm_w, o, y, pool, c
     b_q = l2_normalized(y_q, eps, o) * scale
     b_k = l2_normalized(y_k, eps, o)
     b_v = y_v.to(o.dtype.element_ty).to(tl.float32)
-    gate = tl.load(a + i_b * stride_a + i_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
-    softplus = tl.where(gate > 20.0, gate, tl.log(1.0 + tl.exp(gate)))  # torch's softplus threshold
-    b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus
+    rate = softplus(tl.load(a + i_b * stride_a + i_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32))
+    b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * rate
     b_beta = tl.sigmoid(tl.load(b + i_b * stride_b + i_hv).to(tl.float32)).to(b.dtype.element_ty).to(tl.float32)
     p_state = pool + ((slot * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
     m_state = m_k[:, None] & m_v[None, :]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hypic.kernels.activation import softplus
 from hypic.kernels.conv1d import (causal_conv1d_ref, decode_conv_channels, decode_conv_constants,
                                   decode_shifted_window)
 from hypic.kernels.gdn_decode import group_counters, l2_normalized
@@ -146,8 +147,7 @@ def _gates(f_row, b_row, A_log, dt_bias, i_h, o_k, m_k, K: tl.constexpr):
     """`kda_gates` of one head: the float32 log-decays of its key channels and beta (rounded to b's dtype)."""
     x = tl.load(f_row + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     x = x + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus threshold
-    g = softplus * -tl.exp(tl.load(A_log + i_h))
+    g = softplus(x) * -tl.exp(tl.load(A_log + i_h))
     beta = tl.sigmoid(tl.load(b_row + i_h).to(tl.float32)).to(b_row.dtype.element_ty).to(tl.float32)
     return g, beta
 

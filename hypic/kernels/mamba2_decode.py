@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hypic.kernels.activation import softplus
 from hypic.kernels.conv1d import (causal_conv1d_ref, decode_conv_channels, decode_conv_constants,
                                   decode_shifted_window)
 from hypic.kernels.norms import grouped_gated_rms_norm
@@ -158,8 +159,7 @@ def _ssd_step_kernel(xbc, dt, w, bias, A_log, dt_bias, D, y, pool, conv_pool, sl
     b_x, b_b, b_c = (b_x.to(y.dtype.element_ty).to(tl.float32), b_b.to(y.dtype.element_ty).to(tl.float32),
                      b_c.to(y.dtype.element_ty).to(tl.float32))
     s = tl.load(dt + i_b * stride_dt + i_hv).to(tl.float32) + tl.load(dt_bias + i_hv)
-    softplus = tl.where(s > 20.0, s, tl.log(1.0 + tl.exp(s)))  # torch's softplus threshold
-    b_dt = tl.minimum(tl.maximum(softplus, dt_min), dt_max)
+    b_dt = tl.minimum(tl.maximum(softplus(s), dt_min), dt_max)
     b_v = (b_x * b_dt).to(y.dtype.element_ty).to(tl.float32)
     p_state = pool + ((slot * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
     m_state = m_k[:, None] & m_v[None, :]
