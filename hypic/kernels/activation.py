@@ -79,6 +79,13 @@ def _sigmoid_gate_kernel(x, gate, out, rows, stride_x, stride_g, C: tl.constexpr
 
 
 @triton_kernel
+def softplus(x):
+    """softplus of a float32 tile as torch computes it (x itself above torch's threshold of 20): every kernel
+    that gates a decay."""
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+
+
+@triton_kernel
 def sigmoid_gated(b_x, b_g, out):
     """x * sigmoid(gate) of float32 tiles, rounded as `sigmoid_gate` rounds (the sigmoid, then the
     product) to out's dtype: every kernel that applies the output gate."""

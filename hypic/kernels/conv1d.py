@@ -5,8 +5,8 @@ Paths: CPU -> `causal_conv1d_ref` (F.conv1d per sequence); CUDA -> our Triton ke
 decode kernel (one token per sequence, window shifted in place) and a varlen prefill kernel pair
 (outputs, then windows). FLA's conv keeps [N, D, W] states, so it would need a gather and a scatter
 per call; reading the slab by slot inside our kernels avoids both. `decode_conv_channels` and
-`decode_shifted_window` are the decode kernel's arithmetic for the fused decode steps of a layer
-(gdn_decode, mamba2_decode), which convolve some channels of a program and move their windows.
+`decode_shifted_window` are the decode kernel's arithmetic, which the fused decode steps of a layer
+(gdn_decode, kda_decode, mamba2_decode) call too for the channels of a program and their windows.
 """
 from __future__ import annotations
 
@@ -119,36 +119,26 @@ def _conv_decode_kernel(x, w, bias, y, pool, slots, has_state, stride_x, stride_
                         HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
     i_b, i_d = tl.program_id(0), tl.program_id(1)
     o_d = i_d * BD + tl.arange(0, BD)
-    o_w = tl.arange(0, BW)
     m_d = o_d < D
-    slot = tl.load(slots + i_b).to(tl.int64)
     keep = tl.load(has_state + i_b) != 0
-    p_window = pool + slot * D * (W - 1) + o_d[:, None] * (W - 1)
-    b_x = tl.load(x + i_b * stride_x + o_d, mask=m_d, other=0.0).to(tl.float32)
-    # inputs[:, j] for j < W-1 is the window, j == W-1 the new token
-    inputs = tl.load(p_window + o_w[None, :], mask=m_d[:, None] & (o_w[None, :] < W - 1), other=0.0)
-    inputs = tl.where(keep, inputs.to(tl.float32), 0.0)
-    inputs = tl.where(o_w[None, :] == W - 1, b_x[:, None], inputs)
-    b_w = tl.load(w + o_d[:, None] * W + o_w[None, :], mask=m_d[:, None] & (o_w[None, :] < W), other=0.0)
-    acc = tl.sum(inputs * b_w.to(tl.float32), axis=1)
-    if HAS_BIAS:
-        acc += tl.load(bias + o_d, mask=m_d, other=0.0).to(tl.float32)
-    if SILU:
-        acc = acc * tl.sigmoid(acc)
+    p_window = pool + tl.load(slots + i_b).to(tl.int64) * D * (W - 1)
+    acc, b_x = decode_conv_channels(x + i_b * stride_x, w, bias, p_window, o_d, m_d, keep, W, BW, HAS_BIAS, SILU)
     tl.store(y + i_b * stride_y + o_d, acc.to(y.dtype.element_ty), mask=m_d)
-    # new window[:, j] = inputs[:, j + 1]: read it again shifted (registers cannot be shifted)
-    shifted = tl.load(p_window + o_w[None, :] + 1, mask=m_d[:, None] & (o_w[None, :] < W - 2), other=0.0)
-    shifted = tl.where(keep, shifted.to(tl.float32), 0.0)
-    shifted = tl.where(o_w[None, :] == W - 2, b_x[:, None], shifted)
-    tl.store(p_window + o_w[None, :], shifted.to(pool.dtype.element_ty),
-             mask=m_d[:, None] & (o_w[None, :] < W - 1))
+    p_shift, shifted, m_shift = decode_shifted_window(p_window, o_d, m_d, b_x, keep, W, BW)
+    tl.store(p_shift, shifted, mask=m_shift)
+
+
+def decode_conv_constants(weight: torch.Tensor) -> dict[str, int]:
+    """The width constexprs (W, BW) that `decode_conv_channels` and `decode_shifted_window` take, of weight [D, W]."""
+    width = weight.shape[1]
+    return {"W": width, "BW": next_power_of_2(width)}
 
 
 @triton_kernel
 def decode_conv_channels(x_row, w, bias, p_window, c, m_c, keep, W: tl.constexpr, BW: tl.constexpr,
-                         HAS_BIAS: tl.constexpr):
-    """For fused decode kernels: silu(conv + bias) of channels c for one token (float32, not yet rounded)
-    and the token's inputs there; p_window is the sequence's [D, W-1] window, read as zeros unless keep."""
+                         HAS_BIAS: tl.constexpr, SILU: tl.constexpr = True):
+    """conv + bias of channels c for one token, silu'd if SILU (float32, not yet rounded), and the token's
+    inputs there; p_window is the sequence's [D, W-1] window, read as zeros unless keep."""
     o_w = tl.arange(0, BW)
     b_x = tl.load(x_row + c, mask=m_c, other=0.0).to(tl.float32)
     inputs = tl.load(p_window + c[:, None] * (W - 1) + o_w[None, :], mask=m_c[:, None] & (o_w[None, :] < W - 1),
@@ -159,7 +149,9 @@ def decode_conv_channels(x_row, w, bias, p_window, c, m_c, keep, W: tl.constexpr
     acc = tl.sum(inputs * b_w.to(tl.float32), axis=1)
     if HAS_BIAS:
         acc += tl.load(bias + c, mask=m_c, other=0.0).to(tl.float32)
-    return acc * tl.sigmoid(acc), b_x
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    return acc, b_x
 
 
 @triton_kernel

@@ -19,12 +19,14 @@ from typing import Any
 
 import torch
 
-from hypic.kernels.conv1d import causal_conv1d_ref, decode_conv_channels, decode_shifted_window
+from hypic.kernels.activation import softplus
+from hypic.kernels.conv1d import (causal_conv1d_ref, decode_conv_channels, decode_conv_constants,
+                                  decode_shifted_window)
 from hypic.kernels.gdn import gated_delta_rule_ref
 from hypic.kernels.gdn_inputs import L2NORM_EPS, gdn_gates_ref, qk_l2norm
 from hypic.kernels.norms import gated_rms_norm_ref
 from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
-from hypic.kernels.varlen import decode_launch, decode_program
+from hypic.kernels.varlen import decode_launch, decode_program, one_token_each
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -65,8 +67,7 @@ def gdn_decode_ref(mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b:
                    has_state: torch.Tensor) -> torch.Tensor:
     """Same contract as `gdn_decode`: conv1d, l2norm, gates, recurrence and gated norm references in turn."""
     tokens, c = mixed_qkv.shape[0], layer
-    cu_seqlens = torch.arange(tokens + 1, dtype=torch.int32, device=mixed_qkv.device)
-    one_each = dict(num_decodes=tokens, seq_lens_cpu=(1,) * tokens)
+    cu_seqlens, one_each = one_token_each(tokens, mixed_qkv.device)
     conv_out = causal_conv1d_ref(mixed_qkv, c.conv_weight, None, conv_pool, slots, has_state, cu_seqlens,
                                  **one_each)
     q, k = qk_l2norm(conv_out, c.heads, c.head_k)
@@ -88,8 +89,7 @@ def gdn_decode_triton(mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor,
         mixed_qkv, z, a, b, c.conv_weight.contiguous(), c.A_log, c.dt_bias, c.norm_weight, o, y, ssm_pool,
         conv_pool, slots, has_state, group_counters(tokens * (c.heads + value_heads), mixed_qkv.device), c.scale,
         L2NORM_EPS, c.norm_eps, mixed_qkv.stride(0), z.stride(0), a.stride(0), b.stride(0),
-        W=c.conv_weight.shape[1], BW=next_power_of_2(c.conv_weight.shape[1]), BVR=next_power_of_2(c.head_v),
-        **shape)
+        BVR=next_power_of_2(c.head_v), **decode_conv_constants(c.conv_weight), **shape)
     return y
 
 
@@ -127,9 +127,8 @@ def _gdn_decode_step_kernel(x, z, a, b, w, A_log, dt_bias, norm_w, o, y, pool, c
     b_q = l2_normalized(y_q, eps, o) * scale
     b_k = l2_normalized(y_k, eps, o)
     b_v = y_v.to(o.dtype.element_ty).to(tl.float32)
-    gate = tl.load(a + i_b * stride_a + i_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
-    softplus = tl.where(gate > 20.0, gate, tl.log(1.0 + tl.exp(gate)))  # torch's softplus threshold
-    b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus
+    rate = softplus(tl.load(a + i_b * stride_a + i_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32))
+    b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * rate
     b_beta = tl.sigmoid(tl.load(b + i_b * stride_b + i_hv).to(tl.float32)).to(b.dtype.element_ty).to(tl.float32)
     p_state = pool + ((slot * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
     m_state = m_k[:, None] & m_v[None, :]

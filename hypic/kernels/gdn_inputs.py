@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hypic.kernels.activation import softplus
 from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
@@ -101,10 +102,9 @@ def _gates_kernel(a, b, A_log, dt_bias, g, beta, tokens, stride_a, stride_b, HV:
     m_h = o_h < HV
     m = (t < tokens)[:, None] & m_h[None, :]
     x = tl.load(a + (t * stride_a)[:, None] + o_h[None, :], mask=m, other=0.0).to(tl.float32)
-    x = x + tl.load(dt_bias + o_h, mask=m_h, other=0.0).to(tl.float32)[None, :]
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus threshold
+    rate = softplus(x + tl.load(dt_bias + o_h, mask=m_h, other=0.0).to(tl.float32)[None, :])
     decay = tl.exp(tl.load(A_log + o_h, mask=m_h, other=0.0).to(tl.float32))
     dense = (t * HV)[:, None] + o_h[None, :]
-    tl.store(g + dense, -decay[None, :] * softplus, mask=m)
+    tl.store(g + dense, -decay[None, :] * rate, mask=m)
     b_b = tl.load(b + (t * stride_b)[:, None] + o_h[None, :], mask=m, other=0.0).to(tl.float32)
     tl.store(beta + dense, tl.sigmoid(b_b).to(beta.dtype.element_ty), mask=m)

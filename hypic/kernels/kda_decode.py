@@ -19,13 +19,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hypic.kernels.conv1d import causal_conv1d_ref, decode_conv_channels, decode_shifted_window
+from hypic.kernels.activation import softplus
+from hypic.kernels.conv1d import (causal_conv1d_ref, decode_conv_channels, decode_conv_constants,
+                                  decode_shifted_window)
 from hypic.kernels.gdn_decode import group_counters, l2_normalized
 from hypic.kernels.gdn_inputs import L2NORM_EPS, qk_l2norm
 from hypic.kernels.kda_rule import kda_rule_ref
 from hypic.kernels.norms import gated_rms_norm_ref
-from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
-from hypic.kernels.varlen import decode_launch, decode_program
+from hypic.kernels.triton_lazy import triton_kernel
+from hypic.kernels.varlen import decode_launch, decode_program, one_token_each
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -73,8 +75,7 @@ def kda_decode_ref(qkv: torch.Tensor, b: torch.Tensor, f: torch.Tensor, gate: to
                    has_state: torch.Tensor) -> torch.Tensor:
     """Same contract as `kda_decode`: conv1d, l2norm, gates, recurrence and gated norm references in turn."""
     tokens, c = qkv.shape[0], layer
-    cu_seqlens = torch.arange(tokens + 1, dtype=torch.int32, device=qkv.device)
-    one_each = dict(num_decodes=tokens, seq_lens_cpu=(1,) * tokens)
+    cu_seqlens, one_each = one_token_each(tokens, qkv.device)
     conv_out = causal_conv1d_ref(qkv, c.conv_weight, None, conv_pool, slots, has_state, cu_seqlens, **one_each)
     q, k = qk_l2norm(conv_out, c.heads, c.head_dim)
     v = conv_out[:, 2 * c.heads * c.head_dim:].reshape(tokens, c.heads, c.head_dim)
@@ -94,8 +95,7 @@ def kda_decode_triton(qkv: torch.Tensor, b: torch.Tensor, f: torch.Tensor, gate:
     _kda_decode_step_kernel[grid](
         qkv, b, f, gate, c.conv_weight.contiguous(), c.A_log, c.dt_bias, c.norm_weight, o, y, ssm_pool, conv_pool,
         slots, has_state, group_counters(tokens * c.heads, qkv.device), c.scale, L2NORM_EPS, c.norm_eps,
-        qkv.stride(0), b.stride(0), f.stride(0), gate.stride(0), W=c.conv_weight.shape[1],
-        BW=next_power_of_2(c.conv_weight.shape[1]), **shape)
+        qkv.stride(0), b.stride(0), f.stride(0), gate.stride(0), **decode_conv_constants(c.conv_weight), **shape)
     return y
 
 
@@ -147,8 +147,7 @@ def _gates(f_row, b_row, A_log, dt_bias, i_h, o_k, m_k, K: tl.constexpr):
     """`kda_gates` of one head: the float32 log-decays of its key channels and beta (rounded to b's dtype)."""
     x = tl.load(f_row + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     x = x + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus threshold
-    g = softplus * -tl.exp(tl.load(A_log + i_h))
+    g = softplus(x) * -tl.exp(tl.load(A_log + i_h))
     beta = tl.sigmoid(tl.load(b_row + i_h).to(tl.float32)).to(b_row.dtype.element_ty).to(tl.float32)
     return g, beta
 

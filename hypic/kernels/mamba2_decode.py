@@ -22,11 +22,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hypic.kernels.conv1d import causal_conv1d_ref, decode_conv_channels, decode_shifted_window
+from hypic.kernels.activation import softplus
+from hypic.kernels.conv1d import (causal_conv1d_ref, decode_conv_channels, decode_conv_constants,
+                                  decode_shifted_window)
 from hypic.kernels.norms import grouped_gated_rms_norm
 from hypic.kernels.scalar_gated import scalar_gated_rule_ref
 from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
-from hypic.kernels.varlen import decode_launch, decode_program
+from hypic.kernels.varlen import decode_launch, decode_program, one_token_each
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -93,8 +95,7 @@ def mamba2_decode_ref(xbc: torch.Tensor, z: torch.Tensor, dt: torch.Tensor, laye
                       has_state: torch.Tensor) -> torch.Tensor:
     """Same contract as `mamba2_decode`: the unfused references in turn."""
     tokens, m = xbc.shape[0], layer
-    cu_seqlens = torch.arange(tokens + 1, dtype=torch.int32, device=xbc.device)
-    one_each = dict(num_decodes=tokens, seq_lens_cpu=(1,) * tokens)
+    cu_seqlens, one_each = one_token_each(tokens, xbc.device)
     conv_out = causal_conv1d_ref(xbc, m.conv_weight, m.conv_bias, conv_pool, slots, has_state, cu_seqlens,
                                  **one_each)
     x, b, c = split_xbc(conv_out, m.heads, m.groups, m.state_size)
@@ -129,20 +130,15 @@ def step_launch(layer: Mamba2DecodeLayer, xbc: torch.Tensor,
     c = layer
     c_view = xbc[:, c.inner + c.groups * c.state_size:].unflatten(1, (c.groups, c.state_size))
     grid, shape = decode_launch(c_view, y)
-    return grid, {**shape, **_conv_constants(c), "HAS_BIAS": c.conv_bias is not None}
+    return grid, {**shape, **decode_conv_constants(c.conv_weight), "HAS_BIAS": c.conv_bias is not None}
 
 
 def norm_launch(layer: Mamba2DecodeLayer) -> tuple[dict[str, Any], int]:
     """Constants and warps of the norm kernel (a program per sequence and group)."""
     c, group = layer, layer.inner // layer.groups
     constants = dict(H=c.heads, G=c.groups, N=c.state_size, P=c.head_dim, R=group, BR=next_power_of_2(group),
-                     BN=next_power_of_2(c.state_size), **_conv_constants(c))
+                     BN=next_power_of_2(c.state_size), **decode_conv_constants(c.conv_weight))
     return constants, 8 if group >= 2048 else 4
-
-
-def _conv_constants(layer: Mamba2DecodeLayer) -> dict[str, int]:
-    width = layer.conv_weight.shape[1]
-    return {"W": width, "BW": next_power_of_2(width)}
 
 
 @triton_kernel
@@ -163,8 +159,7 @@ def _ssd_step_kernel(xbc, dt, w, bias, A_log, dt_bias, D, y, pool, conv_pool, sl
     b_x, b_b, b_c = (b_x.to(y.dtype.element_ty).to(tl.float32), b_b.to(y.dtype.element_ty).to(tl.float32),
                      b_c.to(y.dtype.element_ty).to(tl.float32))
     s = tl.load(dt + i_b * stride_dt + i_hv).to(tl.float32) + tl.load(dt_bias + i_hv)
-    softplus = tl.where(s > 20.0, s, tl.log(1.0 + tl.exp(s)))  # torch's softplus threshold
-    b_dt = tl.minimum(tl.maximum(softplus, dt_min), dt_max)
+    b_dt = tl.minimum(tl.maximum(softplus(s), dt_min), dt_max)
     b_v = (b_x * b_dt).to(y.dtype.element_ty).to(tl.float32)
     p_state = pool + ((slot * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
     m_state = m_k[:, None] & m_v[None, :]

@@ -104,6 +104,13 @@ def to_chunks(x: torch.Tensor, length: int, chunk: int) -> torch.Tensor:
     return x.unflatten(1, (-1, chunk))
 
 
+def one_token_each(tokens: int, device: torch.device) -> tuple[torch.Tensor, dict[str, Any]]:
+    """A varlen batch of `tokens` decodes: its cu_seqlens and the keywords the references take with them
+    (num_decodes, seq_lens_cpu), for a fused decode step's reference to call the unfused ones."""
+    return (torch.arange(tokens + 1, dtype=torch.int32, device=device),
+            {"num_decodes": tokens, "seq_lens_cpu": (1,) * tokens})
+
+
 def decode_launch(q: torch.Tensor, v: torch.Tensor) -> tuple[tuple[int, int, int], dict[str, int]]:
     """Grid and shape constants of a one-token-a-sequence recurrence kernel (q [B, H, K], v [B, HV, V]):
     a program per sequence, value head and block of value channels."""
