@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from engine_util import collect, cpu_config, greedy
+from engine_util import GPU_SHARE, collect, cpu_config, greedy
 
 from hypic import AsyncEngine, EngineConfig
 from hypic.engine.llm_engine import LLMEngine
@@ -133,7 +133,7 @@ def assert_blocks_slots_and_pins_return(model_dir) -> None:
 def engine_run(model_dir, device: str, jobs, **overrides):
     """Each job cold and batched, then each one again warm, one after another."""
     config = EngineConfig(model=str(model_dir), device=device, dtype="float32", block_size=16, seam_width=4,
-                          cpu_cache_bytes=64 << 20, gpu_memory_utilization=0.3, max_num_seqs=8,
+                          cpu_cache_bytes=64 << 20, gpu_memory_utilization=GPU_SHARE, max_num_seqs=8,
                           **{"segment_host_bytes": 0, **overrides})
 
     async def main():

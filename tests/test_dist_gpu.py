@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from engine_util import collect, greedy
+from engine_util import GPU_SHARE, collect, greedy
 from test_dist_cluster import COLD, MIXED, WARM, LoopThread, assert_idle, generate
 from pic_util import pic_config
 
@@ -78,7 +78,7 @@ def test_a_gpu_cluster_matches_one_engine(layout, slow_decay_model_dir):
     if layout == "two_gpus_nccl":
         two_gpus()
     config = dataclasses.replace(pic_config(slow_decay_model_dir), device="cuda", dtype="float32",
-                                 gpu_memory_utilization=0.3)
+                                 gpu_memory_utilization=GPU_SHARE)
 
     async def reference():
         async with AsyncEngine(config) as engine:

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 import torch
 from aiohttp import web
-from engine_util import cpu_config, greedy
+from engine_util import GPU_SHARE, cpu_config, greedy
 from pic_util import DOCS, SEP, SYSTEM, pic_config, prompt
 
 from hypic.cache.memory_plan import CaptureWorkspace, longest_context, plan_beside_capture
@@ -169,7 +169,7 @@ def test_a_failed_assembly_step_gives_back_its_pins_and_its_checkpoint_slot(tiny
 def test_a_real_cuda_out_of_memory_is_survived_and_its_cache_given_back(tiny_model_dir):
     """A step asks the device for more than it has: the request fails with torch's figures, the
     allocator's cache goes back (empty_cache) and the next request gets the reference tokens."""
-    config = cpu_config(tiny_model_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+    config = cpu_config(tiny_model_dir, device="cuda", dtype="float32", gpu_memory_utilization=GPU_SHARE)
     engine = LLMEngine(config)
     too_much = torch.cuda.get_device_properties(0).total_memory * 2
     last = [m for name, m in engine.model.named_modules() if re.fullmatch(r".*layers\.\d+", name)][-1]

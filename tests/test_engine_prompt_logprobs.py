@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from engine_util import collect, cpu_config, greedy, hf_greedy, hf_model, run_engine
+from engine_util import GPU_SHARE, collect, cpu_config, greedy, hf_greedy, hf_model, run_engine
 from models_util import hf_torch_logits
 
 from hypic import AsyncEngine
@@ -107,7 +107,7 @@ def test_chunked_projection_equals_one_full_log_softmax(device):
 def test_prompt_logprobs_on_the_gpu_match_transformers(tiny_model_dir, vocab):
     """A 400-token prompt scored in one CUDA step beside a plain request (no graph may take it)."""
     prompt, other = random_prompt(vocab, 400, 5), random_prompt(vocab, 30, 6)
-    config = cpu_config(tiny_model_dir, device="cuda", dtype="float32", block_size=16, gpu_memory_utilization=0.3,
+    config = cpu_config(tiny_model_dir, device="cuda", dtype="float32", block_size=16, gpu_memory_utilization=GPU_SHARE,
                         max_num_batched_tokens=512)
     scored, plain = run_engine(config, [(prompt, greedy(4, prompt_logprobs=2)), (other, greedy(4))])
     logits = hf_torch_logits(tiny_model_dir, [prompt])[0][:-1, :vocab].double()

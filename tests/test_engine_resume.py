@@ -7,7 +7,7 @@ import asyncio
 from dataclasses import dataclass, field, replace
 
 import pytest
-from engine_util import cpu_config, greedy
+from engine_util import GPU_SHARE, cpu_config, greedy
 
 from hypic import AsyncEngine, InvalidRequestError, SamplingParams
 
@@ -107,7 +107,7 @@ def test_a_seeded_request_resumes_on_cuda(tiny_model_dir):
     params = SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=24, ignore_eos=True, **PENALTIES)
 
     async def main() -> tuple[Stream, Stream]:
-        config = cpu_config(tiny_model_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+        config = cpu_config(tiny_model_dir, device="cuda", dtype="float32", gpu_memory_utilization=GPU_SHARE)
         async with AsyncEngine(config) as engine:
             whole = await run(engine, params)
             return whole, await run(engine, params, resumed(whole, range(params.n)))

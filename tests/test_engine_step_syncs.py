@@ -15,6 +15,8 @@ from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.kernels.host_copy import sync_sites
 from hypic.structured_outputs import StructuredOutputs
 
+from engine_util import GPU_SHARE
+
 pytestmark = pytest.mark.gpu
 
 PLAIN = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -34,7 +36,7 @@ def submit(engine: LLMEngine, params: SamplingParams, rng: random.Random) -> Non
 @pytest.mark.parametrize("params", [PLAIN, FILTERED, CONSTRAINED], ids=["greedy", "filtered", "constrained"])
 def test_prefill_and_decode_steps_read_the_device_once(tiny_moe_model_dir, params):
     engine = LLMEngine(EngineConfig(model=str(tiny_moe_model_dir), device="cuda", cache_mode="none",
-                                    gpu_memory_utilization=0.3, max_num_seqs=4, segment_host_bytes=0))
+                                    gpu_memory_utilization=GPU_SHARE, max_num_seqs=4, segment_host_bytes=0))
     rng = random.Random(0)
     submit(engine, params, rng)  # a first round compiles, autotunes and picks tilings (syncs, once)
     while engine.has_work():

@@ -12,7 +12,7 @@ from concurrent.futures import Executor, Future
 import pytest
 import torch
 from conftest import make_model_dir
-from engine_util import collect, cpu_config, greedy
+from engine_util import GPU_SHARE, collect, cpu_config, greedy
 
 from hypic import AsyncEngine
 from hypic.cache.disk_tier import DiskTier
@@ -433,7 +433,7 @@ def test_a_peer_pulling_an_entry_held_only_on_disk_gets_it_read(tiny_model_dir, 
 
 @pytest.mark.gpu
 def test_on_a_gpu_host_and_disk_hits_give_the_outputs_of_an_unbounded_pool(tiny_model_dir, tmp_path):
-    gpu = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+    gpu = dict(device="cuda", dtype="float32", gpu_memory_utilization=GPU_SHARE)
     ref, core = serve(tier_config(tiny_model_dir, **gpu), jobs())
     entry = core.store.stats().bytes // len(DOCS)
     tight = tier_config(tiny_model_dir, segment_pool_bytes=entry * 3 // 2, segment_host_bytes=entry * 4,
@@ -457,7 +457,7 @@ def test_on_a_gpu_promotions_and_demotions_never_make_the_host_wait_for_the_devi
     """Torch's sync debug mode names every host sync of admitting and stepping warm requests whose
     documents come back from host memory (copied up on the side stream) while others go down: none
     is in the tiers' code."""
-    gpu = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+    gpu = dict(device="cuda", dtype="float32", gpu_memory_utilization=GPU_SHARE)
     _, core = serve(tier_config(tiny_model_dir, **gpu), jobs(1))
     entry = core.store.stats().bytes // len(DOCS)
     engine = LLMEngine(tier_config(tiny_model_dir, segment_pool_bytes=entry * 3 // 2, segment_host_bytes=entry * 4,

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from engine_util import greedy
+from engine_util import GPU_SHARE, greedy
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
 from hypic.engine.prefill_cost import CONTEXT_RANGE, REFIT_EVERY, UNMEASURED_CONTEXT, PrefillCost, StepWork
@@ -117,7 +117,7 @@ def test_beside_a_decode_every_step_keeps_the_cold_job_under_the_cap(tiny_model_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_the_gpu_the_cap_holds_and_the_outputs_are_uncapped_ones(slow_decay_model_dir):
     """The same through CUDA events (the step clock) and the GPU kernels: capped steps, equal tokens."""
-    gpu = {"device": "cuda", "dtype": "float32", "gpu_memory_utilization": 0.3}
+    gpu = {"device": "cuda", "dtype": "float32", "gpu_memory_utilization": GPU_SHARE}
     outputs = []
     for threshold in (CAP, 0):
         engine = _engine(slow_decay_model_dir, threshold, **gpu)

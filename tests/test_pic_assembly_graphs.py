@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mamba2_models
 import pytest
-from engine_util import greedy
+from engine_util import GPU_SHARE, greedy
 from pic_util import DOCS, QUERY, SEP, pic_config, prompt
 
 from hypic.engine.pic.graphs import MAX_PIECES, AssemblyGraphs
@@ -107,7 +107,7 @@ def test_captured_assembly_graphs_match_the_eager_engine_on_cuda(slow_decay_mode
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     cold_then_warm = [prompt(*DOCS), prompt(DOCS[2], DOCS[0], DOCS[1]), prompt(DOCS[1], DOCS[2])]
-    base = dict(device="cuda", dtype="float32", block_size=16, gpu_memory_utilization=0.3)
+    base = dict(device="cuda", dtype="float32", block_size=16, gpu_memory_utilization=GPU_SHARE)
     eager = LLMEngine(pic_config(slow_decay_model_dir, enforce_eager=True, **base))
     expected = [generate(eager, p, 6) for p in cold_then_warm]
     del eager

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import mamba2_models
-from engine_util import greedy
+from engine_util import GPU_SHARE, greedy
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
 from pic_util import DOCS, SEP, SYSTEM, pic_config, rel
@@ -65,7 +65,7 @@ def test_a_segment_longer_than_the_step_budget_gives_the_one_step_tuple(model, m
 def test_on_the_gpu_a_chunked_capture_gives_the_one_step_tuple(slow_decay_model_dir):
     """The same through the Triton / fla kernels (float32; their chunked paths round differently)."""
     _assert_same_tuple(slow_decay_model_dir, "hypic", 1e-4, device="cuda", dtype="float32",
-                       gpu_memory_utilization=0.3)
+                       gpu_memory_utilization=GPU_SHARE)
 
 
 def _decoding(engine: LLMEngine):
