@@ -101,7 +101,9 @@ def test_an_out_of_memory_step_fails_only_its_requests(tiny_model_dir):
         assert out.error.step_requests == 2 and out.error.step_tokens == sum(
             len(engine.tokenizer.encode(text)) - 1 for text in PROMPTS[:2])
     assert _held(engine) == start  # pages, slots, pins back; no checkpoint kept from the failed step
-    assert engine.stats().running == 0 and engine.stats().steps_out_of_memory == 1 and first not in engine.requests
+    stats = engine.stats()
+    assert stats.running == 0 and stats.steps_out_of_memory == 1 and first not in engine.requests
+    assert (stats.requests_failed, stats.requests_aborted) == (2, 0)  # failed, not aborted by a client
     later = _add(engine, PROMPTS[3])
     tokens: dict[str, list[int]] = {}
     assert _drain(engine, tokens) == []

@@ -64,6 +64,7 @@ class EngineStats:
     segment_disk: DiskStats | None  # None: no disk tier
     requests_finished: int
     requests_aborted: int
+    requests_failed: int  # their step ran out of device memory (StepOutOfMemoryError)
     prompt_tokens: int
     generated_tokens: int
     cached_tokens: int
@@ -91,7 +92,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.last_step_ran = True  # False when the last step found nothing it could schedule
         self.steps = 0  # steps that ran a batch (how a watchdog sees the loop advance)
-        self.counters = dict.fromkeys(("finished", "aborted", "prompt", "generated", "cached", "steps_oom"), 0)
+        self.counters = dict.fromkeys(("finished", "aborted", "failed", "prompt", "generated", "cached", "steps_oom"), 0)
         logger.info("hypic engine ready: %s on %s (%s), %s, max_model_len %d; %s", self.model_dir.name,
                     self.device, str(self.dtype).removeprefix("torch."), self.plan, self.max_model_len,
                     self._tier_capacities())
@@ -162,12 +163,12 @@ class LLMEngine:
             return None
         return state.output(self._end(state, checkpoint=True))
 
-    def _end(self, state: RequestState, *, checkpoint: bool) -> list[CompletionDelta]:
+    def _end(self, state: RequestState, *, checkpoint: bool, outcome: str = "aborted") -> list[CompletionDelta]:
         """Aborts a request's unfinished completions; `checkpoint`: each keeps a prefix checkpoint
-        of what it computed."""
+        of what it computed. `outcome`: the counter it adds to (a failed request is not an abort)."""
         deltas = [self._finish(c, "abort", checkpoint) for c in state.completions.values() if not c.seq.finished]
         self.structured.release(state.info.request_id)
-        self.counters["aborted"] += 1
+        self.counters[outcome] += 1
         return [d for d in deltas if d is not None]
 
     def close(self) -> None:
@@ -269,7 +270,7 @@ class LLMEngine:
 
     def _fail(self, request_id: str, error: StepOutOfMemoryError) -> RequestOutput:
         state = self.requests.pop(request_id)
-        self._end(state, checkpoint=False)
+        self._end(state, checkpoint=False, outcome="failed")
         return dataclasses.replace(state.output([]), error=error)
 
     def _look_ahead(self) -> None:
@@ -512,7 +513,8 @@ class LLMEngine:
             state_slots_free=self.slots.num_free, prefix_cache=self.prefix.stats(),
             segment_pool=self.store.stats(), segment_host=lower.stats() if lower else None,
             segment_disk=self._disk_stats(),
-            requests_finished=c["finished"], requests_aborted=c["aborted"], prompt_tokens=c["prompt"],
+            requests_finished=c["finished"], requests_aborted=c["aborted"],
+            requests_failed=c["failed"], prompt_tokens=c["prompt"],
             generated_tokens=c["generated"], cached_tokens=c["cached"],
             preemptions=self.scheduler.preemptions, steps_out_of_memory=c["steps_oom"])
 
