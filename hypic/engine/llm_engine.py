@@ -226,7 +226,7 @@ class LLMEngine:
         done = self.pic.after_step(batch, capture)
         if scores is not None:
             self._record_prompt_scores(scored, scores)
-        return masks, logits, [job for job, _ in done]
+        return masks, logits, done
 
     def _advance(self, batch: ScheduledBatch, masks: PendingMasks | None, logits: torch.Tensor,
                  finished_jobs: list[Sequence]) -> list[RequestOutput]:

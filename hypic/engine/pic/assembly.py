@@ -165,17 +165,17 @@ class PicAssembler:
             if seq.pic.cached:
                 self._scatter_pieces(seq)
 
-    def after_step(self, batch: ScheduledBatch, capture: Capture | None) -> list[tuple[Sequence, bool]]:
+    def after_step(self, batch: ScheduledBatch, capture: Capture | None) -> list[Sequence]:
         """Keeps each cold job's tuple so far, stores the complete ones and unpins composed pieces
         (last: a step that runs out of memory before then gives back every pin its sequences hold,
-        `release`); returns (finished job, stored) pairs."""
+        `release`); returns the finished jobs."""
         done = [] if capture is None else self._keep_captures(batch, capture)
         for scheduled in batch.chunks:
             for _, piece in scheduled.chunk.cached:
                 self.store.unpin(piece.entry)
         return done
 
-    def _keep_captures(self, batch: ScheduledBatch, capture: Capture) -> list[tuple[Sequence, bool]]:
+    def _keep_captures(self, batch: ScheduledBatch, capture: Capture) -> list[Sequence]:
         done, ending, going_on = [], itertools.count(), itertools.count()
         starts = itertools.accumulate(capture.spans.lens, initial=0)
         for j, (i, start) in enumerate(zip(capture.jobs, starts)):
@@ -190,7 +190,7 @@ class PicAssembler:
             stored = self.store.put_staged(pic.job.key, pic.job.interior, capture.staged.fixed[next(ending)], kv)
             pic.captured, pic.captured_kv = None, []
             self._wake(pic.job.key, stored)
-            done.append((self.jobs.pop(pic.job.key), stored))
+            done.append(self.jobs.pop(pic.job.key))
         return done
 
     def drop_job(self, seq: Sequence) -> None:
