@@ -11,15 +11,14 @@ place (no gather/scatter: the decode step must be cheap and CUDA-graph capturabl
 from __future__ import annotations
 
 import functools
-import itertools
 from typing import Any
 
 import torch
 
 from hypic.kernels.host_copy import host_to_device
 from hypic.kernels.triton_lazy import triton_kernel
-from hypic.kernels.varlen import (decode_launch, decode_program, expand_key_heads, fla_cu_seqlens, initial_states,
-                                  to_chunks)
+from hypic.kernels.varlen import (decode_launch, decode_program, decode_state, fla_cu_seqlens, initial_states,
+                                  recurrence_reference, to_chunks)
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -61,21 +60,8 @@ def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                          has_state: torch.Tensor, cu_seqlens: torch.Tensor, *, scale: float,
                          num_decodes: int, seq_lens_cpu: tuple[int, ...]) -> torch.Tensor:
     """Same contract as `gated_delta_rule`, in pure torch with float32 math."""
-    hv, out_dtype = v.shape[1], v.dtype
-    q, k = expand_key_heads(q.float(), hv), expand_key_heads(k.float(), hv)
-    v, g, beta = v.float(), g.float(), beta.float()
-    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    nd = num_decodes
-    if nd:
-        state = initial_states(ssm_pool, slots[:nd], has_state[:nd])
-        o[:nd], state = _recurrent_step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], state, scale)
-        ssm_pool[slots[:nd]] = state
-    starts = list(itertools.accumulate(seq_lens_cpu, initial=0))
-    for b in range(nd, len(seq_lens_cpu)):
-        s, e = starts[b], starts[b + 1]
-        state = initial_states(ssm_pool, slots[b:b + 1], has_state[b:b + 1])[0]
-        o[s:e], ssm_pool[slots[b]] = _chunked_sequence(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state, scale)
-    return o.to(out_dtype)
+    return recurrence_reference(q, k, v, (g, beta), ssm_pool, slots, has_state, scale=scale, num_decodes=num_decodes,
+                                seq_lens_cpu=seq_lens_cpu, step=_recurrent_step, sequence=_chunked_sequence)
 
 
 
@@ -189,10 +175,8 @@ def _gdn_decode_kernel(q, k, v, g, beta, o, pool, slots, has_state, scale,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr):
     i_b, i_hv, i_h, o_k, o_v, m_k, m_v, slot = decode_program(slots, H, HV, K, V, BK, BV)
-    p_state = pool + ((slot * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
-    m_state = m_k[:, None] & m_v[None, :]
-    state = tl.load(p_state, mask=m_state, other=0.0).to(tl.float32)
-    state = tl.where(tl.load(has_state + i_b) != 0, state, 0.0)
+    p_state, m_state, state = decode_state(pool, slot, i_hv, o_k, o_v, m_k, m_v, tl.load(has_state + i_b) != 0,
+                                           HV, K, V)
     b_q = tl.load(q + i_b * stride_q + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
     b_k = tl.load(k + i_b * stride_k + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_v = tl.load(v + i_b * stride_v + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)

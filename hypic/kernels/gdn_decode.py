@@ -26,7 +26,7 @@ from hypic.kernels.gdn import gated_delta_rule_ref
 from hypic.kernels.gdn_inputs import L2NORM_EPS, gdn_gates_ref, qk_l2norm
 from hypic.kernels.norms import gated_rms_norm_ref
 from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
-from hypic.kernels.varlen import decode_launch, decode_program, one_token_each
+from hypic.kernels.varlen import decode_launch, decode_program, decode_state, one_token_each
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -130,9 +130,7 @@ def _gdn_decode_step_kernel(x, z, a, b, w, A_log, dt_bias, norm_w, o, y, pool, c
     rate = softplus(tl.load(a + i_b * stride_a + i_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32))
     b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * rate
     b_beta = tl.sigmoid(tl.load(b + i_b * stride_b + i_hv).to(tl.float32)).to(b.dtype.element_ty).to(tl.float32)
-    p_state = pool + ((slot * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
-    m_state = m_k[:, None] & m_v[None, :]
-    state = tl.where(keep, tl.load(p_state, mask=m_state, other=0.0).to(tl.float32), 0.0)
+    p_state, m_state, state = decode_state(pool, slot, i_hv, o_k, o_v, m_k, m_v, keep, HV, K, V)
     state = state * tl.exp(b_g)
     err = b_beta * (b_v - tl.sum(state * b_k[:, None], axis=0))
     state = state + b_k[:, None] * err[None, :]

@@ -28,7 +28,7 @@ from hypic.kernels.conv1d import (causal_conv1d_ref, decode_conv_channels, decod
 from hypic.kernels.norms import grouped_gated_rms_norm
 from hypic.kernels.scalar_gated import scalar_gated_rule_ref
 from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
-from hypic.kernels.varlen import decode_launch, decode_program, one_token_each
+from hypic.kernels.varlen import decode_launch, decode_program, decode_state, one_token_each
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -161,9 +161,7 @@ def _ssd_step_kernel(xbc, dt, w, bias, A_log, dt_bias, D, y, pool, conv_pool, sl
     s = tl.load(dt + i_b * stride_dt + i_hv).to(tl.float32) + tl.load(dt_bias + i_hv)
     b_dt = tl.minimum(tl.maximum(softplus(s), dt_min), dt_max)
     b_v = (b_x * b_dt).to(y.dtype.element_ty).to(tl.float32)
-    p_state = pool + ((slot * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
-    m_state = m_k[:, None] & m_v[None, :]
-    state = tl.where(keep, tl.load(p_state, mask=m_state, other=0.0).to(tl.float32), 0.0)
+    p_state, m_state, state = decode_state(pool, slot, i_hv, o_k, o_v, m_k, m_v, keep, HV, K, V)
     state = state * tl.exp(-tl.exp(tl.load(A_log + i_hv)) * b_dt) + b_b[:, None] * b_v[None, :]
     b_o = tl.sum(state * b_c[:, None], axis=0).to(y.dtype.element_ty).to(tl.float32)
     tl.store(y + (i_b * HV + i_hv) * V + o_v, (b_o + tl.load(D + i_hv) * b_x).to(y.dtype.element_ty), mask=m_v)

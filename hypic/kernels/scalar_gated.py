@@ -13,14 +13,13 @@ which updates ssm_pool by slot in place (CUDA-graph capturable).
 """
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
 
 from hypic.kernels.triton_lazy import triton_kernel
-from hypic.kernels.varlen import (decode_launch, decode_program, expand_key_heads, fla_cu_seqlens, initial_states,
-                                  to_chunks)
+from hypic.kernels.varlen import (decode_launch, decode_program, decode_state, expand_key_heads, fla_cu_seqlens,
+                                  initial_states, recurrence_reference, to_chunks)
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -61,22 +60,15 @@ def scalar_gated_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
                           cu_seqlens: torch.Tensor, *, scale: float, num_decodes: int,
                           seq_lens_cpu: tuple[int, ...]) -> torch.Tensor:
     """Same contract as `scalar_gated_rule`, in pure torch with float32 math."""
-    hv, out_dtype = v.shape[1], v.dtype
-    q, k = expand_key_heads(q.float(), hv), expand_key_heads(k.float(), hv)
-    v, g = v.float(), g.float()
-    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    nd = num_decodes
-    if nd:
-        state = initial_states(ssm_pool, slots[:nd], has_state[:nd])
-        state = state * g[:nd].exp()[..., None, None] + k[:nd, :, :, None] * v[:nd, :, None, :]
-        o[:nd] = torch.einsum("bhkv,bhk->bhv", state, q[:nd] * scale)
-        ssm_pool[slots[:nd]] = state
-    starts = list(itertools.accumulate(seq_lens_cpu, initial=0))
-    for b in range(nd, len(seq_lens_cpu)):
-        s, e = starts[b], starts[b + 1]
-        state = initial_states(ssm_pool, slots[b:b + 1], has_state[b:b + 1])[0]
-        o[s:e], ssm_pool[slots[b]] = chunked_sequence(q[s:e], k[s:e], v[s:e], g[s:e], state, scale)
-    return o.to(out_dtype)
+    return recurrence_reference(q, k, v, (g,), ssm_pool, slots, has_state, scale=scale, num_decodes=num_decodes,
+                                seq_lens_cpu=seq_lens_cpu, step=_recurrent_step, sequence=chunked_sequence)
+
+
+def _recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, state: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of many sequences: q, k [B, HV, K]; v [B, HV, V]; g [B, HV]; state [B, HV, K, V]."""
+    state = state * g.exp()[..., None, None] + k[..., :, None] * v[..., None, :]
+    return torch.einsum("bhkv,bhk->bhv", state, q * scale), state
 
 
 
@@ -142,10 +134,8 @@ def _scalar_decode_kernel(q, k, v, g, o, pool, slots, has_state, scale, stride_o
                           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr):
     i_b, i_hv, i_h, o_k, o_v, m_k, m_v, slot = decode_program(slots, H, HV, K, V, BK, BV)
-    p_state = pool + ((slot * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
-    m_state = m_k[:, None] & m_v[None, :]
-    state = tl.load(p_state, mask=m_state, other=0.0).to(tl.float32)
-    state = tl.where(tl.load(has_state + i_b) != 0, state, 0.0)
+    p_state, m_state, state = decode_state(pool, slot, i_hv, o_k, o_v, m_k, m_v, tl.load(has_state + i_b) != 0,
+                                           HV, K, V)
     b_q = tl.load(q + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
     b_k = tl.load(k + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_v = tl.load(v + (i_b * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)

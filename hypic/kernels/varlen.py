@@ -94,6 +94,26 @@ def initial_states(ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch
     return torch.where(has_state[:, None, None, None], ssm_pool[slots], 0.0)
 
 
+def recurrence_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: tuple[torch.Tensor, ...],
+                         ssm_pool: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, *, scale: float,
+                         num_decodes: int, seq_lens_cpu: tuple[int, ...], step: Any, sequence: Any) -> torch.Tensor:
+    """A torch reference's walk over a varlen batch, float32 math with the key heads expanded to the
+    value heads: the decodes as one batched `step`, every other span through `sequence` from its
+    slot's state, each final state written back. `gates`: the rule's per-token tensors after v."""
+    hv, out_dtype = v.shape[1], v.dtype
+    q, k = expand_key_heads(q.float(), hv), expand_key_heads(k.float(), hv)
+    v, gates = v.float(), [t.float() for t in gates]
+    o, nd = torch.empty(v.shape, dtype=torch.float32, device=v.device), num_decodes
+    if nd:
+        state = initial_states(ssm_pool, slots[:nd], has_state[:nd])
+        o[:nd], ssm_pool[slots[:nd]] = step(q[:nd], k[:nd], v[:nd], *(t[:nd] for t in gates), state, scale)
+    starts = list(itertools.accumulate(seq_lens_cpu, initial=0))
+    for b, (s, e) in enumerate(itertools.pairwise(starts[nd:]), nd):
+        state = initial_states(ssm_pool, slots[b:b + 1], has_state[b:b + 1])[0]
+        o[s:e], ssm_pool[slots[b]] = sequence(q[s:e], k[s:e], v[s:e], *(t[s:e] for t in gates), state, scale)
+    return o.to(out_dtype)
+
+
 def to_chunks(x: torch.Tensor, length: int, chunk: int) -> torch.Tensor:
     """One sequence [T, HV, ...] -> [HV, n, chunk, ...], zero-padded at the end (zero tokens, with
     zero log-gates, leave a chunked recurrence's state as is; their outputs are dropped)."""
@@ -131,3 +151,12 @@ def decode_program(slots, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V:
     o_k = tl.arange(0, BK)
     o_v = tl.program_id(2) * BV + tl.arange(0, BV)
     return i_b, i_hv, i_hv // (HV // H), o_k, o_v, o_k < K, o_v < V, tl.load(slots + i_b).to(tl.int64)
+
+
+@triton_kernel
+def decode_state(pool, slot, i_hv, o_k, o_v, m_k, m_v, keep, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """A `decode_program`'s tile of its sequence's state in float32 (zeros unless `keep`: a new
+    sequence's slot may hold anything), with the pointers and mask that store it back."""
+    p_state = pool + ((slot * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
+    m_state = m_k[:, None] & m_v[None, :]
+    return p_state, m_state, tl.where(keep, tl.load(p_state, mask=m_state, other=0.0).to(tl.float32), 0.0)
