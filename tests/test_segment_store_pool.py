@@ -10,7 +10,8 @@ import xxhash
 
 from hypic.cache.model_caches import LinearShape
 from hypic.cache.prefix_cache import token_bytes
-from hypic.cache.segment_store import SegmentKey, SegmentLayout, SegmentStore, SegmentTuple, TupleStaging
+from hypic.cache.segment_store import (SegmentKey, SegmentLayout, SegmentStore, SegmentTuple, TupleStaging,
+                                       eviction_window)
 from hypic.engine.pic.pieces import Cached
 from hypic.kernels.compose import CachedPieces, compose_and_recur, compose_and_recur_ref
 from hypic.kernels.linear_families import get_family
@@ -136,6 +137,51 @@ def test_pins_block_eviction_and_put_fails_when_nothing_can_go() -> None:
         store.unpin(entry)
 
 
+def _arena_of(lens: dict[str, int]) -> SegmentStore:
+    """A pool exactly filled by entries of these interior lengths, stored in order (first-fit: in
+    address order too)."""
+    lay = layout()
+    store = SegmentStore(lay, sum(lay.entry_bytes(n) for n in lens.values()), "cpu")
+    for name, n in lens.items():
+        assert store.put(key(name), random_tuple(lay, n))
+    return store
+
+
+@pytest.mark.parametrize(("pinned", "evicted"), [(None, "cd"), ("d", "ab")])
+def test_a_large_entry_evicts_one_run_of_old_entries_not_every_older_one(pinned: str | None, evicted: str) -> None:
+    """Arena a | b | c | d, least recent first a, c, d, b; e fits in c + d (or a + b, b + c) but in no
+    single entry's space. The run c + d has the oldest newest entry, so a stays (evicting the least recent
+    until a hole fits would have taken a too); with d pinned, a + b, which evicts fewer bytes than b + c."""
+    store = _arena_of({"a": 2, "b": 10, "c": 6, "d": 6})
+    assert store.put(key("b"), random_tuple(store.layout, 10))  # b becomes the most recent
+    held = store.get(key(pinned)) if pinned else None
+    assert store.put(key("e"), random_tuple(store.layout, 14))  # entries grow in steps of 4 rows
+    assert {n for n in "abcd" if key(n) not in store} == set(evicted) and key("e") in store
+    assert store.stats().evictions == 2
+    if held is not None:
+        store.unpin(held)
+
+
+def test_eviction_window_against_every_window() -> None:
+    """The chosen window is the best of all windows by brute force (most recent entry, then bytes
+    evicted), over random arenas of holes, entries and pinned entries."""
+    rng = random.Random(0)
+    for _ in range(300):
+        pieces = [(rng.randrange(1, 9), rng.choice([None, 0, *range(1, 12)])) for _ in range(rng.randrange(1, 12))]
+        nbytes = rng.randrange(1, 30)
+
+        def score(window: range) -> tuple[int, int]:
+            return (max(pieces[i][1] for i in window), sum(pieces[i][0] for i in window if pieces[i][1] > 0))
+        windows = [range(a, b) for a in range(len(pieces)) for b in range(a + 1, len(pieces) + 1)]
+        feasible = [w for w in windows if all(pieces[i][1] is not None for i in w)
+                    and sum(pieces[i][0] for i in w) >= nbytes]
+        got = eviction_window(pieces, nbytes)
+        assert (got is None) == (not feasible), (pieces, nbytes)
+        if feasible:
+            assert score(got) == min(map(score, feasible)), (pieces, nbytes, got)
+            assert sum(pieces[i][0] for i in got) >= nbytes
+
+
 def test_too_large_entry_is_refused_without_evicting() -> None:
     store = store_for(2)
     store.put(key("a"), random_tuple(store.layout, 5))
@@ -192,7 +238,9 @@ def test_random_operations_keep_the_books() -> None:
         live = list(store._index.values()) + store._flushed
         assert store.stats().bytes == sum(e.nbytes for e in live) <= store.capacity_bytes
         spans = sorted((e.offset, e.offset + e.nbytes) for e in live)
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no overlap
+        pieces = sorted([*spans, *((o, o + n) for o, n in store._free.holes)])
+        assert [a for a, _ in pieces[1:]] == [b for _, b in pieces[:-1]] and pieces[-1][1] == store.capacity_bytes
+        # entries and holes tile the arena: no overlap, no lost byte (eviction windows rely on it)
     for entry in pins:
         store.unpin(entry)
     store.flush()

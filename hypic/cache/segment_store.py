@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -514,19 +514,41 @@ class SegmentStore:
         return itertools.chain((e for e in self._index.values() if e.pins), self._flushed)
 
     def _allocate(self, nbytes: int) -> int | None:
-        """First-fit; evicts least-recently-used unpinned entries until a hole fits, one at a time:
-        the space of one whose demotion copy is under way is waited for (on the device) before
-        another is evicted, else a full pool would demote every entry for each one it takes in."""
+        """First-fit; when no hole fits, the run of the arena that costs least to free is evicted
+        (`eviction_window`: not every older entry scattered over the arena). The space of entries
+        whose demotion copy is under way is waited for on the device, not by the host."""
         if nbytes > self.room_bytes:
             return None  # hopeless: evicting would only lose entries
         self._release_drained(lambda event: event.query())
-        return self._free.allocate_evicting(
-            nbytes, lambda: self._release_drained(self._wait_on_device) or self._evict_one())
+        offset = self._free.allocate(nbytes)
+        if offset is None and self._evict_window(nbytes):
+            offset = self._free.allocate(nbytes)
+        return offset
 
-    def _evict_one(self) -> bool:
-        entry = pop_lru_unpinned(self._index)
-        if entry is None:
+    def _evict_window(self, nbytes: int) -> bool:
+        """Evict the entries of the cheapest window of `nbytes` (False: pins leave none)."""
+        pieces = self._arena_pieces()
+        window = eviction_window([(size, cost) for size, cost, _ in pieces], nbytes)
+        if window is None:
             return False
+        doomed = [pieces[i][2] for i in window if pieces[i][2] is not None]
+        for entry in doomed:
+            if self._index.get(entry.key) is entry:
+                self._evict(self._index.pop(entry.key))
+        self._release_drained(self._wait_on_device, among=set(doomed))
+        return True
+
+    def _arena_pieces(self) -> list[tuple[int, int | None, SegmentEntry | None]]:
+        """The arena in address order as (bytes, eviction cost, entry): holes and entries whose
+        demotion is under way cost 0, an unpinned entry its recency (1: least recently used), a
+        pinned or flushed one cannot go (None)."""
+        pieces = [(offset, size, 0, None) for offset, size in self._free.holes]
+        pieces += [(e.offset, e.nbytes, None if e.pins else rank, e) for rank, e in enumerate(self._index.values(), 1)]
+        pieces += [(e.offset, e.nbytes, 0, e) for e, _ in self._draining]
+        pieces += [(e.offset, e.nbytes, None, e) for e in self._flushed]
+        return [piece[1:] for piece in sorted(pieces, key=lambda piece: piece[0])]
+
+    def _evict(self, entry: SegmentEntry) -> None:
         self._evictions += 1
         self._moved.add(entry.key)
         copying = self.lower.demote(entry.key, entry.interior, self._bytes(entry)) if self.lower is not None else None
@@ -535,11 +557,12 @@ class SegmentStore:
             self._free.release(entry.offset, entry.nbytes)
         else:
             self._draining.append((entry, copying))
-        return True
 
-    def _release_drained(self, landed) -> bool:
-        """Free the space of evicted entries whose demotion copy `landed(event)` says is done."""
-        done = [(entry, event) for entry, event in self._draining if landed(event)]
+    def _release_drained(self, landed, among: set[SegmentEntry] | None = None) -> bool:
+        """Free the space of evicted entries (those `among`, if given) whose demotion
+        copy `landed(event)` says is done."""
+        done = [(entry, event) for entry, event in self._draining
+                if (among is None or entry in among) and landed(event)]
         self._draining = [item for item in self._draining if all(item[0] is not e for e, _ in done)]
         for entry, _ in done:
             self._free.release(entry.offset, entry.nbytes)
@@ -600,6 +623,34 @@ def drop_salt(index: OrderedDict, flushed: list, free: FreeList, salt: str | Non
     return len(doomed)
 
 
+def eviction_window(pieces: Sequence[tuple[int, int | None]], nbytes: int) -> range | None:
+    """Which consecutive pieces of an arena to free for `nbytes` of contiguous space. `pieces`:
+    (bytes, cost) in address order, tiling the arena; cost None for one that cannot go, 0 for free
+    space, else its recency (1: least recently used). The window whose most recent entry is least
+    recent wins (every entry it evicts is older than that one), then the one evicting fewer bytes;
+    None when pins leave no window of `nbytes`."""
+    best, best_score = None, None
+    left, total, evicting, peaks = 0, 0, 0, deque()  # peaks: the window's costs, decreasing
+    for right, (size, cost) in enumerate(pieces):
+        if cost is None:
+            left, total, evicting = right + 1, 0, 0
+            peaks.clear()
+            continue
+        total, evicting = total + size, evicting + size * (cost > 0)
+        while peaks and pieces[peaks[-1]][1] <= cost:
+            peaks.pop()
+        peaks.append(right)
+        while total - pieces[left][0] >= nbytes:  # the shortest window ending here
+            total, evicting = total - pieces[left][0], evicting - pieces[left][0] * (pieces[left][1] > 0)
+            left += 1
+            if peaks[0] < left:
+                peaks.popleft()
+        score = (pieces[peaks[0]][1], evicting)
+        if total >= nbytes and (best_score is None or score < best_score):
+            best, best_score = range(left, right + 1), score
+    return best
+
+
 class FreeList:
     """Holes of the arena as sorted (offset, size) pairs; adjacent holes are merged on release."""
 
@@ -609,6 +660,10 @@ class FreeList:
     @property
     def free_bytes(self) -> int:
         return sum(size for _, size in self._holes)
+
+    @property
+    def holes(self) -> list[tuple[int, int]]:
+        return list(self._holes)
 
     def allocate(self, nbytes: int) -> int | None:
         for i, (offset, size) in enumerate(self._holes):
