@@ -22,6 +22,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 import xxhash
@@ -539,14 +540,12 @@ class SegmentStore:
         return True
 
     def _arena_pieces(self) -> list[tuple[int, int | None, SegmentEntry | None]]:
-        """The arena in address order as (bytes, eviction cost, entry): holes and entries whose
-        demotion is under way cost 0, an unpinned entry its recency (1: least recently used), a
-        pinned or flushed one cannot go (None)."""
-        pieces = [(offset, size, 0, None) for offset, size in self._free.holes]
-        pieces += [(e.offset, e.nbytes, None if e.pins else rank, e) for rank, e in enumerate(self._index.values(), 1)]
-        pieces += [(e.offset, e.nbytes, 0, e) for e, _ in self._draining]
-        pieces += [(e.offset, e.nbytes, None, e) for e in self._flushed]
-        return [piece[1:] for piece in sorted(pieces, key=lambda piece: piece[0])]
+        """`arena_pieces` of the pool: entries whose demotion is under way cost 0, a pinned or flushed
+        one cannot go."""
+        occupied = [(e.offset, e.nbytes, None if e.pins else rank, e) for rank, e in enumerate(self._index.values(), 1)]
+        occupied += [(e.offset, e.nbytes, 0, e) for e, _ in self._draining]
+        occupied += [(e.offset, e.nbytes, None, e) for e in self._flushed]
+        return arena_pieces(self._free.holes, occupied)
 
     def _evict(self, entry: SegmentEntry) -> None:
         self._evictions += 1
@@ -604,12 +603,6 @@ class SegmentStore:
                 raise ValueError(f"segment tuple {name}: expected {shapes}, got {got}")
 
 
-def pop_lru_unpinned(index: OrderedDict):
-    """Remove and return the least recently used entry of `index` that nothing pins, or None."""
-    victim = next((key for key, entry in index.items() if not entry.pins), None)
-    return None if victim is None else index.pop(victim)
-
-
 def drop_salt(index: OrderedDict, flushed: list, free: FreeList, salt: str | None) -> int:
     """Drop an arena's entries of one salt (all when None) from its `index`: pinned ones wait in
     `flushed` for their last unpin, the others' bytes are freed now. Returns how many were dropped."""
@@ -623,12 +616,27 @@ def drop_salt(index: OrderedDict, flushed: list, free: FreeList, salt: str | Non
     return len(doomed)
 
 
+def arena_pieces(holes: Sequence[tuple[int, int]], occupied: Sequence[tuple]) -> list[tuple[int, int | None, Any]]:
+    """An arena as `eviction_window` reads it, in address order, each piece as (bytes, cost, item):
+    `holes` (offset, bytes) cost 0 and carry no item, `occupied` are (offset, bytes, cost, item). A
+    stretch neither covers (between two slabs of the host arena) is a piece that cannot go."""
+    ordered = sorted([(offset, size, 0, None) for offset, size in holes] + list(occupied), key=lambda p: p[0])
+    pieces, end = [], 0
+    for offset, size, cost, item in ordered:
+        if offset > end:
+            pieces.append((offset - end, None, None))
+        pieces.append((size, cost, item))
+        end = offset + size
+    return pieces
+
+
 def eviction_window(pieces: Sequence[tuple[int, int | None]], nbytes: int) -> range | None:
     """Which consecutive pieces of an arena to free for `nbytes` of contiguous space. `pieces`:
     (bytes, cost) in address order, tiling the arena; cost None for one that cannot go, 0 for free
     space, else its recency (1: least recently used). The window whose most recent entry is least
     recent wins (every entry it evicts is older than that one), then the one evicting fewer bytes;
-    None when pins leave no window of `nbytes`."""
+    entries beside it that are older still go with it (else a small stale entry between newer ones
+    would outlive them all). None when pins leave no window of `nbytes`."""
     best, best_score = None, None
     left, total, evicting, peaks = 0, 0, 0, deque()  # peaks: the window's costs, decreasing
     for right, (size, cost) in enumerate(pieces):
@@ -648,7 +656,16 @@ def eviction_window(pieces: Sequence[tuple[int, int | None]], nbytes: int) -> ra
         score = (pieces[peaks[0]][1], evicting)
         if total >= nbytes and (best_score is None or score < best_score):
             best, best_score = range(left, right + 1), score
-    return best
+    return None if best is None else _with_older_neighbours(pieces, best, best_score[0])
+
+
+def _with_older_neighbours(pieces: Sequence[tuple[int, int | None]], window: range, newest: int) -> range:
+    start, stop = window.start, window.stop
+    while start > 0 and pieces[start - 1][1] is not None and pieces[start - 1][1] < newest:
+        start -= 1
+    while stop < len(pieces) and pieces[stop][1] is not None and pieces[stop][1] < newest:
+        stop += 1
+    return range(start, stop)
 
 
 class FreeList:
@@ -672,10 +689,10 @@ class FreeList:
                 return offset
         return None
 
-    def allocate_evicting(self, nbytes: int, evict_one) -> int | None:
-        """First-fit, calling `evict_one()` (False: nothing left to evict) until a hole fits."""
+    def allocate_making_room(self, nbytes: int, make_room) -> int | None:
+        """First-fit, calling `make_room()` (False: it can make no more) until a hole fits."""
         offset = self.allocate(nbytes)
-        while offset is None and evict_one():
+        while offset is None and make_room():
             offset = self.allocate(nbytes)
         return offset
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from hypic.cache.disk_tier import DiskTier
-from hypic.cache.segment_store import ALIGN, FreeList, SegmentKey, drop_salt, pop_lru_unpinned
+from hypic.cache.segment_store import ALIGN, FreeList, SegmentKey, arena_pieces, drop_salt, eviction_window
 from hypic.cache.tier_stats import TierStats
 
 logger = logging.getLogger("hypic")
@@ -353,10 +353,30 @@ class LowerTiers:
             self._writes.append((future, held))
 
     def _allocate(self, nbytes: int) -> int | None:
-        """Room in the arena: free space, its next slab (if already pinned), or LRU unpinned entries."""
+        """Room in the arena: free space, its next slabs (if already pinned), or the window of unpinned
+        entries that costs least to evict (`eviction_window`)."""
         if nbytes > self.arena.slab_bytes:
             return None
-        return self.arena.free.allocate_evicting(nbytes, lambda: self.arena.grow() or self._evict_one())
+        offset = self.arena.free.allocate_making_room(nbytes, self.arena.grow)
+        if offset is None and self._evict_window(nbytes):
+            offset = self.arena.free.allocate(nbytes)
+        return offset
+
+    def _evict_window(self, nbytes: int) -> bool:
+        """Evict the entries of the cheapest window of `nbytes` (False: pins leave none). Entries
+        being read from disk and flushed ones still pinned cannot go."""
+        occupied = [(h.offset, h.nbytes, None if h.pins else rank, h) for rank, h in enumerate(self._index.values(), 1)]
+        taken = (*self._flushed, *(held for _, held in self._reads.values()))
+        pieces = arena_pieces(self.arena.free.holes, occupied + [(h.offset, h.nbytes, None, None) for h in taken])
+        window = eviction_window([(size, cost) for size, cost, _ in pieces], nbytes)
+        if window is None:
+            return False
+        for held in [pieces[i][2] for i in window if pieces[i][2] is not None]:
+            del self._index[held.key]
+            self.arena.free.release(held.offset, held.nbytes)
+            self._moved.add(held.key)
+            self._counts["evictions"] += 1
+        return True
 
     def _read_into_arena(self, key: SegmentKey, nbytes: int) -> None:
         offset = self._allocate(nbytes)
@@ -389,14 +409,6 @@ class LowerTiers:
     def _bytes(self, held: _Held) -> torch.Tensor:
         return self.arena.view(held.offset, held.nbytes)
 
-    def _evict_one(self) -> bool:
-        held = pop_lru_unpinned(self._index)
-        if held is None:
-            return False
-        self.arena.free.release(held.offset, held.nbytes)
-        self._moved.add(held.key)
-        self._counts["evictions"] += 1
-        return True
 
 
 def _split(items: list, done) -> tuple[list, list]:
