@@ -81,6 +81,7 @@ def cpu_config(model_dir: Path, **overrides) -> EngineConfig:
 def greedy(max_tokens: int, **overrides) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **overrides)
 
+
 # A GPU test engine's gpu_memory_utilization: four pytest-xdist workers share one GPU, so each takes
 # well under a quarter (tiny models need a few MiB; an engine also keeps 2 GiB for activations).
 GPU_SHARE = 0.15

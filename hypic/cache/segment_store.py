@@ -527,25 +527,19 @@ class SegmentStore:
         return offset
 
     def _evict_window(self, nbytes: int) -> bool:
-        """Evict the entries of the cheapest window of `nbytes` (False: pins leave none)."""
-        pieces = self._arena_pieces()
-        window = eviction_window([(size, cost) for size, cost, _ in pieces], nbytes)
-        if window is None:
-            return False
-        doomed = [pieces[i][2] for i in window if pieces[i][2] is not None]
-        for entry in doomed:
-            if self._index.get(entry.key) is entry:
-                self._evict(self._index.pop(entry.key))
-        self._release_drained(self._wait_on_device, among=set(doomed))
-        return True
-
-    def _arena_pieces(self) -> list[tuple[int, int | None, SegmentEntry | None]]:
-        """`arena_pieces` of the pool: entries whose demotion is under way cost 0, a pinned or flushed
-        one cannot go."""
+        """Evict the entries of the cheapest window of `nbytes` (False: pins leave none). Entries
+        whose demotion is under way cost nothing more; pinned and flushed ones cannot go."""
         occupied = [(e.offset, e.nbytes, None if e.pins else rank, e) for rank, e in enumerate(self._index.values(), 1)]
         occupied += [(e.offset, e.nbytes, 0, e) for e, _ in self._draining]
         occupied += [(e.offset, e.nbytes, None, e) for e in self._flushed]
-        return arena_pieces(self._free.holes, occupied)
+        doomed = window_to_evict(self._free.holes, occupied, nbytes)
+        if doomed is None:
+            return False
+        for entry in doomed:
+            if self._index.get(entry.key) is entry:  # else its demotion is already under way
+                self._evict(self._index.pop(entry.key))
+        self._release_drained(self._wait_on_device, among=set(doomed))
+        return True
 
     def _evict(self, entry: SegmentEntry) -> None:
         self._evictions += 1
@@ -616,10 +610,17 @@ def drop_salt(index: OrderedDict, flushed: list, free: FreeList, salt: str | Non
     return len(doomed)
 
 
-def arena_pieces(holes: Sequence[tuple[int, int]], occupied: Sequence[tuple]) -> list[tuple[int, int | None, Any]]:
-    """An arena as `eviction_window` reads it, in address order, each piece as (bytes, cost, item):
-    `holes` (offset, bytes) cost 0 and carry no item, `occupied` are (offset, bytes, cost, item). A
-    stretch neither covers (between two slabs of the host arena) is a piece that cannot go."""
+def window_to_evict(holes: Sequence[tuple[int, int]], occupied: Sequence[tuple], nbytes: int) -> list[Any] | None:
+    """The items of an arena to evict for `nbytes` of contiguous space (`eviction_window`), or None
+    when pins leave no room: `holes` are (offset, bytes), `occupied` (offset, bytes, cost, item)."""
+    pieces = _arena_pieces(holes, occupied)
+    window = eviction_window([(size, cost) for size, cost, _ in pieces], nbytes)
+    return None if window is None else [pieces[i][2] for i in window if pieces[i][2] is not None]
+
+
+def _arena_pieces(holes: Sequence[tuple[int, int]], occupied: Sequence[tuple]) -> list[tuple[int, int | None, Any]]:
+    """An arena in address order, each piece as (bytes, cost, item): holes cost 0 and carry no item.
+    A stretch neither covers (between two slabs of the host arena) is a piece that cannot go."""
     ordered = sorted([(offset, size, 0, None) for offset, size in holes] + list(occupied), key=lambda p: p[0])
     pieces, end = [], 0
     for offset, size, cost, item in ordered:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from hypic.cache.disk_tier import DiskTier
-from hypic.cache.segment_store import ALIGN, FreeList, SegmentKey, arena_pieces, drop_salt, eviction_window
+from hypic.cache.segment_store import ALIGN, FreeList, SegmentKey, drop_salt, window_to_evict
 from hypic.cache.tier_stats import TierStats
 
 logger = logging.getLogger("hypic")
@@ -367,11 +367,11 @@ class LowerTiers:
         being read from disk and flushed ones still pinned cannot go."""
         occupied = [(h.offset, h.nbytes, None if h.pins else rank, h) for rank, h in enumerate(self._index.values(), 1)]
         taken = (*self._flushed, *(held for _, held in self._reads.values()))
-        pieces = arena_pieces(self.arena.free.holes, occupied + [(h.offset, h.nbytes, None, None) for h in taken])
-        window = eviction_window([(size, cost) for size, cost, _ in pieces], nbytes)
-        if window is None:
+        doomed = window_to_evict(self.arena.free.holes, occupied + [(h.offset, h.nbytes, None, None) for h in taken],
+                                 nbytes)
+        if doomed is None:
             return False
-        for held in [pieces[i][2] for i in window if pieces[i][2] is not None]:
+        for held in doomed:
             del self._index[held.key]
             self.arena.free.release(held.offset, held.nbytes)
             self._moved.add(held.key)
@@ -408,7 +408,6 @@ class LowerTiers:
 
     def _bytes(self, held: _Held) -> torch.Tensor:
         return self.arena.view(held.offset, held.nbytes)
-
 
 
 def _split(items: list, done) -> tuple[list, list]:
