@@ -4,6 +4,7 @@ part merged into one result file (docs/bench-serve.md has what each part costs):
     python scripts/bench_fig11.py hypic --out-dir $OUT    # a call; then none, then prefix, a call each
     python scripts/bench_fig11.py pool5x --out-dir $OUT   # the corpus 5x the segment pool: a file of its own
     python scripts/bench_fig11.py none --rates 4,6,inf --out-dir $OUT   # the points a timed-out call missed
+    python scripts/bench_fig11.py none prefix --rates 2,3,4,inf --out-dir $OUT   # two parts, one server
 
 The workload: the Qwen3.5-35B-A3B text shape with random bf16 weights (scripts/serve_shape.py), one
 engine with the cache mode per request, RAG prompts of 8 documents of ~1.5k tokens (~12.1k tokens) from
@@ -46,28 +47,32 @@ WORKLOAD = ("--documents 100 --doc-tokens 1500 --docs-per-request 8 --zipf-s 1 -
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=PARTS)
+    parser.add_argument("parts", nargs="+", choices=PARTS, help="parts of one server and result file")
     parser.add_argument("--rates", help="the part's rates to measure (default: all of them)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="(default: bench/results)")
     parser.add_argument("--fresh", action="store_true", help="start the file, merging nothing")
     return parser.parse_args(argv)
 
 
-def bench_argv(part: str, rates: str | None, out: Path, merge: bool) -> list[str]:
-    """The `hypic bench serve` command line of one part."""
-    mode, all_rates, pool, _ = PARTS[part]
-    return ["bench", "serve", "--server-command", f"{SERVER} {pool}", *shlex.split(WORKLOAD), "--cache-modes", mode,
+def bench_argv(parts: list[str], rates: str | None, out: Path, merge: bool) -> list[str]:
+    """The `hypic bench serve` command line of parts sharing a server: one series each."""
+    settings = {PARTS[part][1:] for part in parts}
+    if len(settings) > 1:
+        raise SystemExit(f"bench_fig11: parts {parts} differ in rates, server or result file: run them apart")
+    (all_rates, pool, _), = settings
+    modes = ",".join(PARTS[part][0] for part in parts)
+    return ["bench", "serve", "--server-command", f"{SERVER} {pool}", *shlex.split(WORKLOAD), "--cache-modes", modes,
             "--request-rate", rates or all_rates, "--out", str(out), *(["--merge"] if merge else [])]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    name = result_path("bench_serve", "h200", PARTS[args.part][3]).name
+    name = result_path("bench_serve", "h200", PARTS[args.parts[0]][3]).name
     out, committed = args.out_dir / name, RESULTS_DIR / name
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if not args.fresh and committed.exists() and committed.resolve() != out.resolve():
         shutil.copyfile(committed, out)
-    command = bench_argv(args.part, args.rates, out, merge=not args.fresh and out.exists())
+    command = bench_argv(args.parts, args.rates, out, merge=not args.fresh and out.exists())
     print("hypic " + shlex.join(command), flush=True)
     return hypic(command)
 

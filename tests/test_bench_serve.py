@@ -508,7 +508,7 @@ def test_the_fig11_parts_of_one_file_differ_only_in_mode_and_rates(tmp_path) -> 
 
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
-    parsed = {part: vars(parser.parse_args(bench_fig11.bench_argv(part, None, tmp_path / "r.json", True)[2:]))
+    parsed = {part: vars(parser.parse_args(bench_fig11.bench_argv([part], None, tmp_path / "r.json", True)[2:]))
               for part in bench_fig11.PARTS}
     varying = {"cache_modes", "request_rate"}
     settings = {part: {k: v for k, v in args.items() if k not in varying} for part, args in parsed.items()}
@@ -516,3 +516,7 @@ def test_the_fig11_parts_of_one_file_differ_only_in_mode_and_rates(tmp_path) -> 
     assert {k for k in settings["hypic"] if settings["hypic"][k] != settings["pool5x"][k]} == {"server_command"}
     assert [parsed[part]["cache_modes"] for part in ("hypic", "none", "prefix")] == [["hypic"], ["none"], ["prefix"]]
     assert all(parsed[part]["request_rate"][-1] == math.inf and parsed[part]["merge"] for part in parsed)
+    both = vars(parser.parse_args(bench_fig11.bench_argv(["none", "prefix"], "2,inf", tmp_path / "r.json", True)[2:]))
+    assert both["cache_modes"] == ["none", "prefix"] and both["request_rate"] == [2.0, math.inf]
+    with pytest.raises(SystemExit, match="run them apart"):
+        bench_fig11.bench_argv(["hypic", "pool5x"], None, tmp_path / "r.json", True)
