@@ -45,6 +45,53 @@ def generate(engine: LLMEngine, text: str, max_tokens: int) -> tuple[list[int], 
     return tokens, logprobs
 
 
+def generate_together(engine: LLMEngine, texts: list[str], max_tokens: int, *, start_after: int = 0,
+                      ) -> list[tuple[list[int], list[float]]]:
+    """The first request, then (after `start_after` steps) the others at once, stepped to the end."""
+    added = [engine.add_request(SegmentedPrompt.build(engine.tokenizer, text, separator=SEP),
+                                greedy(max_tokens, logprobs=0)) for text in texts[:1]]
+    got = {}
+    while engine.has_work():
+        if len(added) == 1 and start_after == 0:
+            added += [engine.add_request(SegmentedPrompt.build(engine.tokenizer, text, separator=SEP),
+                                         greedy(max_tokens, logprobs=0)) for text in texts[1:]]
+        start_after -= 1
+        for out in engine.step():
+            tokens, logprobs = got.setdefault(out.request_id, ([], []))
+            for delta in out.deltas:
+                tokens += delta.token_ids
+                logprobs += [lp.logprob for lp in delta.logprobs]
+    return [got[rid] for rid in added]
+
+
+def recorded_steps(engine: LLMEngine) -> list[tuple[int, int]]:
+    """(step, padded size) of each assembly graph run, as the engine runs them."""
+    graphs, seen = engine.runner.assembly_graphs, []
+    run = graphs.run
+    graphs.run = lambda forward, n: (seen.append((engine.steps, forward.num_tokens)), run(forward, n))[1]
+    return seen
+
+
+WARM = (prompt(DOCS[2], DOCS[0], DOCS[1]), prompt(DOCS[1], DOCS[2], query="the lazy dog"), prompt(DOCS[0], DOCS[2]))
+
+
+def test_the_assemblies_of_one_step_run_padded_one_by_one(slow_decay_model_dir):
+    """Three warm requests admitted together: each assembly in its padded step (all in one engine
+    step), with the tokens and logprobs of the eager batch."""
+    config = pic_config(slow_decay_model_dir)
+    eager = LLMEngine(config)
+    generate(eager, prompt(*DOCS), 2)
+    expected = generate_together(eager, [*WARM], 4)
+    padded, _ = padded_engine(config, sizes=(32, 48, 64, 96, 128))
+    generate(padded, prompt(*DOCS), 2)
+    seen = recorded_steps(padded)
+    got = generate_together(padded, [*WARM], 4)
+    assert len(seen) == 3 and len({step for step, _ in seen}) == 1
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected):
+        assert tokens == want_tokens
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-5)
+
+
 def test_padded_assembly_step_gives_the_eager_tokens_and_logprobs(slow_decay_model_dir):
     assert_padded_steps_give_the_eager_tokens_and_logprobs(slow_decay_model_dir)
 
@@ -118,6 +165,33 @@ def test_captured_assembly_graphs_match_the_eager_engine_on_cuda(slow_decay_mode
     graphs.run = lambda forward, n: (sizes_used.append(forward.num_tokens), run(forward, n))[1]
     got = [generate(engine, p, 6) for p in cold_then_warm]
     assert len(sizes_used) >= 2
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected):
+        assert tokens == want_tokens
+        assert logprobs == pytest.approx(want_logprobs, abs=2e-3)
+
+
+@pytest.mark.gpu
+def test_a_step_of_decodes_and_assemblies_replays_their_graphs_on_cuda(slow_decay_model_dir):
+    """Warm requests arriving while another decodes: their step replays the decode graph and one
+    assembly graph each (each one's logits kept from the next replay), with the eager tokens."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    base = dict(device="cuda", dtype="float32", block_size=16, gpu_memory_utilization=GPU_SHARE)
+    texts = [prompt(DOCS[1], DOCS[0]), *WARM, prompt(DOCS[1], DOCS[2], DOCS[0])]
+    runs = []
+    for enforce_eager in (True, False):
+        engine = LLMEngine(pic_config(slow_decay_model_dir, enforce_eager=enforce_eager, **base))
+        generate(engine, prompt(*DOCS), 2)
+        replays: list[tuple[bool, int]] = []
+        if not enforce_eager:
+            replay = engine.runner._replay
+            engine.runner._replay = lambda batch, decodes, padded: (
+                replays.append((decodes is not None, len(padded))), replay(batch, decodes, padded))[1]
+        runs.append((generate_together(engine, texts, 8, start_after=3), replays))
+        del engine
+    (expected, _), (got, replays) = runs
+    assert (True, len(texts) - 1) in replays  # one decode graph and four assembly graphs in one step
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected):
         assert tokens == want_tokens
         assert logprobs == pytest.approx(want_logprobs, abs=2e-3)

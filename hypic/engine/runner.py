@@ -56,11 +56,10 @@ class ModelRunner:
                 ) -> tuple[torch.Tensor, Capture | None, PromptScores | None]:
         """Logits [M, V] (float32) of the chunks that sample, in chunk order, the tuples captured
         from the step's cold segments, and the scores of the prompt tokens `scoring` names."""
-        padded = self.assembly_graphs.padded(batch) if self.assembly_graphs is not None and scoring is None else None
-        scores = None
-        if padded is not None:
-            logits = self.assembly_graphs.run(self._forward_batch(padded), sum(c.samples for c in batch.chunks))
-            capture = None
+        parts = self._graph_parts(batch) if scoring is None else None
+        capture = scores = None
+        if parts is not None:
+            logits = self._replay(batch, *parts)
         else:
             forward = self._forward_batch(batch)
             if scoring is not None:
@@ -73,6 +72,31 @@ class ModelRunner:
         if logits.shape[1] > self.settings.tokenizer_vocab_size:  # embedding padding: never sampled
             logits[:, self.settings.tokenizer_vocab_size:] = float("-inf")
         return logits, capture, scores
+
+    def _graph_parts(self, batch: ScheduledBatch) -> tuple[ForwardBatch | None, list[ScheduledBatch]] | None:
+        """For a step of decodes and warm assemblies that graphs hold: the decodes' forward (None if
+        none) and each assembly padded to its graph. Launched eagerly as one batch, such a step is
+        bound by the host (~1400 launches an assembly, whatever its rows), so under load a warm
+        request's first token took several times its graph's time. None for any other step."""
+        if self.assembly_graphs is None or batch.num_decodes == len(batch.chunks):
+            return None
+        padded = [self.assembly_graphs.padded(c) for c in batch.chunks[batch.num_decodes:]]
+        if any(p is None for p in padded):
+            return None
+        if not batch.num_decodes:
+            return None, padded
+        decodes = self._forward_batch(ScheduledBatch(batch.chunks[:batch.num_decodes], batch.num_decodes))
+        return (decodes, padded) if self.graphs is not None and self.graphs.can_run(decodes) else None
+
+    def _replay(self, batch: ScheduledBatch, decodes: ForwardBatch | None, padded: list[ScheduledBatch]) -> torch.Tensor:
+        """The sampling rows' logits in chunk order: the decodes' graph, then each assembly's. The
+        assembly graphs share one memory pool, so a replay can overwrite the last one's logits:
+        with several, each is copied out first."""
+        logits = [self.graphs.run(decodes)] if decodes is not None else []
+        for scheduled, one in zip(batch.chunks[batch.num_decodes:], padded):
+            rows = self.assembly_graphs.run(self._forward_batch(one), int(scheduled.samples))
+            logits.append(rows.clone() if len(padded) > 1 else rows)
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
 
     def _scored(self, forward: ForwardBatch, scoring: PromptScoring) -> tuple[torch.Tensor, PromptScores]:
         """An eager forward whose hidden states also come back at the scored prompt rows."""

@@ -1,7 +1,8 @@
 """Continuous batching: each step is one flat batch of decode tokens and prefill chunks.
 
 Decodes go first (one token each), then running short or warm prefills, then newly admitted
-requests, then long prefills and cold segment jobs, all under one token budget. While anything else
+requests, then long prefills and cold segment jobs, all under one token budget; a step that
+assembles warm requests leaves the long ones to the next (never two in a row). While anything else
 is in flight, the long ones together cost at most `long_prefill_token_threshold` a step (counted by
 `PrefillCost`: a chunk deep in its context counts its attention), so a step that holds one stays
 near a decode step's time; alone they take the whole budget. Cold jobs also stay within the capture
@@ -92,6 +93,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0  # since start (a counter for /metrics)
         self._turn = 0  # the admission turn being served (see the module's docstring)
+        self._long_waited = False  # the last step left the long prefills and cold jobs for this one
 
     def add(self, seq: Sequence, *, first: bool = False) -> None:
         """`first`: ahead of everything (a segment prefill its request waits for, a preempted sequence)."""
@@ -117,11 +119,21 @@ class Scheduler:
         # long prefills and cold segment jobs after every short or warm one, admitted ones too: a
         # warm request never waits behind a cold chunk
         admitted_long = self._admit_waiting(batch, budget, jobs=False)
-        self._schedule_prefills([s for s in prefills if self._long(s)] + admitted_long, budget, batch)
-        self._admit_waiting(batch, budget, jobs=True)
+        if not self._defers_long(batch, [s for s in prefills if self._long(s)] + admitted_long):
+            self._schedule_prefills([s for s in prefills if self._long(s)] + admitted_long, budget, batch)
+            self._admit_waiting(batch, budget, jobs=True)
         batch.chunks.sort(key=lambda c: not c.runs_as_decode)  # stable: decodes first, in order
         batch.num_decodes = sum(c.runs_as_decode for c in batch.chunks)
         return batch
+
+    def _defers_long(self, batch: ScheduledBatch, long_ready: list[Sequence]) -> bool:
+        """Whether the long prefills and cold jobs wait for the next step: this one assembles warm
+        requests (which then run in CUDA graphs beside the decodes' graph; a long chunk would make
+        the step one eager forward, several times as long) and they did not wait in the last one."""
+        pending = bool(long_ready) or any(s.pic.job is not None and not s.pic.blocked for s in self.waiting)
+        defer = pending and not self._long_waited and any(c.chunk.cached for c in batch.chunks)
+        self._long_waited = defer
+        return defer
 
     def _schedule_prefills(self, seqs: list[Sequence], budget: StepBudget, batch: ScheduledBatch) -> None:
         for seq in seqs:

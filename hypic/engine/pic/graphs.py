@@ -3,8 +3,9 @@ pieces and walks its seam and query tokens. Launched eagerly it spends far longe
 (~1400 kernel launches for a 40-layer model) than on the GPU, and it is most of the request's
 time to first token.
 
-A graph is captured per token count of a ladder, with room for MAX_PIECES + 1 cached pieces. A
-step that assembles one request runs in the smallest one with room for one more token: a padding
+A graph is captured per token count of a ladder, with room for MAX_PIECES + 1 cached pieces. Each
+assembly of a step runs in the smallest one with room for one more token (the step's decodes in
+their own graph, engine/runner.py): a padding
 sequence takes the other rows in the scratch slot and page (it walks its tokens, then composes the
 store's zero tuple once, so it is walked like the request; MoE blocks route its rows to no expert,
 so they load no expert weights). Token tensors have the captured shape; piece tables fill a
@@ -75,14 +76,11 @@ class AssemblyGraphs:
         if self.use_graphs:
             torch.cuda.synchronize()
 
-    def padded(self, batch: ScheduledBatch) -> ScheduledBatch | None:
-        """The batch filled up to a captured size, or None if no graph covers it: it must be one
-        assembly chunk whose tokens are all walked."""
-        if not self.static or batch.num_decodes or len(batch.chunks) != 1:
-            return None
-        scheduled = batch.chunks[0]
+    def padded(self, scheduled: ScheduledChunk) -> ScheduledBatch | None:
+        """An assembly chunk whose tokens are all walked, filled up to a captured size in a batch of
+        its own, or None if no graph covers it."""
         chunk = scheduled.chunk
-        if (not chunk.cached or scheduled.seq.pic.job is not None or len(chunk.cached) > MAX_PIECES
+        if (not self.static or not chunk.cached or scheduled.seq.pic.job is not None or len(chunk.cached) > MAX_PIECES
                 or walk_length(chunk) < chunk.num_tokens or len(scheduled.seq.block_ids) > self.max_blocks):
             return None
         size = next((s for s in self.sizes if s > chunk.num_tokens), None)
