@@ -36,7 +36,7 @@ PARTS = {
     "hypic": ("hypic", "1,2,4,8,16,24,32,48,64,inf", "--segment-pool-bytes 12GiB", "qwen3_5_moe_fig11"),
     "none": ("none", "1,2,3,4,6,inf", "--segment-pool-bytes 12GiB", "qwen3_5_moe_fig11"),
     "prefix": ("prefix", "1,2,3,4,6,inf", "--segment-pool-bytes 12GiB", "qwen3_5_moe_fig11"),
-    "pool5x": ("hypic", "1,2,4,6,8,12,inf", "--segment-pool-bytes 1800MiB --segment-host-bytes 0",
+    "pool5x": ("hypic", "1,2,3,4,6,8,12,inf", "--segment-pool-bytes 1800MiB --segment-host-bytes 0",
                "qwen3_5_moe_fig11_pool5x"),
 }
 SERVER = ("python scripts/serve_shape.py --shape qwen3_5_moe --device cuda --max-model-len 16384 "

@@ -6,8 +6,8 @@
   disk  the same prompt shapes served from disk by an engine restarted on a directory another
         engine wrote (its files dropped from the page cache), beside first-time (`cold`) prompts
         of each shape on that engine; each request traced;
-  qps   a corpus ten times the GPU pool under a rate sweep of `hypic bench serve`: sustainable QPS
-        with the host tier against without it.
+  qps_host, qps_pool   a corpus ten times the GPU pool under a rate sweep of `hypic bench serve`,
+        with the host tier and without it (pool only): the sustainable QPS of each (`qps` names both).
 
 Prompt = a system prefix + n documents + a question, random tokens, on a released shape with random
 bf16 weights (default: Qwen3.5-35B-A3B text, built once per process), a GPU pool of 4 GB and a host
@@ -27,13 +27,13 @@ its seconds waiting for disk reads, for promotion copies to land, and computing 
 and its own prefill), its segments read, recomputed and late, and the pinned allocations made
 meanwhile (a GPU). qps: the server runs in this process (engine thread, HTTP on this event loop), one
 engine with the host tier and one without (same pool, same seeded requests, preheated with every
-document); the host tier is pinned whole before its sweep (the time it took is printed). Each
+document), a part each; the host tier is pinned whole before its sweep (the time it took is printed). Each
 engine is closed when its part is done: its pinned slabs go back to torch's pinned allocator, and
 the next engine takes them from there instead of pinning anew.
 
 Each figure is printed as soon as it is measured, each phase's start and end with its wall seconds,
 and at the start of each part and engine the host's memory (MemAvailable, the pinned bytes torch
-holds, the live host tiers' bytes). During qps a watchdog prints every thread's stack when the
+holds, the live host tiers' bytes). During the qps parts a watchdog prints every thread's stack when the
 engine has requests but runs no step for STALL_S (at most MAX_STALL_DUMPS times a sweep).
 The result is written after each part (a timeout keeps what was measured; hypic.bench.report's
 ResultFile). The file lists each run (date, commit, command, the parts asked for and the wall seconds
@@ -56,14 +56,16 @@ chunk kernels autotune); a later engine starts in ~15 s, ~7 s more with a disk t
         the rest estimated 10-40 s), serves 4 prompts per shape from disk, then 4 cold ones
         (~0.5 s each), each followed by its disk writes. Alone ~3-4 min: an engine of its own
         writes the sets first.
-  qps   ~1.5 min after another part, ~3-4 min alone: two engines, each a start, a preheat of ~500
-        documents of 1k tokens (~15 s) and 5 rates x 32 requests (~10-20 s); before the host
-        tier's sweep, the pinning of what earlier engines did not leave in torch's pinned cache
-        (40 GiB of cudaHostAlloc: estimated 10-40 s).
-So --parts copy,ttft ~2-3 min; disk or qps alone ~3-4 min each; all parts in one run ~5-6 min.
+  qps_host, qps_pool   an engine each: a start, a preheat of ~500 documents of 1k tokens (~15 s)
+        and 6 rates x 48 requests (rate 1 alone takes 48 s; pool only saturates near 3 req/s, so
+        each of its rates from 4 up takes ~16 s); before the host tier's sweep, the pinning of
+        what earlier engines did not leave in torch's pinned cache (40 GiB of cudaHostAlloc:
+        10-40 s). Both in one call took more than 7 minutes: run them in a call each.
+So --parts copy,ttft ~2-3 min; disk ~3-4 min; qps_host or qps_pool ~3-4 min each.
 
     python scripts/bench_tiers.py --parts copy,ttft    # H200: bench/results/tiers_h200_qwen3_5_moe.json
-    python scripts/bench_tiers.py --parts disk,qps     # another call: merged into the same file
+    python scripts/bench_tiers.py --parts disk         # another call: merged into the same file
+    python scripts/bench_tiers.py --parts qps_host     # then qps_pool, a call each
     python scripts/bench_tiers.py --device cpu         # smoke run: the bundled model, same code paths
 """
 from __future__ import annotations
@@ -110,7 +112,8 @@ from hypic.models.registry import architecture, load_config
 from hypic.serve.app import build_app, runner_for
 from hypic.serve.state import ServerSettings
 
-PARTS = ("copy", "ttft", "disk", "qps")  # in the order they run
+PARTS = ("copy", "ttft", "disk", "qps_host", "qps_pool")  # in the order they run
+QPS_PARTS = {"qps_host": "host tier", "qps_pool": "pool only"}  # `--parts qps` names both
 COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}  # copy: bytes per timed copy
 TWENTY_PERCENT_AT = "4x4096"  # the prompt shape where the issue asks for a host hit within 20 % of recompute
 TIERS = ("pool", "host", "none")  # measured by ttft; "disk" and "cold" by the disk part's restarted engine
@@ -135,7 +138,8 @@ DEVICE_DEFAULTS = {
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--parts", type=parts_list, default=PARTS, help="comma list of " + ",".join(PARTS))
+    parser.add_argument("--parts", type=parts_list, default=PARTS,
+                        help="comma list of " + ",".join(PARTS) + " (qps: both qps parts)")
     parser.add_argument("--shape", default="qwen3_5_moe", help="cuda: the released shape (random bf16 weights)")
     parser.add_argument("--pool-bytes", type=int)
     parser.add_argument("--host-bytes", type=int)
@@ -158,7 +162,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def parts_list(text: str) -> tuple[str, ...]:
     """The parts named, in run order; ttft brings copy (its target divides by the copy rate)."""
-    named = set(text.split(","))
+    named = {name for given in text.split(",") for name in (QPS_PARTS if given == "qps" else (given,))}
     if unknown := named - set(PARTS):
         raise argparse.ArgumentTypeError(f"unknown parts {sorted(unknown)}; the parts are {','.join(PARTS)}")
     return tuple(part for part in PARTS if part in named or (part == "copy" and "ttft" in named))
@@ -665,21 +669,20 @@ def pin_host_tier(engine: LLMEngine) -> None:
     host_memory("with the host tier pinned")
 
 
-def corpus_qps(config: EngineConfig, args: argparse.Namespace, model: Path) -> dict:
-    """Sustainable QPS over a corpus `corpus_factor` GPU pools large, with the host tier and without."""
+def corpus_qps(config: EngineConfig, args: argparse.Namespace, model: Path, name: str) -> dict:
+    """Sustainable QPS over a corpus `corpus_factor` GPU pools large, with the host tier (qps_host)
+    or without it (qps_pool)."""
     entry_bytes = segment_layout(config, model).entry_bytes(args.qps_doc_tokens)
     documents = math.ceil(args.corpus_factor * args.pool_bytes / entry_bytes)
-    say(f"qps: corpus of {documents} documents ({documents * entry_bytes / 2**30:.1f} GiB of entries), "
+    say(f"{name}: corpus of {documents} documents ({documents * entry_bytes / 2**30:.1f} GiB of entries), "
         f"rates {args.qps_rates} req/s, {args.qps_requests} requests each")
-    options = corpus_options(args, model, documents)
-    figures = {"documents": documents, "entry_bytes": entry_bytes, "requests_per_rate": args.qps_requests}
-    for label, host_bytes in (("host_tier", args.host_bytes), ("pool_only", 0)):
-        tier_config = dataclasses.replace(config, segment_host_bytes=host_bytes, segment_disk_dir=None)
-        with phase(f"qps {label}"):
-            figures[label] = asyncio.run(served_sweep(tier_config, options))
-        say(f"qps {label}: {sustainable_line(figures[label]['series'])}")
-        free_memory()
-    return figures
+    host_bytes = args.host_bytes if name == "qps_host" else 0
+    tier_config = dataclasses.replace(config, segment_host_bytes=host_bytes, segment_disk_dir=None)
+    with phase(name):
+        figures = asyncio.run(served_sweep(tier_config, corpus_options(args, model, documents)))
+    say(f"{name}: {sustainable_line(figures['series'])}")
+    free_memory()
+    return {"documents": documents, "entry_bytes": entry_bytes, "requests_per_rate": args.qps_requests, **figures}
 
 
 def qps_settings(args: argparse.Namespace) -> dict:
@@ -730,9 +733,10 @@ def run_parts(record: ResultFile, args: argparse.Namespace, disk_dir: str) -> No
         config, model = engine_config(args, disk_dir)
     if {"ttft", "disk"} & set(args.parts):
         ttft_and_disk(record, config, args)
-    if "qps" in args.parts:
-        with part(record, "qps", qps_settings(args)) as saved:
-            saved.update(corpus_qps(config, args, model))
+    for name in QPS_PARTS:
+        if name in args.parts:
+            with part(record, name, qps_settings(args)) as saved:
+                saved.update(corpus_qps(config, args, model, name))
 
 
 def report(data: dict) -> None:
@@ -755,10 +759,11 @@ def report(data: dict) -> None:
                            (("pool", 8), ("host", 8), ("host_budget", 10), ("disk", 8), ("cold", 8), ("none", 8)))
         target = "" if "target_met" not in t else "met" if t["target_met"] else "MISSED"
         say(f"{name:>10} {columns}  {target}")
-    if "qps" in parts:
-        qps = parts["qps"]
-        say(f"corpus of {qps['documents']} documents, {qps['requests_per_rate']} requests per rate: "
-            + "; ".join(f"{label} {sustainable_line(qps[label]['series'])}" for label in ("host_tier", "pool_only")))
+    for name, label in QPS_PARTS.items():
+        if name in parts:
+            qps = parts[name]
+            say(f"{label}, corpus of {qps['documents']} documents, {qps['requests_per_rate']} requests per rate: "
+                f"{sustainable_line(qps['series'])}")
 
 
 def milliseconds(seconds: float | None, width: int) -> str:

@@ -51,7 +51,7 @@ def test_the_corpus_is_sized_from_the_layout_the_engine_has() -> None:
 def test_a_killed_run_keeps_the_parts_it_finished(runs: tuple[dict, dict, dict]) -> None:
     partial, _, _ = runs
     [run] = partial["runs"]
-    assert run["requested"] == ["copy", "ttft", "disk", "qps"]
+    assert run["requested"] == ["copy", "ttft", "disk", "qps_host", "qps_pool"]
     assert list(run["measured"]) == ["copy", "ttft", "disk"] and set(partial["parts"]) == {"copy", "ttft", "disk"}
     assert partial["parts"]["ttft"]["settings"]["disk_tier"]  # the disk part read what ttft's engine wrote
 
@@ -59,11 +59,11 @@ def test_a_killed_run_keeps_the_parts_it_finished(runs: tuple[dict, dict, dict])
 def test_a_run_of_some_parts_replaces_those_and_keeps_the_others(runs: tuple[dict, dict, dict]) -> None:
     partial, _, saved = runs
     first, second = saved["runs"]
-    assert list(first["measured"]) == ["copy", "ttft"] and list(second["measured"]) == ["disk", "qps"]
-    assert list(saved["parts"]) == ["copy", "ttft", "disk", "qps"]  # run order, not the order written
+    assert list(first["measured"]) == ["copy", "ttft"] and list(second["measured"]) == ["disk", "qps_host", "qps_pool"]
+    assert list(saved["parts"]) == ["copy", "ttft", "disk", "qps_host", "qps_pool"]  # run order, not the order written
     assert saved["parts"]["copy"] == partial["parts"]["copy"] and saved["parts"]["ttft"] == partial["parts"]["ttft"]
     when = {name: datetime.datetime.fromisoformat(measured_by(saved, name)["date"]) for name in saved["parts"]}
-    assert when["copy"] == when["ttft"] < when["disk"] == when["qps"]
+    assert when["copy"] == when["ttft"] < when["disk"] == when["qps_host"] == when["qps_pool"]
     assert saved["date"] == second["date"] and saved["device"] == "cpu" and second["measured"]["disk"] > 0
 
 
@@ -111,12 +111,11 @@ def test_the_target_is_computed_from_the_figures_beside_it(runs: tuple[dict, dic
 
 def test_both_corpus_sweeps_ran_every_rate_against_their_own_tiers(runs: tuple[dict, dict, dict]) -> None:
     _, result, saved = runs
-    qps = saved["parts"]["qps"]
-    assert qps["documents"] == math.ceil(2 * qps["settings"]["pool_bytes"] / qps["entry_bytes"])
-    for label in ("host_tier", "pool_only"):
-        points = qps[label]["series"]["points"]
-        assert [p["request_rate"] for p in result["parts"]["qps"][label]["series"]["points"]] == RATES
-        assert all(p["completed"] == 3 and p["errors"] == 0 for p in points)
-        assert qps[label]["workload"]["documents"] == qps["documents"]
-    assert qps["host_tier"]["admin_cache"]["segment_host"]["hits"] > 0
-    assert qps["pool_only"]["admin_cache"]["segment_host"] is None
+    for name in ("qps_host", "qps_pool"):
+        qps = saved["parts"][name]
+        assert qps["documents"] == math.ceil(2 * qps["settings"]["pool_bytes"] / qps["entry_bytes"])
+        assert [p["request_rate"] for p in result["parts"][name]["series"]["points"]] == RATES
+        assert all(p["completed"] == 3 and p["errors"] == 0 for p in qps["series"]["points"])
+        assert qps["workload"]["documents"] == qps["documents"]
+    assert saved["parts"]["qps_host"]["admin_cache"]["segment_host"]["hits"] > 0
+    assert saved["parts"]["qps_pool"]["admin_cache"]["segment_host"] is None
