@@ -2,6 +2,9 @@
 page, zero tuples) must not change the request's logits nor its state."""
 from __future__ import annotations
 
+import logging
+import re
+
 import mamba2_models
 import pytest
 from engine_util import GPU_SHARE, greedy
@@ -90,6 +93,18 @@ def test_the_assemblies_of_one_step_run_padded_one_by_one(slow_decay_model_dir):
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected):
         assert tokens == want_tokens
         assert logprobs == pytest.approx(want_logprobs, abs=1e-5)
+
+
+def test_the_debug_log_says_what_each_step_held_and_how_it_ran(slow_decay_model_dir, caplog):
+    padded, _ = padded_engine(pic_config(slow_decay_model_dir), sizes=(32, 48, 64, 96, 128))
+    generate(padded, prompt(*DOCS), 2)
+    steps = padded.steps
+    caplog.set_level(logging.DEBUG, logger="hypic")
+    generate_together(padded, [*WARM], 2)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert len(lines) == padded.steps - steps
+    assert re.fullmatch(rf"step {steps + 1}: [\d.]+ ms, 3 assemblies \(\d+ tokens\); 3 assembly graphs", lines[0])
+    assert re.fullmatch(rf"step {steps + 2}: [\d.]+ ms, 3 decodes; eager", lines[1])  # no decode graphs on CPU
 
 
 def test_padded_assembly_step_gives_the_eager_tokens_and_logprobs(slow_decay_model_dir):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -206,12 +207,17 @@ class LLMEngine:
             return []
         self.steps += 1
         self.step_clock.start(_step_work(batch))
+        began = time.perf_counter()
         try:
             computed = self._compute(batch)
         except torch.OutOfMemoryError as error:  # torch.cuda.OutOfMemoryError too (the same class)
             figures = _memory_figures(str(error))
         else:
-            return self._advance(batch, *computed)
+            outputs = self._advance(batch, *computed)
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("step %d: %.1f ms, %s; %s", self.steps, (time.perf_counter() - began) * 1e3,
+                             _step_line(batch), self.runner.launched)
+            return outputs
         # outside the except block, whose traceback holds the step's tensors until it ends
         return self._fail_step(batch, *figures)
 
@@ -527,6 +533,20 @@ def _step_work(batch: ScheduledBatch) -> StepWork | None:
     prefills = [c.chunk for c in batch.chunks[batch.num_decodes:]]
     return StepWork(sum(c.num_tokens for c in prefills), sum(chunk_attention(c.start, c.num_tokens) for c in prefills),
                     batch.num_decodes, sum(c.start for c in prefills))
+
+
+_PLURALS = {"decode": "decodes", "assembly": "assemblies", "cold chunk": "cold chunks", "prefill": "prefills"}
+
+
+def _step_line(batch: ScheduledBatch) -> str:
+    """What a step held, for the debug log: "4 decodes, 2 assemblies (310 tokens), 1 cold chunk (512 tokens)"."""
+    kinds: dict[str, list[int]] = {}
+    for i, scheduled in enumerate(batch.chunks):
+        kind = ("decode" if i < batch.num_decodes else "cold chunk" if scheduled.seq.pic.job is not None
+                else "assembly" if scheduled.chunk.cached else "prefill")
+        kinds.setdefault(kind, []).append(scheduled.chunk.num_tokens)
+    return ", ".join(f"{len(n)} {_PLURALS[kind] if len(n) > 1 else kind}"
+                     + ("" if kind == "decode" else f" ({sum(n)} tokens)") for kind, n in kinds.items())
 
 
 def _memory_figures(message: str) -> tuple[int | None, int | None]:

@@ -34,6 +34,7 @@ class ModelRunner:
         self.device = caches.kv_device
         self.graphs: DecodeGraphs | None = None
         self.assembly_graphs: AssemblyGraphs | None = None
+        self.launched = ""  # how the last step ran, for the engine's debug log
         if settings.use_cuda_graphs and self.device.type == "cuda":
             max_blocks = -(-settings.max_model_len // settings.block_size)
             self.graphs = DecodeGraphs(
@@ -62,16 +63,23 @@ class ModelRunner:
             logits = self._replay(batch, *parts)
         else:
             forward = self._forward_batch(batch)
-            if scoring is not None:
-                logits, scores = self._scored(forward, scoring)
-            elif self.graphs is not None and self.graphs.can_run(forward):
-                logits = self.graphs.run(forward)
-            else:
-                logits = self.model.compute_logits(self.model(forward, self.caches))
+            logits, scores = self._one_forward(forward, scoring)
             capture = forward.pic.capture if forward.pic is not None else None
         if logits.shape[1] > self.settings.tokenizer_vocab_size:  # embedding padding: never sampled
             logits[:, self.settings.tokenizer_vocab_size:] = float("-inf")
         return logits, capture, scores
+
+    def _one_forward(self, forward: ForwardBatch, scoring: PromptScoring | None
+                     ) -> tuple[torch.Tensor, PromptScores | None]:
+        """The step as one forward: with prompt scores, in the decode graph, or eagerly."""
+        if scoring is not None:
+            self.launched = "eager, scoring prompt tokens"
+            return self._scored(forward, scoring)
+        if self.graphs is not None and self.graphs.can_run(forward):
+            self.launched = "decode graph"
+            return self.graphs.run(forward), None
+        self.launched = "eager"
+        return self.model.compute_logits(self.model(forward, self.caches)), None
 
     def _graph_parts(self, batch: ScheduledBatch) -> tuple[ForwardBatch | None, list[ScheduledBatch]] | None:
         """For a step of decodes and warm assemblies that graphs hold: the decodes' forward (None if
@@ -88,10 +96,13 @@ class ModelRunner:
         decodes = self._forward_batch(ScheduledBatch(batch.chunks[:batch.num_decodes], batch.num_decodes))
         return (decodes, padded) if self.graphs is not None and self.graphs.can_run(decodes) else None
 
-    def _replay(self, batch: ScheduledBatch, decodes: ForwardBatch | None, padded: list[ScheduledBatch]) -> torch.Tensor:
+    def _replay(self, batch: ScheduledBatch, decodes: ForwardBatch | None,
+                padded: list[ScheduledBatch]) -> torch.Tensor:
         """The sampling rows' logits in chunk order: the decodes' graph, then each assembly's. The
         assembly graphs share one memory pool, so a replay can overwrite the last one's logits:
         with several, each is copied out first."""
+        graphs = f"{len(padded)} assembly graph{'s' if len(padded) > 1 else ''}"
+        self.launched = f"decode graph + {graphs}" if decodes is not None else graphs
         logits = [self.graphs.run(decodes)] if decodes is not None else []
         for scheduled, one in zip(batch.chunks[batch.num_decodes:], padded):
             rows = self.assembly_graphs.run(self._forward_batch(one), int(scheduled.samples))
