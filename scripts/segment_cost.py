@@ -71,10 +71,10 @@ class StepRows:
 
     def _execute(self, batch, *args, **kwargs):
         graphs = self.runner.assembly_graphs
-        padded = graphs.padded(batch) if graphs is not None else None
+        padded = graphs.padded(batch.chunks) if graphs is not None and not batch.num_decodes else None
         tokens = sum(c.chunk.num_tokens for c in batch.chunks)
         self.steps.append({"tokens": tokens, "rows": tokens if padded is None else
-                           sum(c.chunk.num_tokens for c in padded.chunks)})
+                           sum(c.chunk.num_tokens for one in padded for c in one.chunks)})
         return self.execute(batch, *args, **kwargs)
 
 

@@ -28,9 +28,9 @@ def padded_engine(config, sizes: tuple[int, ...]) -> tuple[LLMEngine, list[int]]
     sizes_used: list[int] = []
     run = graphs.run
 
-    def recording_run(forward, num_samples):
+    def recording_run(forward):
         sizes_used.append(forward.num_tokens)
-        return run(forward, num_samples)
+        return run(forward)
     graphs.run = recording_run
     runner.assembly_graphs = graphs
     return engine, sizes_used
@@ -67,43 +67,48 @@ def generate_together(engine: LLMEngine, texts: list[str], max_tokens: int, *, s
     return [got[rid] for rid in added]
 
 
-def recorded_steps(engine: LLMEngine) -> list[tuple[int, int]]:
-    """(step, padded size) of each assembly graph run, as the engine runs them."""
+def recorded_steps(engine: LLMEngine) -> list[tuple[int, int, int]]:
+    """(step, padded size, requests it holds) of each assembly graph run, as the engine runs them."""
     graphs, seen = engine.runner.assembly_graphs, []
     run = graphs.run
-    graphs.run = lambda forward, n: (seen.append((engine.steps, forward.num_tokens)), run(forward, n))[1]
+    graphs.run = lambda forward: (seen.append((engine.steps, forward.num_tokens, forward.num_seqs - 1)), run(forward))[1]
     return seen
 
 
-WARM = (prompt(DOCS[2], DOCS[0], DOCS[1]), prompt(DOCS[1], DOCS[2], query="the lazy dog"), prompt(DOCS[0], DOCS[2]))
+WARM = (prompt(DOCS[2], DOCS[0], DOCS[1]), prompt(DOCS[1], DOCS[2], query="the lazy dog"), prompt(DOCS[0], DOCS[2]),
+        prompt(DOCS[1], DOCS[0], query="café"), prompt(DOCS[2], DOCS[1], DOCS[0], query="1234"))
+SIZES = (32, 48, 64, 96, 128, 192, 256, 384)
 
 
-def test_the_assemblies_of_one_step_run_padded_one_by_one(slow_decay_model_dir):
-    """Three warm requests admitted together: each assembly in its padded step (all in one engine
-    step), with the tokens and logprobs of the eager batch."""
-    config = pic_config(slow_decay_model_dir)
+def test_the_assemblies_of_one_step_share_padded_steps_of_up_to_four(slow_decay_model_dir):
+    """Five warm requests admitted together: one engine step, two padded steps (four requests, then
+    one), with the tokens and logprobs of the eager batch."""
+    config = pic_config(slow_decay_model_dir, max_num_batched_tokens=1024)  # room for all five
     eager = LLMEngine(config)
     generate(eager, prompt(*DOCS), 2)
     expected = generate_together(eager, [*WARM], 4)
-    padded, _ = padded_engine(config, sizes=(32, 48, 64, 96, 128))
+    padded, _ = padded_engine(config, sizes=SIZES)
     generate(padded, prompt(*DOCS), 2)
     seen = recorded_steps(padded)
     got = generate_together(padded, [*WARM], 4)
-    assert len(seen) == 3 and len({step for step, _ in seen}) == 1
+    assert len({step for step, _, _ in seen}) == 1 and [requests for _, _, requests in seen] == [4, 1]
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected):
         assert tokens == want_tokens
         assert logprobs == pytest.approx(want_logprobs, abs=1e-5)
 
 
-def test_the_debug_log_says_what_each_step_held_and_how_it_ran(slow_decay_model_dir, caplog):
-    padded, _ = padded_engine(pic_config(slow_decay_model_dir), sizes=(32, 48, 64, 96, 128))
+def test_a_step_of_three_assemblies_fills_the_fourth_slot_with_a_dummy(slow_decay_model_dir, caplog):
+    """Its padded step holds the three and a one-token dummy; the debug log says what the step held
+    and how it ran."""
+    padded, _ = padded_engine(pic_config(slow_decay_model_dir), sizes=SIZES)
     generate(padded, prompt(*DOCS), 2)
     steps = padded.steps
+    seen = recorded_steps(padded)
     caplog.set_level(logging.DEBUG, logger="hypic")
-    generate_together(padded, [*WARM], 2)
+    generate_together(padded, [*WARM[:3]], 2)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
-    assert len(lines) == padded.steps - steps
-    assert re.fullmatch(rf"step {steps + 1}: [\d.]+ ms, 3 assemblies \(\d+ tokens\); 3 assembly graphs", lines[0])
+    assert len(lines) == padded.steps - steps and [requests for _, _, requests in seen] == [4]
+    assert re.fullmatch(rf"step {steps + 1}: [\d.]+ ms, 3 assemblies \(\d+ tokens\); 1 assembly graph", lines[0])
     assert re.fullmatch(rf"step {steps + 2}: [\d.]+ ms, 3 decodes; eager", lines[1])  # no decode graphs on CPU
 
 
@@ -177,7 +182,7 @@ def test_captured_assembly_graphs_match_the_eager_engine_on_cuda(slow_decay_mode
     graphs = engine.runner.assembly_graphs
     sizes_used: list[int] = []
     run = graphs.run
-    graphs.run = lambda forward, n: (sizes_used.append(forward.num_tokens), run(forward, n))[1]
+    graphs.run = lambda forward: (sizes_used.append(forward.num_tokens), run(forward))[1]
     got = [generate(engine, p, 6) for p in cold_then_warm]
     assert len(sizes_used) >= 2
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected):
@@ -187,8 +192,8 @@ def test_captured_assembly_graphs_match_the_eager_engine_on_cuda(slow_decay_mode
 
 @pytest.mark.gpu
 def test_a_step_of_decodes_and_assemblies_replays_their_graphs_on_cuda(slow_decay_model_dir):
-    """Warm requests arriving while another decodes: their step replays the decode graph and one
-    assembly graph each (each one's logits kept from the next replay), with the eager tokens."""
+    """Five warm requests arriving while another decodes: their step replays the decode graph and two
+    assembly graphs (the first one's logits kept from the second replay), with the eager tokens."""
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -198,15 +203,16 @@ def test_a_step_of_decodes_and_assemblies_replays_their_graphs_on_cuda(slow_deca
     for enforce_eager in (True, False):
         engine = LLMEngine(pic_config(slow_decay_model_dir, enforce_eager=enforce_eager, **base))
         generate(engine, prompt(*DOCS), 2)
-        replays: list[tuple[bool, int]] = []
+        replays: list[tuple[bool, tuple[int, ...]]] = []
         if not enforce_eager:
             replay = engine.runner._replay
-            engine.runner._replay = lambda batch, decodes, padded: (
-                replays.append((decodes is not None, len(padded))), replay(batch, decodes, padded))[1]
+            engine.runner._replay = lambda decodes, padded: (
+                replays.append((decodes is not None, tuple(len(one.chunks) - 1 for one in padded))),
+                replay(decodes, padded))[1]
         runs.append((generate_together(engine, texts, 8, start_after=3), replays))
         del engine
     (expected, _), (got, replays) = runs
-    assert (True, len(texts) - 1) in replays  # one decode graph and four assembly graphs in one step
+    assert (True, (4, 1)) in replays  # the decode graph, then graphs of four requests and of one
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected):
         assert tokens == want_tokens
         assert logprobs == pytest.approx(want_logprobs, abs=2e-3)

@@ -60,7 +60,7 @@ class ModelRunner:
         parts = self._graph_parts(batch) if scoring is None else None
         capture = scores = None
         if parts is not None:
-            logits = self._replay(batch, *parts)
+            logits = self._replay(*parts)
         else:
             forward = self._forward_batch(batch)
             logits, scores = self._one_forward(forward, scoring)
@@ -83,29 +83,26 @@ class ModelRunner:
 
     def _graph_parts(self, batch: ScheduledBatch) -> tuple[ForwardBatch | None, list[ScheduledBatch]] | None:
         """For a step of decodes and warm assemblies that graphs hold: the decodes' forward (None if
-        none) and each assembly padded to its graph. Launched eagerly as one batch, such a step is
-        bound by the host (~1400 launches an assembly, whatever its rows), so under load a warm
+        none) and the assemblies padded to their graphs. Launched eagerly as one batch, such a step
+        is bound by the host (~1400 launches an assembly, whatever its rows), so under load a warm
         request's first token took several times its graph's time. None for any other step."""
         if self.assembly_graphs is None or batch.num_decodes == len(batch.chunks):
             return None
-        padded = [self.assembly_graphs.padded(c) for c in batch.chunks[batch.num_decodes:]]
-        if any(p is None for p in padded):
-            return None
-        if not batch.num_decodes:
-            return None, padded
+        padded = self.assembly_graphs.padded(batch.chunks[batch.num_decodes:])
+        if padded is None or not batch.num_decodes:
+            return None if padded is None else (None, padded)
         decodes = self._forward_batch(ScheduledBatch(batch.chunks[:batch.num_decodes], batch.num_decodes))
         return (decodes, padded) if self.graphs is not None and self.graphs.can_run(decodes) else None
 
-    def _replay(self, batch: ScheduledBatch, decodes: ForwardBatch | None,
-                padded: list[ScheduledBatch]) -> torch.Tensor:
-        """The sampling rows' logits in chunk order: the decodes' graph, then each assembly's. The
+    def _replay(self, decodes: ForwardBatch | None, padded: list[ScheduledBatch]) -> torch.Tensor:
+        """The sampling rows' logits in chunk order: the decodes' graph, then the assemblies'. The
         assembly graphs share one memory pool, so a replay can overwrite the last one's logits:
         with several, each is copied out first."""
         graphs = f"{len(padded)} assembly graph{'s' if len(padded) > 1 else ''}"
         self.launched = f"decode graph + {graphs}" if decodes is not None else graphs
         logits = [self.graphs.run(decodes)] if decodes is not None else []
-        for scheduled, one in zip(batch.chunks[batch.num_decodes:], padded):
-            rows = self.assembly_graphs.run(self._forward_batch(one), int(scheduled.samples))
+        for one in padded:
+            rows = self.assembly_graphs.run(self._forward_batch(one))
             logits.append(rows.clone() if len(padded) > 1 else rows)
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 

@@ -3,13 +3,16 @@ pieces and walks its seam and query tokens. Launched eagerly it spends far longe
 (~1400 kernel launches for a 40-layer model) than on the GPU, and it is most of the request's
 time to first token.
 
-A graph is captured per token count of a ladder, with room for MAX_PIECES + 1 cached pieces. Each
-assembly of a step runs in the smallest one with room for one more token (the step's decodes in
-their own graph, engine/runner.py): a padding
-sequence takes the other rows in the scratch slot and page (it walks its tokens, then composes the
-store's zero tuple once, so it is walked like the request; MoE blocks route its rows to no expert,
-so they load no expert weights). Token tensors have the captured shape; piece tables fill a
-leading part of theirs, and the piece pointers keep the kernels inside it.
+A graph is captured per token count of a ladder and number of requests it holds (SLOTS), with
+room for MAX_PIECES cached pieces a request. The assemblies of a step run together in the
+smallest one with room for them and one more token (the step's decodes in their own graph,
+engine/runner.py): one replay reads the MoE's expert weights once for all of them, where one
+replay each would read them each time. Request slots the step leaves empty hold a one-token
+dummy, and a padding sequence takes the other rows, all in the scratch slot and page (each walks
+its tokens, then composes the store's zero tuple once, so it is walked like a request; MoE blocks
+route the padding's rows to no expert, so they load no expert weights). Token tensors have the
+captured shape; piece tables fill a leading part of theirs, and the piece pointers keep the
+kernels inside it.
 """
 from __future__ import annotations
 
@@ -30,7 +33,10 @@ from hypic.models.batch import ForwardBatch
 # not 512): a padding row still costs the dense layers (the MoE skips it), while a graph more costs
 # only a warm-up and a capture at start, in the memory pool all sizes share.
 SIZES = (32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
-MAX_PIECES = 32  # cached pieces of the request; one with more runs eagerly
+MAX_PIECES = 32  # cached pieces of a request; one with more runs eagerly
+# requests one replay holds; a graph of n holds at least 32 tokens a request (a warm chunk's seams and
+# question), so a step of more assemblies replays several graphs
+SLOTS = (1, 2, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,56 +58,67 @@ class AssemblyGraphs:
         self.model, self.caches, self.store = model, caches, store
         self.max_blocks, self.scratch_slot, self.scratch_block = max_blocks, scratch_slot, scratch_block
         self.max_kv_len = max_kv_len
-        self.sizes = tuple(s for s in sizes if s <= max_tokens)
+        self.shapes = tuple((size, n) for n in SLOTS for size in sizes if 32 * n <= size <= max_tokens)
         self.use_graphs = use_graphs
-        self.static: dict[int, ForwardBatch] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.static: dict[tuple[int, int], ForwardBatch] = {}  # by (tokens, requests)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
 
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        for size in sorted(self.sizes, reverse=True):
+        for shape in sorted(self.shapes, reverse=True):
             # sized for the longest KV range: attention picks its KV splits from it, not from the capture
             # batch; the padding sequence's rows (from its first one, read at each replay) skip the MoE
-            built = self._build(self._capture_batch(size))
+            built = self._build(self._capture_batch(*shape))
             forward = dataclasses.replace(built, max_kv_len=self.max_kv_len, in_graph=True,
                                           valid_tokens=built.cu_seqlens[-2:-1])
-            self.static[size] = forward
-            self.logits[size] = self._forward(forward)  # warm-up outside the graph (compiles, autotunes)
+            self.static[shape] = forward
+            self.logits[shape] = self._forward(forward)  # warm-up outside the graph (compiles, autotunes)
             if self.use_graphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.logits[size] = self._forward(forward)
-                self.graphs[size] = graph
+                    self.logits[shape] = self._forward(forward)
+                self.graphs[shape] = graph
         if self.use_graphs:
             torch.cuda.synchronize()
 
-    def padded(self, scheduled: ScheduledChunk) -> ScheduledBatch | None:
-        """An assembly chunk whose tokens are all walked, filled up to a captured size in a batch of
-        its own, or None if no graph covers it."""
-        chunk = scheduled.chunk
-        if (not self.static or not chunk.cached or scheduled.seq.pic.job is not None or len(chunk.cached) > MAX_PIECES
-                or walk_length(chunk) < chunk.num_tokens or len(scheduled.seq.block_ids) > self.max_blocks):
+    def padded(self, chunks: Sequence[ScheduledChunk]) -> list[ScheduledBatch] | None:
+        """Assembly chunks whose tokens are all walked, in groups of as many as a graph holds, each
+        filled up to a captured shape; None if a chunk or a group fits no graph."""
+        if not self.static or not all(self._fits(c) for c in chunks):
             return None
-        size = next((s for s in self.sizes if s > chunk.num_tokens), None)
+        groups = [list(chunks[i:i + SLOTS[-1]]) for i in range(0, len(chunks), SLOTS[-1])]
+        padded = [self._padded_group(group) for group in groups]
+        return None if any(p is None for p in padded) else padded
+
+    def _fits(self, scheduled: ScheduledChunk) -> bool:
+        chunk = scheduled.chunk
+        return (bool(chunk.cached) and scheduled.seq.pic.job is None and len(chunk.cached) <= MAX_PIECES
+                and walk_length(chunk) == chunk.num_tokens and len(scheduled.seq.block_ids) <= self.max_blocks)
+
+    def _padded_group(self, group: list[ScheduledChunk]) -> ScheduledBatch | None:
+        """The group, a one-token dummy in each request slot it leaves empty, and the padding."""
+        slots = next(n for n in SLOTS if n >= len(group))
+        dummies = [self._padding(1, 1, 0, samples=False) for _ in range(slots - len(group))]
+        tokens = sum(c.chunk.num_tokens for c in group) + len(dummies)
+        size = min((s for s, n in self.static if n == slots and s > tokens), default=None)
         if size is None:
             return None
-        padding = self._padding(size - chunk.num_tokens, 1, 0, samples=False)
-        return ScheduledBatch([scheduled, padding])
+        return ScheduledBatch([*group, *dummies, self._padding(size - tokens, 1, 0, samples=False)])
 
-    def run(self, forward: ForwardBatch, num_samples: int) -> torch.Tensor:
-        """Logits of the first `num_samples` (0 or 1) sampling rows of a padded step."""
-        size = forward.num_tokens
-        static = self.static[size]
+    def run(self, forward: ForwardBatch) -> torch.Tensor:
+        """Logits of the sampling rows of a padded step (its requests')."""
+        shape = forward.num_tokens, forward.num_seqs - 1
+        static = self.static[shape]
         for name in TENSOR_FIELDS:
             _copy_into(getattr(static, name), getattr(forward, name))
         _copy_fields(static.pic.assembly, forward.pic.assembly)
         if self.use_graphs:
-            self.graphs[size].replay()
-            logits = self.logits[size]
+            self.graphs[shape].replay()
+            logits = self.logits[shape]
         else:  # the torch references also read host lengths, which on the GPU only size grids
             logits = self._forward(_with_host_lengths(static, forward))
-        return logits[:num_samples]
+        return logits[:forward.logits_indices.shape[0]]
 
     def _forward(self, forward: ForwardBatch) -> torch.Tensor:
         return self.model.compute_logits(self.model(forward, self.caches))
@@ -109,12 +126,12 @@ class AssemblyGraphs:
     def _build(self, batch: ScheduledBatch) -> ForwardBatch:
         return build_step(batch, self.caches.block_size, self.store, self.caches.kv_device)
 
-    def _capture_batch(self, size: int) -> ScheduledBatch:
-        """Two padding sequences shaped like a request (samples, widest block table, MAX_PIECES
-        pieces) and its padding (one piece)."""
-        first = size // 2
-        return ScheduledBatch([self._padding(first, MAX_PIECES, self.max_blocks, samples=True),
-                               self._padding(size - first, 1, 0, samples=False)])
+    def _capture_batch(self, size: int, slots: int) -> ScheduledBatch:
+        """`slots` padding sequences shaped like a request (samples, widest block table, MAX_PIECES
+        pieces) and the padding (one piece)."""
+        share = size // (slots + 1)
+        requests = [self._padding(share, MAX_PIECES, self.max_blocks, samples=True) for _ in range(slots)]
+        return ScheduledBatch([*requests, self._padding(size - slots * share, 1, 0, samples=False)])
 
     def _padding(self, num_tokens: int, num_pieces: int, num_blocks: int, *, samples: bool) -> ScheduledChunk:
         """Tokens 0.. in the scratch slot and page, then `num_pieces` zero tuples composed."""
