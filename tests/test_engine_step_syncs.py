@@ -48,3 +48,27 @@ def test_prefill_and_decode_steps_read_the_device_once(tiny_moe_model_dir, param
     assert engine.runner.graphs is not None and engine.runner.graphs.graphs
     assert len(prefill) == 1, prefill
     assert [len(d) for d in decodes] == [1, 1, 1], decodes
+
+
+def test_a_step_of_decodes_and_warm_assemblies_reads_the_device_once(tiny_moe_model_dir):
+    """Its decode graph and assembly graph replays, and the copies between them, queue without a sync."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_moe_model_dir), device="cuda", gpu_memory_utilization=GPU_SHARE,
+                                    max_num_seqs=8, segment_host_bytes=0))
+    rng = random.Random(0)
+    system, docs = [rng.randrange(3, 250) for _ in range(16)], [[rng.randrange(3, 250) for _ in range(64)] for _ in range(3)]
+
+    def rag(order: list[int]) -> None:
+        question = [rng.randrange(3, 250) for _ in range(12)]
+        engine.add_request(SegmentedPrompt.build(engine.tokenizer, [system, *(docs[i] for i in order), question]), PLAIN)
+    for _ in range(2):  # the documents' capture, then a warm round: compiles and tunes what warm steps run
+        rag([0, 1, 2])
+        while engine.has_work():
+            engine.step()
+    rag([2, 0, 1])
+    engine.step()  # its assembly; it decodes from the next step on
+    rag([1, 2, 0])
+    rag([0, 2, 1])
+    torch.cuda.synchronize()
+    sites = sync_sites(engine.step)
+    assert engine.runner.launched == "decode graph + 1 assembly graph"
+    assert len(sites) == 1, sites
