@@ -81,8 +81,8 @@ SIZES = (32, 48, 64, 96, 128, 192, 256, 384)
 
 
 def test_the_assemblies_of_one_step_share_padded_steps_of_up_to_four(slow_decay_model_dir):
-    """Five warm requests admitted together: one engine step, two padded steps (four requests, then
-    one), with the tokens and logprobs of the eager batch."""
+    """Five warm requests admitted together: one engine step, two padded steps (two requests, then
+    three and a dummy), with the tokens and logprobs of the eager batch."""
     config = pic_config(slow_decay_model_dir, max_num_batched_tokens=1024)  # room for all five
     eager = LLMEngine(config)
     generate(eager, prompt(*DOCS), 2)
@@ -91,7 +91,7 @@ def test_the_assemblies_of_one_step_share_padded_steps_of_up_to_four(slow_decay_
     generate(padded, prompt(*DOCS), 2)
     seen = recorded_steps(padded)
     got = generate_together(padded, [*WARM], 4)
-    assert len({step for step, _, _ in seen}) == 1 and [requests for _, _, requests in seen] == [4, 1]
+    assert len({step for step, _, _ in seen}) == 1 and [requests for _, _, requests in seen] == [2, 4]
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected):
         assert tokens == want_tokens
         assert logprobs == pytest.approx(want_logprobs, abs=1e-5)
@@ -212,7 +212,7 @@ def test_a_step_of_decodes_and_assemblies_replays_their_graphs_on_cuda(slow_deca
         runs.append((generate_together(engine, texts, 8, start_after=3), replays))
         del engine
     (expected, _), (got, replays) = runs
-    assert (True, (4, 1)) in replays  # the decode graph, then graphs of four requests and of one
+    assert (True, (2, 4)) in replays  # the decode graph, then graphs of two requests and of four
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected):
         assert tokens == want_tokens
         assert logprobs == pytest.approx(want_logprobs, abs=2e-3)

@@ -118,9 +118,9 @@ class Scheduler:
         self._schedule_prefills([s for s in prefills if not self._long(s)], budget, batch)
         # long prefills and cold segment jobs after every short or warm one, admitted ones too: a
         # warm request never waits behind a cold chunk
-        admitted_long = self._admit_waiting(batch, budget, jobs=False)
-        if not self._defers_long(batch, [s for s in prefills if self._long(s)] + admitted_long):
-            self._schedule_prefills([s for s in prefills if self._long(s)] + admitted_long, budget, batch)
+        long_ready = [s for s in prefills if self._long(s)] + self._admit_waiting(batch, budget, jobs=False)
+        if not self._defers_long(batch, long_ready):
+            self._schedule_prefills(long_ready, budget, batch)
             self._admit_waiting(batch, budget, jobs=True)
         batch.chunks.sort(key=lambda c: not c.runs_as_decode)  # stable: decodes first, in order
         batch.num_decodes = sum(c.runs_as_decode for c in batch.chunks)

@@ -35,7 +35,7 @@ from hypic.models.batch import ForwardBatch
 SIZES = (32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 MAX_PIECES = 32  # cached pieces of a request; one with more runs eagerly
 # requests one replay holds; a graph of n holds at least 32 tokens a request (a warm chunk's seams and
-# question), so a step of more assemblies replays several graphs
+# question); a step of more assemblies, or of more tokens than a graph holds, replays several
 SLOTS = (1, 2, 4)
 
 
@@ -83,13 +83,15 @@ class AssemblyGraphs:
             torch.cuda.synchronize()
 
     def padded(self, chunks: Sequence[ScheduledChunk]) -> list[ScheduledBatch] | None:
-        """Assembly chunks whose tokens are all walked, in groups of as many as a graph holds, each
-        filled up to a captured shape; None if a chunk or a group fits no graph."""
+        """Assembly chunks whose tokens are all walked, in as few padded steps as graphs hold them
+        (all in one, else each half in its own, and so on); None if a chunk fits no graph."""
         if not self.static or not all(self._fits(c) for c in chunks):
             return None
-        groups = [list(chunks[i:i + SLOTS[-1]]) for i in range(0, len(chunks), SLOTS[-1])]
-        padded = [self._padded_group(group) for group in groups]
-        return None if any(p is None for p in padded) else padded
+        one = self._padded_group(list(chunks)) if len(chunks) <= SLOTS[-1] else None
+        if one is not None or len(chunks) == 1:
+            return None if one is None else [one]
+        first, second = self.padded(chunks[:len(chunks) // 2]), self.padded(chunks[len(chunks) // 2:])
+        return None if first is None or second is None else first + second
 
     def _fits(self, scheduled: ScheduledChunk) -> bool:
         chunk = scheduled.chunk
