@@ -81,9 +81,13 @@ SIZES = (32, 48, 64, 96, 128, 192, 256, 384)
 
 
 def test_the_assemblies_of_one_step_share_padded_steps_of_up_to_four(slow_decay_model_dir):
+    assert_grouped_steps_give_the_eager_tokens_and_logprobs(slow_decay_model_dir)
+
+
+def assert_grouped_steps_give_the_eager_tokens_and_logprobs(model_dir) -> None:
     """Five warm requests admitted together: one engine step, two padded steps (two requests, then
     three and a dummy), with the tokens and logprobs of the eager batch."""
-    config = pic_config(slow_decay_model_dir, max_num_batched_tokens=1024)  # room for all five
+    config = pic_config(model_dir, max_num_batched_tokens=1024)  # room for all five
     eager = LLMEngine(config)
     generate(eager, prompt(*DOCS), 2)
     expected = generate_together(eager, [*WARM], 4)
@@ -132,6 +136,12 @@ def assert_padded_steps_give_the_eager_tokens_and_logprobs(model_dir, query: str
         assert tokens == want_tokens
         assert logprobs == pytest.approx(want_logprobs, abs=1e-5)
     return sizes_used
+
+
+def test_mamba2_assemblies_of_one_step_share_padded_steps(tmp_path):
+    """Nemotron 3 style (scalar family, relu2 experts): the dummies and padding change no request."""
+    assert_grouped_steps_give_the_eager_tokens_and_logprobs(
+        mamba2_models.make_model_dir(tmp_path, "nemotron_h", slow_decay=True))
 
 
 def test_moe_blocks_skip_exactly_the_padding_rows(tmp_path, monkeypatch: pytest.MonkeyPatch):

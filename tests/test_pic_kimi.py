@@ -14,7 +14,8 @@ from pic_util import (DOCS, assert_blocks_slots_and_pins_return, assert_composed
                       assert_wide_seam_equals_none, first_layer_state, pic_config, prompt, rel, run_with_store_stats,
                       state_error_without_conv_tails)
 from test_models_kimi import MLA_FIRST
-from test_pic_assembly_graphs import assert_padded_steps_give_the_eager_tokens_and_logprobs
+from test_pic_assembly_graphs import (assert_grouped_steps_give_the_eager_tokens_and_logprobs,
+                                      assert_padded_steps_give_the_eager_tokens_and_logprobs)
 
 NAIVE_MIN_ERROR = 0.1  # naive's relative error of the first KDA layer's state
 
@@ -37,6 +38,11 @@ def test_the_conv_tails_are_what_make_it_exact(kimi_dir, monkeypatch: pytest.Mon
 def test_padded_assembly_step_as_captured_gives_the_eager_tokens_and_logprobs(kimi_dir) -> None:
     """The warm step as AssemblyGraphs captures it (padded; in_graph: MLA in one latent pass), run eagerly."""
     assert_padded_steps_give_the_eager_tokens_and_logprobs(kimi_dir)
+
+
+def test_assemblies_of_one_step_share_padded_steps_as_captured(kimi_dir) -> None:
+    """MLA's latent pass over several requests, their dummies and the padding in one padded step."""
+    assert_grouped_steps_give_the_eager_tokens_and_logprobs(kimi_dir)
 
 
 def test_a_warm_chunk_longer_than_expand_from_attends_latent_as_captured(kimi_dir) -> None:
