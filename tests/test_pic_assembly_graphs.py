@@ -37,34 +37,27 @@ def padded_engine(config, sizes: tuple[int, ...]) -> tuple[LLMEngine, list[int]]
 
 
 def generate(engine: LLMEngine, text: str, max_tokens: int) -> tuple[list[int], list[float]]:
-    rid = engine.add_request(SegmentedPrompt.build(engine.tokenizer, text, separator=SEP),
-                             greedy(max_tokens, logprobs=0))
-    tokens, logprobs = [], []
-    while engine.has_work():
-        for out in engine.step():
-            for delta in out.deltas if out.request_id == rid else ():
-                tokens += delta.token_ids
-                logprobs += [lp.logprob for lp in delta.logprobs]
-    return tokens, logprobs
+    return generate_together(engine, [text], max_tokens)[0]
 
 
 def generate_together(engine: LLMEngine, texts: list[str], max_tokens: int, *, start_after: int = 0,
                       ) -> list[tuple[list[int], list[float]]]:
-    """The first request, then (after `start_after` steps) the others at once, stepped to the end."""
-    added = [engine.add_request(SegmentedPrompt.build(engine.tokenizer, text, separator=SEP),
-                                greedy(max_tokens, logprobs=0)) for text in texts[:1]]
-    got = {}
+    """The first request, then (after `start_after` steps) the others at once, stepped to the end:
+    each one's tokens and logprobs."""
+    def add(text: str) -> str:
+        return engine.add_request(SegmentedPrompt.build(engine.tokenizer, text, separator=SEP),
+                                  greedy(max_tokens, logprobs=0))
+    added, got, steps = [add(texts[0])], {}, 0
     while engine.has_work():
-        if len(added) == 1 and start_after == 0:
-            added += [engine.add_request(SegmentedPrompt.build(engine.tokenizer, text, separator=SEP),
-                                         greedy(max_tokens, logprobs=0)) for text in texts[1:]]
-        start_after -= 1
+        if steps == start_after:
+            added += [add(text) for text in texts[1:]]
+        steps += 1
         for out in engine.step():
             tokens, logprobs = got.setdefault(out.request_id, ([], []))
             for delta in out.deltas:
                 tokens += delta.token_ids
                 logprobs += [lp.logprob for lp in delta.logprobs]
-    return [got[rid] for rid in added]
+    return [got.get(rid, ([], [])) for rid in added]
 
 
 def recorded_steps(engine: LLMEngine) -> list[tuple[int, int, int]]:

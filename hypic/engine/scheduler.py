@@ -130,8 +130,8 @@ class Scheduler:
         """Whether the long prefills and cold jobs wait for the next step: this one assembles warm
         requests (which then run in CUDA graphs beside the decodes' graph; a long chunk would make
         the step one eager forward, several times as long) and they did not wait in the last one."""
-        pending = bool(long_ready) or any(s.pic.job is not None and not s.pic.blocked for s in self.waiting)
-        defer = pending and not self._long_waited and any(c.chunk.cached for c in batch.chunks)
+        defer = not self._long_waited and any(c.chunk.cached for c in batch.chunks) and (
+            bool(long_ready) or any(s.pic.job is not None and not s.pic.blocked for s in self.waiting))
         self._long_waited = defer
         return defer
 

@@ -87,10 +87,13 @@ class AssemblyGraphs:
         (all in one, else each half in its own, and so on); None if a chunk fits no graph."""
         if not self.static or not all(self._fits(c) for c in chunks):
             return None
-        one = self._padded_group(list(chunks)) if len(chunks) <= SLOTS[-1] else None
+        return self._split(list(chunks))
+
+    def _split(self, chunks: list[ScheduledChunk]) -> list[ScheduledBatch] | None:
+        one = self._padded_group(chunks) if len(chunks) <= SLOTS[-1] else None
         if one is not None or len(chunks) == 1:
             return None if one is None else [one]
-        first, second = self.padded(chunks[:len(chunks) // 2]), self.padded(chunks[len(chunks) // 2:])
+        first, second = self._split(chunks[:len(chunks) // 2]), self._split(chunks[len(chunks) // 2:])
         return None if first is None or second is None else first + second
 
     def _fits(self, scheduled: ScheduledChunk) -> bool:
