@@ -51,8 +51,8 @@ def bench(url: str, work: Path, name: str, *options: str) -> dict:
     return json.loads(out.read_text())["series"][0]["points"]
 
 
-def decode_traces(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
-    rng = random.Random(0)
+def decode_traces(args: argparse.Namespace, work: Path, seed: int) -> tuple[Path, Path]:
+    rng = random.Random(seed)
 
     def ids(count: int) -> list[int]:
         return [rng.randrange(100, 3000) for _ in range(count)]
@@ -60,15 +60,18 @@ def decode_traces(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
     decoders = [{"timestamp": 0.1 * i, "segments": [system, ids(16)], "max_tokens": args.decode_tokens}
                 for i in range(args.decoders)]
     cold = {"timestamp": args.cold_at, "segments": [system, ids(args.long_tokens), ids(16)], "max_tokens": 4}
-    paths = work / "decoders.jsonl", work / "decoders_and_cold.jsonl"
+    paths = work / f"decoders_{seed}.jsonl", work / f"decoders_and_cold_{seed}.jsonl"
     for path, lines in zip(paths, (decoders, [*decoders, cold])):
         path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return paths
 
 
 def decode_stall(url: str, args: argparse.Namespace, work: Path) -> dict:
+    """After a warm-up round of other tokens: a server's first long prefill compiles and tunes its
+    kernels for the long shapes, seconds that no later prefill pays."""
+    bench(url, work, "warm_up", "--trace", str(decode_traces(args, work, seed=1)[1]), "--cache-modes", args.cache_mode)
     figures = {}
-    for name, trace in zip(("alone", "with_cold_prefill"), decode_traces(args, work)):
+    for name, trace in zip(("alone", "with_cold_prefill"), decode_traces(args, work, seed=0)):
         point, = bench(url, work, name, "--trace", str(trace), "--cache-modes", args.cache_mode)
         decoders = point["samples"][:args.decoders]
         figures[name] = {"itl_p99_s": point["itl_p99_s"], "worst_gap_s": max(s["itl_max_s"] for s in decoders),

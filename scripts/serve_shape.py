@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import model_dir, random_weights, shape_config  # noqa: E402
 
 from hypic.serve.args import add_serve_arguments, engine_config, server_settings  # noqa: E402
-from hypic.serve.server import run  # noqa: E402
+from hypic.serve.server import run_logged  # noqa: E402
 
 SHAPES = ("qwen3_5_moe", "qwen3_5", "qwen3_next")
 
@@ -31,7 +31,7 @@ def main() -> int:
     engine = dataclasses.replace(engine_config(args), model=str(model_dir(config)),
                                  state_dict=random_weights(config, seed=0))
     settings = dataclasses.replace(server_settings(args), served_model_name=args.served_model_name or args.shape)
-    return run(engine, settings, args.host, args.port)
+    return run_logged(engine, settings, args)
 
 
 if __name__ == "__main__":

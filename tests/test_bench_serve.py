@@ -153,9 +153,9 @@ def test_a_rate_point_by_hand() -> None:
         (0.0, 0.1, None), (1.0, 0.3, None), (2.1, None, "HTTP 503")]
 
 
-def _point(rate: float, ttft_p50: float, achieved: float) -> dict:
-    return {"request_rate": rate, "ttft_p50_s": ttft_p50, "offered_rps": rate, "achieved_rps": achieved,
-            "output_tokens_per_s": achieved * 10}
+def _point(rate: float, ttft_p50: float, achieved: float, offered: float | None = None) -> dict:
+    return {"request_rate": rate, "ttft_p50_s": ttft_p50, "offered_rps": rate if offered is None else offered,
+            "achieved_rps": achieved, "output_tokens_per_s": achieved * 10}
 
 
 def test_sustainable_rate_interpolates_the_first_margin_to_cross() -> None:
@@ -169,6 +169,18 @@ def test_sustainable_rate_interpolates_the_first_margin_to_cross() -> None:
     assert stats.sustainable_rate([_point(1.0, 0.1, 1.0), _point(math.inf, 5.0, 3.0)], slo) == {
         "rate": 1.0, "bound": "at_least"}
     assert stats.saturation(points) == {"saturated_rps": 3.8, "saturated_output_tokens_per_s": 38.0}
+
+
+def test_sustainable_rate_is_an_offered_rate() -> None:
+    """Interpolated between the rates the arrivals made (8 and 16 arrived at 7 and 12.9 a second),
+    never the nominal ones: keeping up (1.0 -> 0.83 of offered) crosses 0.9 at 7 + 5.9 * 0.1 / 0.17."""
+    slo = stats.Slo(ttft_s=1.0, keep_up=0.9)
+    points = [_point(8.0, 0.1, 7.0, offered=7.0), _point(16.0, 0.2, 10.7, offered=12.9),
+              _point(math.inf, 1.4, 10.2)]
+    crossing = 7.0 + 5.9 * (1.0 - 0.9) / (1.0 - 10.7 / 12.9)
+    assert stats.sustainable_rate(points, slo) == {"rate": pytest.approx(crossing), "bound": "interpolated"}
+    assert stats.sustainable_rate(points[:2] + [_point(math.inf, 0.3, 10.9)], stats.Slo(keep_up=0.8)) == {
+        "rate": 12.9, "bound": "at_least"}
 
 
 # ---- arrivals ----------------------------------------------------------------------------------

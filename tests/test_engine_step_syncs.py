@@ -59,7 +59,8 @@ def test_a_step_of_decodes_and_warm_assemblies_reads_the_device_once(tiny_moe_mo
 
     def rag(order: list[int]) -> None:
         question = [rng.randrange(3, 250) for _ in range(12)]
-        engine.add_request(SegmentedPrompt.build(engine.tokenizer, [system, *(docs[i] for i in order), question]), PLAIN)
+        engine.add_request(SegmentedPrompt.build(engine.tokenizer, [system, *(docs[i] for i in order), question],
+                                                  separator=engine.config.segment_separator), PLAIN)
     for _ in range(2):  # the documents' capture, then a warm round: compiles and tunes what warm steps run
         rag([0, 1, 2])
         while engine.has_work():

@@ -113,7 +113,9 @@ def margins(point: dict, slo: Slo) -> tuple[float, float]:
 def sustainable_rate(points: Sequence[dict], slo: Slo) -> dict:
     """The highest offered rate meeting the SLO, interpolated linearly between the last passing and
     the first failing sweep point on whichever margin crosses zero first. `bound`: "interpolated",
-    "at_least" (every finite point passes; the rate is the highest of them) or "below_sweep"."""
+    "at_least" (every finite point passes; the rate is the highest of them) or "below_sweep". Rates
+    are those the server was offered (`offered_rps`), not the sweep's nominal ones: a Poisson sweep
+    point of a few dozen requests arrives up to a fifth off its nominal rate."""
     ordered = sorted(points, key=lambda point: point["request_rate"])
     passing = None
     for point in ordered:
@@ -121,15 +123,15 @@ def sustainable_rate(points: Sequence[dict], slo: Slo) -> dict:
         if min(now) < 0:
             return _crossing(passing, point, now, slo)
         passing = point
-    finite = [p["request_rate"] for p in ordered if math.isfinite(p["request_rate"])]
+    finite = [p["offered_rps"] for p in ordered if math.isfinite(p["request_rate"])]
     return {"rate": max(finite, default=None), "bound": "at_least"}
 
 
 def _crossing(passing: dict | None, failing: dict, failing_margins: tuple[float, float], slo: Slo) -> dict:
     if passing is None:
         return {"rate": 0.0, "bound": "below_sweep"}
-    low, high = passing["request_rate"], failing["request_rate"]
-    if math.isinf(high):
+    low, high = passing["offered_rps"], failing["offered_rps"]
+    if math.isinf(failing["request_rate"]):
         return {"rate": low, "bound": "at_least"}
     crossings = [low + (high - low) * before / (before - after)
                  for before, after in zip(margins(passing, slo), failing_margins) if after < 0 and math.isfinite(after)]

@@ -34,6 +34,11 @@ def run_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         config, settings = engine_config(args), server_settings(args)
     except HypicError as error:
         parser.error(str(error))
+    return run_logged(config, settings, args)
+
+
+def run_logged(config: EngineConfig, settings: ServerSettings, args: argparse.Namespace) -> int:
+    """`run` at the arguments' address and `--log-level` (debug adds the access log and the engine's step log)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run(config, settings, args.host, args.port, access_log=args.log_level == "debug")
 
