@@ -1,7 +1,8 @@
 """One step's device out-of-memory never kills the engine (issue 28): only the requests of that step
 fail, with StepOutOfMemoryError (HTTP 503 + Retry-After); what they held comes back, nothing the step
 computed is kept, and everyone else gets the tokens of a run without the fault. The fault is raised
-inside the model's forward, after its first layers have written their state slots in place. Also:
+inside the model's forward, after its first layers have written their state slots in place (or in
+sampling, after the whole forward). Also:
 the cache plan leaves room for the capture of cold segments, in numbers worked out by hand."""
 from __future__ import annotations
 
@@ -108,6 +109,34 @@ def test_an_out_of_memory_step_fails_only_its_requests(tiny_model_dir):
     tokens: dict[str, list[int]] = {}
     assert _drain(engine, tokens) == []
     assert [tokens[queued], tokens[later]] == _reference(config, list(PROMPTS[2:4]))
+
+
+def test_out_of_memory_in_sampling_fails_only_its_steps_requests(tiny_model_dir, monkeypatch):
+    """Sampling's device work (a float32 copy of every row's logits, softmaxes) runs out of memory like
+    the forward: the step's requests fail, forked completions (n=2) included, what they held comes
+    back, and the queued request gets the tokens of a run without the fault."""
+    config = cpu_config(tiny_model_dir, max_num_seqs=2)
+    engine = LLMEngine(config)
+    start, sample = _held(engine), engine.sampler.sample
+    forked = engine.add_request(SegmentedPrompt.build(engine.tokenizer, PROMPTS[0], separator=SEP),
+                                dataclasses.replace(greedy(4), n=2, temperature=0.8, seed=1))
+    single, queued = _add(engine, PROMPTS[1]), _add(engine, PROMPTS[2])
+
+    def failing(*args, **kwargs):
+        monkeypatch.setattr(engine.sampler, "sample", sample)  # once
+        raise torch.OutOfMemoryError(TORCH_MESSAGE)
+    monkeypatch.setattr(engine.sampler, "sample", failing)
+    failed = []
+    while not failed:
+        failed = [out for out in engine.step() if out.error is not None]
+    assert sorted(out.request_id for out in failed) == sorted([forked, single])
+    assert all(isinstance(out.error, StepOutOfMemoryError) for out in failed)
+    assert engine.stats().running == 0 and engine.stats().steps_out_of_memory == 1
+    engine.prefix.clear()  # the checkpoints the first (good) step kept hold their own pages and slots
+    assert _held(engine) == start  # the failed step's: pages, slots, the forked completion's too
+    tokens: dict[str, list[int]] = {}
+    assert _drain(engine, tokens) == []
+    assert [tokens[queued]] == _reference(config, [PROMPTS[2]])
 
 
 def test_a_fault_in_a_decode_step_keeps_no_checkpoint_of_its_half_written_state(tiny_model_dir):

@@ -28,7 +28,7 @@ from hypic.engine.prefill_cost import PrefillCost, StepWork, chunk_attention
 from hypic.engine.prompt_logprobs import PromptScores, PromptScoring
 from hypic.engine.request_state import Completion, RequestState
 from hypic.engine.runner import ModelRunner, RunnerSettings
-from hypic.engine.sampler import Sampler, SamplingRow, make_generator, validate_for_vocab
+from hypic.engine.sampler import SampleResult, Sampler, SamplingRow, make_generator, validate_for_vocab
 from hypic.engine.scheduler import ScheduledBatch, ScheduledChunk, Scheduler, SchedulerLimits
 from hypic.engine.structured import PendingMasks, StructuredDecoding
 from hypic.engine.pic.segments import SegmentedPrompt
@@ -219,6 +219,7 @@ class LLMEngine:
                              _step_line(batch), self.runner.launched)
             return outputs
         # outside the except block, whose traceback holds the step's tensors until it ends
+        self.scheduler.drop_step(batch)
         return self._fail_step(batch, *figures)
 
     def _compute(self, batch: ScheduledBatch) -> tuple[PendingMasks | None, torch.Tensor, list[Sequence]]:
@@ -236,16 +237,31 @@ class LLMEngine:
 
     def _advance(self, batch: ScheduledBatch, masks: PendingMasks | None, logits: torch.Tensor,
                  finished_jobs: list[Sequence]) -> list[RequestOutput]:
-        """After a step's forward: computed counts and checkpoints, then each sampling row's token."""
+        """After a step's forward: computed counts and checkpoints, then each sampling row's token.
+        Sampling's device work (a float32 copy of the rows' logits, softmaxes) can run out of memory
+        too: then the step's requests fail as in a failed forward, though what it computed is kept."""
         self.scheduler.after_step(batch)
         for job in finished_jobs:
             self.scheduler.finish(job, "stop")
         rows = self._sampling_rows(batch)
+        try:
+            picked = self._sample(logits, rows, masks) if rows else None
+        except torch.OutOfMemoryError as error:
+            figures = _memory_figures(str(error))
+        else:
+            return self._take_tokens(batch, rows, picked)
+        return self._fail_step(batch, *figures, computed=True)
+
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[int, Completion]],
+                masks: PendingMasks | None) -> SampleResult:
+        index = [i for i, _ in rows]
+        return self.sampler.sample(_logits_rows(logits, index), [self._sampling_row(c) for _, c in rows],
+                                   masks and masks.token_mask(index))
+
+    def _take_tokens(self, batch: ScheduledBatch, rows: list[tuple[int, Completion]],
+                     picked: SampleResult | None) -> list[RequestOutput]:
         deltas: dict[str, list[CompletionDelta]] = {}
-        if rows:
-            index = [i for i, _ in rows]
-            picked = self.sampler.sample(_logits_rows(logits, index), [self._sampling_row(c) for _, c in rows],
-                                         masks and masks.token_mask(index))
+        if picked is not None:
             grammar_done = self.structured.advance([(c.seq, t) for (_, c), t in zip(rows, picked.token_ids)])
             for (_, completion), token, logprob, done in zip(rows, picked.token_ids, picked.logprobs, grammar_done):
                 self._take_token(completion, token, logprob, done, deltas)
@@ -256,17 +272,18 @@ class LLMEngine:
         self.step_clock.stop()
         return self._outputs(deltas)
 
-    def _fail_step(self, batch: ScheduledBatch, asked: int | None, free: int | None) -> list[RequestOutput]:
+    def _fail_step(self, batch: ScheduledBatch, asked: int | None, free: int | None, *,
+                   computed: bool = False) -> list[RequestOutput]:
         """A step that ran out of device memory: its requests (those it admitted too) fail with
         StepOutOfMemoryError and free what they hold, keeping no checkpoint (their state slots are
-        half-written); its cold jobs are dropped; everyone else goes on."""
-        self.scheduler.drop_step(batch)
+        half-written, or `computed` but never sampled); its unfinished cold jobs are dropped unless
+        `computed`; everyone else goes on."""
         self.counters["steps_oom"] += 1
         seqs = dict.fromkeys([*(c.seq for c in batch.chunks), *batch.admitted])  # once each, in order
         request_ids = list(dict.fromkeys(s.info.request_id for s in seqs if s.pic.job is None))
         error = StepOutOfMemoryError(batch.num_tokens, len(request_ids), asked, free)
         logger.warning("%s (failed: %s)", error, ", ".join(request_ids) or "no request, only cold segments")
-        for job in [s for s in seqs if s.pic.job is not None]:
+        for job in [s for s in seqs if s.pic.job is not None and not computed]:
             self.scheduler.finish(job, "abort", checkpoint=False)
             self.pic.drop_job(job)
         outputs = [self._fail(request_id, error) for request_id in request_ids if request_id in self.requests]
