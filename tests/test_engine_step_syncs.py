@@ -4,7 +4,9 @@ stop the host from queueing the step's work ahead of the GPU; torch's sync debug
 Constrained steps too: their grammar masks reach the GPU in pinned copies (issue 25)."""
 from __future__ import annotations
 
+import logging
 import random
+import re
 
 import pytest
 import torch
@@ -50,7 +52,7 @@ def test_prefill_and_decode_steps_read_the_device_once(tiny_moe_model_dir, param
     assert [len(d) for d in decodes] == [1, 1, 1], decodes
 
 
-def test_a_step_of_decodes_and_warm_assemblies_reads_the_device_once(tiny_moe_model_dir):
+def test_a_step_of_decodes_and_warm_assemblies_reads_the_device_once(tiny_moe_model_dir, caplog):
     """Its decode graph and assembly graph replays, and the copies between them, queue without a sync."""
     engine = LLMEngine(EngineConfig(model=str(tiny_moe_model_dir), device="cuda", gpu_memory_utilization=GPU_SHARE,
                                     max_num_seqs=8, segment_host_bytes=0))
@@ -73,3 +75,8 @@ def test_a_step_of_decodes_and_warm_assemblies_reads_the_device_once(tiny_moe_mo
     sites = sync_sites(engine.step)
     assert engine.runner.launched == "decode graph + 1 assembly graph"
     assert len(sites) == 1, sites
+    caplog.set_level(logging.DEBUG, logger="hypic")  # each part's host and device times, in the step log
+    rag([1, 0, 2])  # an order not seen yet: no prefix checkpoint covers its documents
+    engine.step()
+    line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")][-1]
+    assert re.search(r"; decode graph \+ 1 assembly graph: [\d.]+/[\d.]+, [\d.]+/[\d.]+ ms, host/device$", line), line

@@ -215,8 +215,8 @@ class LLMEngine:
         else:
             outputs = self._advance(batch, *computed)
             if logger.isEnabledFor(logging.DEBUG):
-                logger.debug("step %d: %.1f ms, %s; %s", self.steps, (time.perf_counter() - began) * 1e3,
-                             _step_line(batch), self.runner.launched)
+                logger.debug("step %d: %.1f ms, %s; %s: %s", self.steps, (time.perf_counter() - began) * 1e3,
+                             _step_line(batch), self.runner.launched, self.runner.parts.times())
             return outputs
         # outside the except block, whose traceback holds the step's tensors until it ends
         self.scheduler.drop_step(batch)
@@ -229,6 +229,7 @@ class LLMEngine:
         self.pic.scatter(batch)
         masks = self.structured.fill(batch)  # beside the forward, if not prefetched
         scoring, scored = self._prompt_scoring(batch)
+        self.runner.parts.start_step(logger.isEnabledFor(logging.DEBUG))
         logits, capture, scores = self.runner.execute(batch, scoring)
         done = self.pic.after_step(batch, capture)
         if scores is not None:

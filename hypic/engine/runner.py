@@ -12,6 +12,7 @@ from hypic.engine.batch_builder import build_step
 from hypic.engine.cuda_graphs import DecodeGraphs
 from hypic.engine.prompt_logprobs import PromptScores, PromptScoring, score_prompt_rows
 from hypic.engine.scheduler import ScheduledBatch
+from hypic.engine.step_parts import StepParts
 from hypic.kernels.host_copy import host_to_device
 from hypic.models.batch import Capture, ForwardBatch
 
@@ -35,6 +36,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.assembly_graphs: AssemblyGraphs | None = None
         self.launched = ""  # how the last step ran, for the engine's debug log
+        self.parts = StepParts(self.device)  # and each part's times, when the log wants them
         if settings.use_cuda_graphs and self.device.type == "cuda":
             max_blocks = -(-settings.max_model_len // settings.block_size)
             self.graphs = DecodeGraphs(
@@ -72,14 +74,15 @@ class ModelRunner:
     def _one_forward(self, forward: ForwardBatch, scoring: PromptScoring | None
                      ) -> tuple[torch.Tensor, PromptScores | None]:
         """The step as one forward: with prompt scores, in the decode graph, or eagerly."""
-        if scoring is not None:
-            self.launched = "eager, scoring prompt tokens"
-            return self._scored(forward, scoring)
-        if self.graphs is not None and self.graphs.can_run(forward):
-            self.launched = "decode graph"
-            return self.graphs.run(forward), None
-        self.launched = "eager"
-        return self.model.compute_logits(self.model(forward, self.caches)), None
+        with self.parts.part():
+            if scoring is not None:
+                self.launched = "eager, scoring prompt tokens"
+                return self._scored(forward, scoring)
+            if self.graphs is not None and self.graphs.can_run(forward):
+                self.launched = "decode graph"
+                return self.graphs.run(forward), None
+            self.launched = "eager"
+            return self.model.compute_logits(self.model(forward, self.caches)), None
 
     def _graph_parts(self, batch: ScheduledBatch) -> tuple[ForwardBatch | None, list[ScheduledBatch]] | None:
         """For a step of decodes and warm assemblies that graphs hold: the decodes' forward (None if
@@ -100,10 +103,14 @@ class ModelRunner:
         with several, each is copied out first."""
         graphs = f"{len(padded)} assembly graph{'s' if len(padded) > 1 else ''}"
         self.launched = f"decode graph + {graphs}" if decodes is not None else graphs
-        logits = [self.graphs.run(decodes)] if decodes is not None else []
+        logits = []
+        if decodes is not None:
+            with self.parts.part():
+                logits.append(self.graphs.run(decodes))
         for one in padded:
-            rows = self.assembly_graphs.run(self._forward_batch(one))
-            logits.append(rows.clone() if len(padded) > 1 else rows)
+            with self.parts.part():
+                rows = self.assembly_graphs.run(self._forward_batch(one))
+                logits.append(rows.clone() if len(padded) > 1 else rows)
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
     def _scored(self, forward: ForwardBatch, scoring: PromptScoring) -> tuple[torch.Tensor, PromptScores]:
