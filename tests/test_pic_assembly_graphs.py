@@ -10,6 +10,7 @@ import pytest
 from engine_util import GPU_SHARE, greedy
 from pic_util import DOCS, QUERY, SEP, pic_config, prompt
 
+import hypic.engine.pic.graphs as graphs_module
 from hypic.engine.pic.graphs import MAX_PIECES, AssemblyGraphs
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
@@ -92,6 +93,19 @@ def assert_grouped_steps_give_the_eager_tokens_and_logprobs(model_dir) -> None:
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected):
         assert tokens == want_tokens
         assert logprobs == pytest.approx(want_logprobs, abs=1e-5)
+
+
+def test_a_step_of_more_replays_than_the_limit_runs_as_one_eager_forward(slow_decay_model_dir, monkeypatch):
+    """The five need two replays: with a limit of one, their step runs eagerly, with the same tokens."""
+    monkeypatch.setattr(graphs_module, "MAX_REPLAYS", 1)
+    config = pic_config(slow_decay_model_dir, max_num_batched_tokens=1024)
+    eager = LLMEngine(config)
+    generate(eager, prompt(*DOCS), 2)
+    expected = generate_together(eager, [*WARM], 4)
+    padded, _ = padded_engine(config, sizes=SIZES)
+    generate(padded, prompt(*DOCS), 2)
+    seen = recorded_steps(padded)
+    assert generate_together(padded, [*WARM], 4) == expected and seen == []
 
 
 def test_a_step_of_three_assemblies_fills_the_fourth_slot_with_a_dummy(slow_decay_model_dir, caplog):

@@ -37,6 +37,11 @@ MAX_PIECES = 32  # cached pieces of a request; one with more runs eagerly
 # requests one replay holds; a graph of n holds at least 32 tokens a request (a warm chunk's seams and
 # question); a step of more assemblies, or of more tokens than a graph holds, replays several
 SLOTS = (1, 2, 4)
+# A step that would replay more runs as one eager forward. Each replay reads the MoE's experts again, and
+# on the H200 (Qwen3.5-35B-A3B, Fig. 11's 12k-token prompts) the graphs' steps were faster than eager
+# ones at every rate up to ~30 req/s (p50 TTFT 44 against 97 ms at 7), where a step holds a few
+# assemblies, and slower at saturation (22.7 against 29.1 req/s), where one holds tens of them.
+MAX_REPLAYS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +89,12 @@ class AssemblyGraphs:
 
     def padded(self, chunks: Sequence[ScheduledChunk]) -> list[ScheduledBatch] | None:
         """Assembly chunks whose tokens are all walked, in as few padded steps as graphs hold them
-        (all in one, else each half in its own, and so on); None if a chunk fits no graph."""
+        (all in one, else each half in its own, and so on); None if a chunk fits no graph or they
+        would take more than MAX_REPLAYS."""
         if not self.static or not all(self._fits(c) for c in chunks):
             return None
-        return self._split(list(chunks))
+        batches = self._split(list(chunks))
+        return batches if batches is not None and len(batches) <= MAX_REPLAYS else None
 
     def _split(self, chunks: list[ScheduledChunk]) -> list[ScheduledBatch] | None:
         one = self._padded_group(chunks) if len(chunks) <= SLOTS[-1] else None
