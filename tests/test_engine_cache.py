@@ -84,7 +84,8 @@ def test_prompt_resumed_at_its_last_token_runs_with_the_decodes(tiny_model_dir):
     engine.step()  # its prefill: it decodes from the next step on
     shapes = []
     execute = engine.runner.execute
-    engine.runner.execute = lambda batch, *rest: shapes.append((batch.num_decodes, len(batch.chunks))) or execute(batch, *rest)
+    engine.runner.execute = lambda batch, *rest, **kw: shapes.append((batch.num_decodes, len(batch.chunks))) or execute(
+        batch, *rest, **kw)
     repeat = _run(engine, prompt)
     assert shapes[0] == (2, 2)  # the repeat's one prefill step: both rows run as decodes
     assert repeat["tokens"] == cold["tokens"]

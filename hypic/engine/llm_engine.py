@@ -229,8 +229,7 @@ class LLMEngine:
         self.pic.scatter(batch)
         masks = self.structured.fill(batch)  # beside the forward, if not prefetched
         scoring, scored = self._prompt_scoring(batch)
-        self.runner.parts.start_step(logger.isEnabledFor(logging.DEBUG))
-        logits, capture, scores = self.runner.execute(batch, scoring)
+        logits, capture, scores = self.runner.execute(batch, scoring, timed=logger.isEnabledFor(logging.DEBUG))
         done = self.pic.after_step(batch, capture)
         if scores is not None:
             self._record_prompt_scores(scored, scores)

@@ -35,8 +35,7 @@ class ModelRunner:
         self.device = caches.kv_device
         self.graphs: DecodeGraphs | None = None
         self.assembly_graphs: AssemblyGraphs | None = None
-        self.launched = ""  # how the last step ran, for the engine's debug log
-        self.parts = StepParts(self.device)  # and each part's times, when the log wants them
+        self.parts = StepParts(self.device)  # how the last step ran, and each part's times when the log wants them
         if settings.use_cuda_graphs and self.device.type == "cuda":
             max_blocks = -(-settings.max_model_len // settings.block_size)
             self.graphs = DecodeGraphs(
@@ -55,10 +54,12 @@ class ModelRunner:
                     graphs.capture()
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, scoring: PromptScoring | None = None
+    def execute(self, batch: ScheduledBatch, scoring: PromptScoring | None = None, *, timed: bool = False
                 ) -> tuple[torch.Tensor, Capture | None, PromptScores | None]:
         """Logits [M, V] (float32) of the chunks that sample, in chunk order, the tuples captured
-        from the step's cold segments, and the scores of the prompt tokens `scoring` names."""
+        from the step's cold segments, and the scores of the prompt tokens `scoring` names.
+        `timed`: each part's times too (`parts`, for the debug log)."""
+        self.parts.start_step(timed)
         parts = self._graph_parts(batch) if scoring is None else None
         capture = scores = None
         if parts is not None:
@@ -74,15 +75,21 @@ class ModelRunner:
     def _one_forward(self, forward: ForwardBatch, scoring: PromptScoring | None
                      ) -> tuple[torch.Tensor, PromptScores | None]:
         """The step as one forward: with prompt scores, in the decode graph, or eagerly."""
-        with self.parts.part():
-            if scoring is not None:
-                self.launched = "eager, scoring prompt tokens"
+        if scoring is not None:
+            with self.parts.part("eager, scoring prompt tokens"):
                 return self._scored(forward, scoring)
-            if self.graphs is not None and self.graphs.can_run(forward):
-                self.launched = "decode graph"
+        if self.graphs is not None and self.graphs.can_run(forward):
+            with self.parts.part("decode graph"):
                 return self.graphs.run(forward), None
-            self.launched = "eager"
+        with self.parts.part("eager"):
             return self.model.compute_logits(self.model(forward, self.caches)), None
+
+    @property
+    def launched(self) -> str:
+        """How the last step ran, for the engine's debug log: "eager", "decode graph + 2 assembly graphs"."""
+        replays = self.parts.names.count("assembly graph")
+        once = [name for name in self.parts.names if name != "assembly graph"]
+        return " + ".join(once + [f"{replays} assembly graph{'s' if replays > 1 else ''}"] * bool(replays))
 
     def _graph_parts(self, batch: ScheduledBatch) -> tuple[ForwardBatch | None, list[ScheduledBatch]] | None:
         """For a step of decodes and warm assemblies that graphs hold: the decodes' forward (None if
@@ -101,14 +108,12 @@ class ModelRunner:
         """The sampling rows' logits in chunk order: the decodes' graph, then the assemblies'. The
         assembly graphs share one memory pool, so a replay can overwrite the last one's logits:
         with several, each is copied out first."""
-        graphs = f"{len(padded)} assembly graph{'s' if len(padded) > 1 else ''}"
-        self.launched = f"decode graph + {graphs}" if decodes is not None else graphs
         logits = []
         if decodes is not None:
-            with self.parts.part():
+            with self.parts.part("decode graph"):
                 logits.append(self.graphs.run(decodes))
         for one in padded:
-            with self.parts.part():
+            with self.parts.part("assembly graph"):
                 rows = self.assembly_graphs.run(self._forward_batch(one))
                 logits.append(rows.clone() if len(padded) > 1 else rows)
         return logits[0] if len(logits) == 1 else torch.cat(logits)

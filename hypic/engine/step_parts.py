@@ -23,13 +23,15 @@ class StepParts:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.enabled = False
+        self.names: list[str] = []  # the last step's parts, timed or not
         self._parts: list[_Part] = []
 
     def start_step(self, enabled: bool) -> None:
-        self.enabled, self._parts = enabled, []
+        self.enabled, self.names, self._parts = enabled, [], []
 
     @contextlib.contextmanager
-    def part(self) -> Iterator[None]:
+    def part(self, name: str) -> Iterator[None]:
+        self.names.append(name)
         if not self.enabled:
             yield
             return
