@@ -94,19 +94,19 @@ def test_triton_interpreted_matches_float64_oracle(tiling, monkeypatch: pytest.M
 
 @interpreted
 def test_triton_interpreted_at_the_48b_widths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rank 512 + rope 64 in the seam tile (two tokens of 32 heads, two halves of 256 channels), split."""
+    """Rank 512 + rope 64 in the seam tile (four tokens of 32 heads, two halves of 256 channels), split."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     case = make_case([100, 70], [3, 4], seed=5, **KIMI_48B)
-    assert triton_error(case, scale=192 ** -0.5, rank=512, tiling=LatentTiling(2, 32, 2, 32, 3, 8)) <= 1e-5
+    assert triton_error(case, scale=192 ** -0.5, rank=512, tiling=LatentTiling(4, 32, 2, 32, 3, 8)) <= 1e-5
 
 
 def test_tiles_pack_tokens_and_split_wide_ranks() -> None:
     """The 48B shape: a decode tile is one token's 32 heads over all 512 channels; a seam chunk's
-    packs two tokens in two halves of the channels; a lone decode over 16k keys splits them."""
+    packs four tokens in two halves of the channels; a lone decode over 16k keys splits them."""
     q = torch.empty(1, 32, 576, dtype=torch.bfloat16)
     decode, seams = (LatentTiling.choose(q, 512, lens, 16384) for lens in ((1,) * 200, (150,)))
     assert (decode.rows, decode.parts, decode.splits) == (32, 1, 1)
-    assert (seams.tokens, seams.rows, seams.parts) == (2, 64, 2)
+    assert (seams.tokens, seams.rows, seams.parts) == (4, 128, 2)
     assert LatentTiling.choose(q, 512, (1,), 16384).splits > 1
     with pytest.raises(ValueError, match="rows >= 16"):
         mla_attention_triton(q, torch.empty(1, 8, 1, 576), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1),
@@ -124,10 +124,10 @@ def test_triton_on_gpu_matches_float64_oracle(kv_lens, query_lens, dtype, bound)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_lens,query_lens", [([1500, 300], [1, 1]), ([1200, 2100], [40, 90]), ([900], [1])])
-@pytest.mark.parametrize("tiling", [None, LatentTiling(2, 32, 2, 32, 3, 8), LatentTiling(1, 32, 1, 32, 4, 8)],
+@pytest.mark.parametrize("tiling", [None, LatentTiling(4, 32, 2, 32, 3, 8), LatentTiling(1, 32, 1, 32, 4, 8)],
                          ids=["chosen", "seam-tile-split", "decode-tile-split"])
 def test_triton_on_gpu_at_the_48b_shape(kv_lens, query_lens, tiling) -> None:
-    """bf16 at 32 heads x rank 512 + rope 64: the chosen tiles (decodes: one token, mma; chunks: two
+    """bf16 at 32 heads x rank 512 + rope 64: the chosen tiles (decodes: one token, mma; chunks: four
     tokens in channel halves, wgmma; lone decodes split) and both forced to split."""
     case = make_case(kv_lens, query_lens, seed=5, dtype=torch.bfloat16, device="cuda", **KIMI_48B)
     assert triton_error(case, scale=192 ** -0.5, rank=512, tiling=tiling) <= 2e-2
