@@ -40,7 +40,8 @@ SLOTS = (1, 2, 4)
 # A step that would replay more runs as one eager forward. Each replay reads the MoE's experts again, and
 # on the H200 (Qwen3.5-35B-A3B, Fig. 11's 12k-token prompts) the graphs' steps were faster than eager
 # ones at every rate up to ~30 req/s (p50 TTFT 44 against 97 ms at 7), where a step holds a few
-# assemblies, and slower at saturation (22.7 against 29.1 req/s), where one holds tens of them.
+# assemblies, and slower at saturation (23.5 against 29.1 req/s), where one holds tens of them; with
+# this limit it saturates at 25.8.
 MAX_REPLAYS = 4
 
 
