@@ -8,11 +8,13 @@ kind of oracle (CPU) and the CPU path (CUDA)."""
 from __future__ import annotations
 
 import itertools
+import types
 
 import pytest
 import torch
 
-from hypic.kernels.mla_attention import LatentTiling, mla_attention_ref, mla_attention_triton, mla_expanded_attention
+from hypic.kernels.mla_attention import (LatentTiling, chunk_rows, mla_attention_ref, mla_attention_triton,
+                                         mla_expanded_attention)
 from kernel_cases import interpreted, rel_err
 
 HEADS, RANK, ROPE, NOPE, V_DIM, BLOCK = 5, 32, 16, 24, 20, 8
@@ -112,6 +114,14 @@ def test_tiles_pack_tokens_and_split_wide_ranks() -> None:
         mla_attention_triton(q, torch.empty(1, 8, 1, 576), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1),
                              torch.zeros(1), torch.tensor([0, 1]), scale=1.0, rank=512, seq_lens_cpu=(1,),
                              max_kv_len=1, tiling=LatentTiling(1, 8, 1, 16, 1, 4))
+
+
+@pytest.mark.parametrize("shared_kb,rows", [(228, 128), (164, 64)], ids=["hopper", "a100"])
+def test_seam_tiles_fit_the_devices_shared_memory(shared_kb, rows, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four tokens a tile where a program may take 216 KB of shared memory, two where it may not."""
+    props = types.SimpleNamespace(shared_memory_per_multiprocessor=shared_kb * 1024)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    assert chunk_rows(torch.device("cuda")) == rows
 
 
 @pytest.mark.gpu

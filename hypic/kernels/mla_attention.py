@@ -116,7 +116,7 @@ class LatentTiling:
         heads = next_power_of_2(q_abs.shape[1])
         head_tile = min(heads, 64)
         longest = max(seq_lens)
-        rows = 32 if longest == 1 or q_abs.dtype == torch.float32 else 128
+        rows = 32 if longest == 1 or q_abs.dtype == torch.float32 else chunk_rows(q_abs.device)
         tokens = max(min(max(1, rows // head_tile), next_power_of_2(longest)), 16 // head_tile, 1)
         parts = 2 if tokens * head_tile * rank > 32 * 512 else 1
         tiling = LatentTiling(tokens, head_tile, parts, 16 if q_abs.dtype == torch.float32 else 32, 1, 8)
@@ -135,6 +135,14 @@ class LatentTiling:
     def programs(self, seq_lens: tuple[int, ...], heads: int) -> int:
         """Programs with work: token tiles of each sequence x head tiles x output parts."""
         return sum(-(-n // self.tokens) for n in seq_lens) * (heads // self.heads) * self.parts
+
+
+def chunk_rows(device: torch.device) -> int:
+    """Rows of a chunk's tile: four tokens of 32 heads where a program may take their 216 KB of shared
+    memory (Hopper: 227 KB), two (147 KB) on GPUs with less (A100: 163 KB)."""
+    if device.type != "cuda":
+        return 128
+    return 128 if torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor >= 228 * 1024 else 64
 
 
 def latent_splits(programs: int, max_kv_len: int, device: torch.device) -> int:
