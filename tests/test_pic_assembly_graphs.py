@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 
+import kimi_models
 import mamba2_models
 import pytest
 from engine_util import GPU_SHARE, greedy
@@ -170,6 +171,37 @@ def test_moe_blocks_skip_exactly_the_padding_rows(tmp_path, monkeypatch: pytest.
     assert all(0 < valid < rows for valid, rows in seen)
 
 
+SHORT = ("the quick brown fox", "the quick brown fox jumps over the lazy dog")  # the second resumes the first
+
+
+@pytest.mark.parametrize("family", ["gdn", "scalar", "kda"])
+def test_short_prefills_are_walked_in_padded_steps_with_the_eager_tokens(family, slow_decay_model_dir, tmp_path):
+    """A short prompt from a zero state, one resumed from its prefix checkpoint, and both beside a warm
+    assembly in one step: walked in padded steps (composing nothing), with the eager engine's tokens
+    and logprobs."""
+    model_dir = {"gdn": lambda: slow_decay_model_dir,
+                 "scalar": lambda: mamba2_models.make_model_dir(tmp_path, "nemotron_h", slow_decay=True),
+                 "kda": lambda: kimi_models.make_model_dir(tmp_path, slow_decay=True)}[family]()
+    config = pic_config(model_dir)
+    runs = [[SHORT[0]], [SHORT[1]], [prompt(DOCS[2], DOCS[0], DOCS[1]), SHORT[1] + " again"]]
+    eager = LLMEngine(config)
+    generate(eager, prompt(*DOCS), 2)
+    expected = [generate_together(eager, texts, 4) for texts in runs]
+    padded, _ = padded_engine(config, sizes=SIZES)
+    generate(padded, prompt(*DOCS), 2)
+    seen = recorded_steps(padded)
+    walks = []  # whether each padded step walks every row (a graph holds no chunked kernel)
+    run = padded.runner.assembly_graphs.run
+    padded.runner.assembly_graphs.run = lambda forward: (walks.append(forward.pic.assembly.walks_every_row),
+                                                         run(forward))[1]
+    got = [generate_together(padded, texts, 4) for texts in runs]
+    assert [requests for _, _, requests in seen] == [1, 1, 2] and walks == [True] * 3  # each run's prefill step
+    for want, have in zip(expected, got):
+        for (tokens, logprobs), (want_tokens, want_logprobs) in zip(have, want):
+            assert tokens == want_tokens
+            assert logprobs == pytest.approx(want_logprobs, abs=1e-5)
+
+
 def test_requests_a_graph_cannot_hold_run_eagerly(slow_decay_model_dir):
     config = pic_config(slow_decay_model_dir)
     engine, sizes_used = padded_engine(config, sizes=(32,))
@@ -182,11 +214,12 @@ def test_requests_a_graph_cannot_hold_run_eagerly(slow_decay_model_dir):
 
 @pytest.mark.gpu
 def test_captured_assembly_graphs_match_the_eager_engine_on_cuda(slow_decay_model_dir):
-    """Replays (capture-time host lengths, padded rows) against the same engine launched eagerly."""
+    """Replays (capture-time host lengths, padded rows) against the same engine launched eagerly: warm
+    assemblies, then short prefills (walked from a zero state, then from a prefix checkpoint)."""
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    cold_then_warm = [prompt(*DOCS), prompt(DOCS[2], DOCS[0], DOCS[1]), prompt(DOCS[1], DOCS[2])]
+    cold_then_warm = [prompt(*DOCS), prompt(DOCS[2], DOCS[0], DOCS[1]), prompt(DOCS[1], DOCS[2]), *SHORT]
     base = dict(device="cuda", dtype="float32", block_size=16, gpu_memory_utilization=GPU_SHARE)
     eager = LLMEngine(pic_config(slow_decay_model_dir, enforce_eager=True, **base))
     expected = [generate(eager, p, 6) for p in cold_then_warm]
@@ -197,7 +230,7 @@ def test_captured_assembly_graphs_match_the_eager_engine_on_cuda(slow_decay_mode
     run = graphs.run
     graphs.run = lambda forward: (sizes_used.append(forward.num_tokens), run(forward))[1]
     got = [generate(engine, p, 6) for p in cold_then_warm]
-    assert len(sizes_used) >= 2
+    assert len(sizes_used) >= 4
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected):
         assert tokens == want_tokens
         assert logprobs == pytest.approx(want_logprobs, abs=2e-3)

@@ -36,6 +36,9 @@ class ScheduledChunk:
     seq: Sequence
     chunk: Chunk
     checkpoint_slot: int | None = None  # receives the state before the chunk's last token (a checkpoint)
+    # walked token by token though it composes nothing: a short prefill in an assembly graph
+    # (hypic.engine.pic.graphs), whose walk needs no chunked kernel (which no graph holds)
+    walked: bool = False
 
     @property
     def samples(self) -> bool:

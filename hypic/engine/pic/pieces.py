@@ -65,6 +65,8 @@ def cut_chunk(token_ids: list[int], start: int, limit: int, budget: int,
 def walk_length(chunk: Chunk) -> int:
     """Tokens of an assembling chunk walked token by token. A long tail after the last piece goes
     to the chunked kernel instead; a short one stays in the walk, which costs less than the chunked
-    kernel's fixed per-call overhead."""
+    kernel's fixed per-call overhead. A walked chunk that composes nothing walks all its tokens."""
+    if not chunk.cached:
+        return chunk.num_tokens
     last_piece = chunk.cached[-1][0]
     return last_piece if chunk.num_tokens - last_piece > TAIL_WALK_MAX else chunk.num_tokens

@@ -28,8 +28,9 @@ def build_pic_step(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, st
 
 def build_assembly(chunks: list, seq_lens: tuple[int, ...], num_decodes: int, conv_width: int,
                    device: torch.device) -> Assembly | None:
-    """`chunks`: the step's ScheduledChunks (decodes first). None when no chunk composes pieces."""
-    composing = [i for i, c in enumerate(chunks) if c.chunk.cached]
+    """`chunks`: the step's ScheduledChunks (decodes first). None when no chunk composes pieces or
+    is walked."""
+    composing = [i for i, c in enumerate(chunks) if c.chunk.cached or c.walked]
     if not composing:
         return None
     cu = [0, *itertools.accumulate(seq_lens)]
