@@ -203,3 +203,20 @@ def test_a_warm_request_is_served_in_its_first_step_beside_a_cold_job(tiny_model
     warm = engine.requests[rid].completions[0].seq
     engine.step()
     assert warm.output_ids and not job.finished and warm.info.cached_tokens_by_kind["pic"] > 0
+
+
+def test_a_short_prefill_gets_a_step_without_the_cold_jobs_chunk(tiny_model_dir):
+    """A short prompt arriving while a cold job is captured chunk by chunk: its step holds no cold
+    chunk (on a GPU the assembly graphs walk it beside the decodes' graph), and the next step
+    resumes the job (never two steps in a row without it)."""
+    engine = _engine(tiny_model_dir, CAP, budget=128)
+    job, _ = _cold_request(engine)
+    engine.step()
+    progress = job.num_computed
+    assert 0 < progress < job.pic.job.interior[1]
+    rid = engine.add_request(SegmentedPrompt.build(engine.tokenizer, "hello world", separator=SEP), greedy(2))
+    short = engine.requests[rid].completions[0].seq
+    engine.step()
+    assert short.num_computed > 0 and job.num_computed == progress
+    engine.step()
+    assert job.num_computed > progress

@@ -2,7 +2,8 @@
 
 Decodes go first (one token each), then running short or warm prefills, then newly admitted
 requests, then long prefills and cold segment jobs, all under one token budget; a step that
-assembles warm requests leaves the long ones to the next (never two in a row). While anything else
+assembles warm requests or walks short prefills leaves the long ones to the next (never two in a
+row). While anything else
 is in flight, the long ones together cost at most `long_prefill_token_threshold` a step (counted by
 `PrefillCost`: a chunk deep in its context counts its attention), so a step that holds one stays
 near a decode step's time; alone they take the whole budget. Cold jobs also stay within the capture
@@ -44,6 +45,13 @@ class ScheduledChunk:
     def samples(self) -> bool:
         """The chunk reaches the end of the known tokens, so its last logits pick the next token."""
         return self.chunk.end == len(self.seq.token_ids) and self.seq.pic.job is None
+
+    @property
+    def walks_in_graphs(self) -> bool:
+        """An assembly, or a short prefill (walked as one, hypic.engine.pic.graphs): what the assembly
+        graphs can run, beside the decodes' graph, when no long chunk shares the step."""
+        short = not self.runs_as_decode and self.seq.pic.job is None and self.chunk.num_tokens <= TAIL_WALK_MAX
+        return bool(self.chunk.cached) or short
 
     @property
     def runs_as_decode(self) -> bool:
@@ -131,9 +139,10 @@ class Scheduler:
 
     def _defers_long(self, batch: ScheduledBatch, long_ready: list[Sequence]) -> bool:
         """Whether the long prefills and cold jobs wait for the next step: this one assembles warm
-        requests (which then run in CUDA graphs beside the decodes' graph; a long chunk would make
-        the step one eager forward, several times as long) and they did not wait in the last one."""
-        defer = not self._long_waited and any(c.chunk.cached for c in batch.chunks) and (
+        requests or walks short prefills (which then run in CUDA graphs beside the decodes' graph; a
+        long chunk would make the step one eager forward, several times as long) and they did not
+        wait in the last one."""
+        defer = not self._long_waited and any(c.walks_in_graphs for c in batch.chunks) and (
             bool(long_ready) or any(s.pic.job is not None and not s.pic.blocked for s in self.waiting))
         self._long_waited = defer
         return defer
