@@ -93,9 +93,10 @@ class ModelRunner:
 
     def _graph_parts(self, batch: ScheduledBatch) -> tuple[ForwardBatch | None, list[ScheduledBatch]] | None:
         """For a step of decodes, warm assemblies and short prefills that graphs hold: the decodes'
-        forward (None if none) and the others padded to their graphs. Launched eagerly as one batch, such a step
-        is bound by the host (~1400 launches an assembly, whatever its rows), so under load a warm
-        request's first token took several times its graph's time. None for any other step."""
+        forward (None if none) and the others padded to their graphs. Launched eagerly as one batch,
+        such a step is bound by the host (~1400 launches an assembly, whatever its rows), so under
+        load a warm request's first token took several times its graph's time. None for any other
+        step."""
         if self.assembly_graphs is None or batch.num_decodes == len(batch.chunks):
             return None
         padded = self.assembly_graphs.padded(batch.chunks[batch.num_decodes:])

@@ -94,9 +94,8 @@ class AssemblyGraphs:
 
     def padded(self, chunks: Sequence[ScheduledChunk]) -> list[ScheduledBatch] | None:
         """Assembly chunks whose tokens are all walked and short prefills (walked too), in as few
-        padded steps as graphs hold them
-        (all in one, else each half in its own, and so on); None if a chunk fits no graph or they
-        would take more than MAX_REPLAYS."""
+        padded steps as graphs hold them (all in one, else each half in its own, and so on); None if
+        a chunk fits no graph or they would take more than MAX_REPLAYS."""
         if not self.static or not all(self._fits(c) for c in chunks):
             return None
         batches = self._split(list(chunks))
