@@ -47,11 +47,12 @@ class ScheduledChunk:
         return self.chunk.end == len(self.seq.token_ids) and self.seq.pic.job is None
 
     @property
-    def walks_in_graphs(self) -> bool:
-        """An assembly, or a short prefill (walked as one, hypic.engine.pic.graphs): what the assembly
-        graphs can run, beside the decodes' graph, when no long chunk shares the step."""
-        short = not self.runs_as_decode and self.seq.pic.job is None and self.chunk.num_tokens <= TAIL_WALK_MAX
-        return bool(self.chunk.cached) or short
+    def short_prefill(self) -> bool:
+        """Up to TAIL_WALK_MAX tokens of a request's prompt composing nothing, not a decode: the assembly
+        graphs walk it as they walk an assembly's short tail (hypic.engine.pic.graphs)."""
+        chunk = self.chunk
+        return (not chunk.cached and self.seq.pic.job is None and not self.runs_as_decode
+                and 0 < chunk.num_tokens <= TAIL_WALK_MAX)
 
     @property
     def runs_as_decode(self) -> bool:
@@ -142,7 +143,7 @@ class Scheduler:
         requests or walks short prefills (which then run in CUDA graphs beside the decodes' graph; a
         long chunk would make the step one eager forward, several times as long) and they did not
         wait in the last one."""
-        defer = not self._long_waited and any(c.walks_in_graphs for c in batch.chunks) and (
+        defer = not self._long_waited and any(c.chunk.cached or c.short_prefill for c in batch.chunks) and (
             bool(long_ready) or any(s.pic.job is not None and not s.pic.blocked for s in self.waiting))
         self._long_waited = defer
         return defer

@@ -28,7 +28,7 @@ import torch
 from hypic.cache.model_caches import ModelCaches
 from hypic.cache.segment_store import SegmentStore
 from hypic.engine.batch_builder import TENSOR_FIELDS, build_step
-from hypic.engine.pic.pieces import TAIL_WALK_MAX, Cached, Chunk, walk_length
+from hypic.engine.pic.pieces import Cached, Chunk, walk_length
 from hypic.engine.pic.state import PicState
 from hypic.engine.scheduler import ScheduledBatch, ScheduledChunk
 from hypic.models.batch import ForwardBatch
@@ -114,7 +114,7 @@ class AssemblyGraphs:
         if scheduled.seq.pic.job is not None or len(scheduled.seq.block_ids) > self.max_blocks:
             return False
         if not chunk.cached:
-            return 0 < chunk.num_tokens <= TAIL_WALK_MAX
+            return scheduled.short_prefill
         return len(chunk.cached) <= MAX_PIECES and walk_length(chunk) == chunk.num_tokens
 
     def _padded_group(self, group: list[ScheduledChunk]) -> ScheduledBatch | None:
