@@ -253,9 +253,9 @@ def test_a_step_of_decodes_and_assemblies_replays_their_graphs_on_cuda(slow_deca
         replays: list[tuple[bool, tuple[int, ...]]] = []
         if not enforce_eager:
             replay = engine.runner._replay
-            engine.runner._replay = lambda decodes, padded: (
-                replays.append((decodes is not None, tuple(len(one.chunks) - 1 for one in padded))),
-                replay(decodes, padded))[1]
+            engine.runner._replay = lambda step: (
+                replays.append((step.decodes is not None, tuple(len(one.chunks) - 1 for one in step.assemblies))),
+                replay(step))[1]
         runs.append((generate_together(engine, texts, 8, start_after=3), replays))
         del engine
     (expected, _), (got, replays) = runs

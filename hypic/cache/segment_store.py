@@ -16,6 +16,8 @@ opaque bytes, and a miss the lower tiers hold is promoted back. Single-threaded 
 """
 from __future__ import annotations
 
+import copy
+
 import itertools
 import math
 from collections import OrderedDict, deque
@@ -283,6 +285,12 @@ class TupleStaging:
         self.fixed = torch.empty(ending, layout.fixed_bytes, dtype=torch.uint8, device=device)
         self.kv = torch.empty(rows, layout.num_full, layout.kv_tensors, layout.kv_heads, layout.head_dim,
                               dtype=layout.model_dtype, device=device)
+
+    def rows(self, start: int, end: int) -> TupleStaging:
+        """The same staging over K/V rows [start, end) only (a padded captured step's interior)."""
+        view = copy.copy(self)
+        view.kv = self.kv[start:end]
+        return view
 
     def part(self, block: int, linear_index: int) -> torch.Tensor:
         """[E, *shape]: linear layer `linear_index`'s part of block 0 (T), 1 (S0) or 2 (conv tail) of

@@ -7,14 +7,25 @@ import torch
 
 from hypic.cache.model_caches import ModelCaches
 from hypic.cache.segment_store import SegmentStore
+from hypic.engine.pic.cold_graphs import ColdGraphs
 from hypic.engine.pic.graphs import AssemblyGraphs
 from hypic.engine.batch_builder import build_step
 from hypic.engine.cuda_graphs import DecodeGraphs
 from hypic.engine.prompt_logprobs import PromptScores, PromptScoring, score_prompt_rows
-from hypic.engine.scheduler import ScheduledBatch
+from hypic.engine.scheduler import ScheduledBatch, ScheduledChunk
 from hypic.engine.step_parts import StepParts
 from hypic.kernels.host_copy import host_to_device
 from hypic.models.batch import Capture, ForwardBatch
+
+
+@dataclass(frozen=True)
+class GraphStep:
+    """A step that graphs replay: the decodes' forward (None: no decodes), then either the other chunks
+    padded to assembly graphs or one cold job's chunk for a cold graph."""
+
+    decodes: ForwardBatch | None
+    assemblies: list[ScheduledBatch] | None
+    cold: ScheduledChunk | None
 
 
 @dataclass(frozen=True)
@@ -35,21 +46,23 @@ class ModelRunner:
         self.device = caches.kv_device
         self.graphs: DecodeGraphs | None = None
         self.assembly_graphs: AssemblyGraphs | None = None
+        self.cold_graphs: ColdGraphs | None = None
         self.parts = StepParts(self.device)  # how the last step ran, and each part's times when the log wants them
         if settings.use_cuda_graphs and self.device.type == "cuda":
             max_blocks = -(-settings.max_model_len // settings.block_size)
             self.graphs = DecodeGraphs(
                 model, caches, max_num_seqs=settings.max_num_seqs, max_blocks=max_blocks,
                 scratch_slot=scratch_slot, scratch_block=scratch_block, max_kv_len=settings.max_model_len)
-            self.assembly_graphs = AssemblyGraphs(model, caches, store, max_blocks=max_blocks,
-                                                  scratch_slot=scratch_slot, scratch_block=scratch_block,
-                                                  max_tokens=min(settings.max_model_len,
-                                                                 settings.max_num_batched_tokens),
-                                                  max_kv_len=settings.max_model_len)
+            shapes = dict(max_blocks=max_blocks, scratch_slot=scratch_slot, scratch_block=scratch_block,
+                          max_tokens=min(settings.max_model_len, settings.max_num_batched_tokens),
+                          max_kv_len=settings.max_model_len)
+            self.assembly_graphs = AssemblyGraphs(model, caches, store, **shapes)
+            if ColdGraphs.holds(model, store.layout):
+                self.cold_graphs = ColdGraphs(model, caches, store, **shapes)
 
     def capture_graphs(self) -> None:
         with torch.inference_mode():
-            for graphs in (self.graphs, self.assembly_graphs):
+            for graphs in (self.graphs, self.assembly_graphs, self.cold_graphs):
                 if graphs is not None:
                     graphs.capture()
 
@@ -63,7 +76,7 @@ class ModelRunner:
         parts = self._graph_parts(batch) if scoring is None else None
         capture = scores = None
         if parts is not None:
-            logits = self._replay(*parts)
+            logits, capture = self._replay(parts)
         else:
             forward = self._forward_batch(batch)
             logits, scores = self._one_forward(forward, scoring)
@@ -91,33 +104,41 @@ class ModelRunner:
         once = [name for name in self.parts.names if name != "assembly graph"]
         return " + ".join(once + [f"{replays} assembly graph{'s' if replays > 1 else ''}"] * bool(replays))
 
-    def _graph_parts(self, batch: ScheduledBatch) -> tuple[ForwardBatch | None, list[ScheduledBatch]] | None:
-        """For a step of decodes, warm assemblies and short prefills that graphs hold: the decodes'
-        forward (None if none) and the others padded to their graphs. Launched eagerly as one batch,
-        such a step is bound by the host (~1400 launches an assembly, whatever its rows), so under
-        load a warm request's first token took several times its graph's time. None for any other
-        step."""
-        if self.assembly_graphs is None or batch.num_decodes == len(batch.chunks):
+    def _graph_parts(self, batch: ScheduledBatch) -> GraphStep | None:
+        """For a step of decodes and either warm assemblies and short prefills that graphs hold, or one
+        cold job's chunk: its parts. Launched eagerly as one batch, such a step is bound by the host
+        (~1400 launches an assembly, whatever its rows), so under load a warm request's first token
+        took several times its graph's time. None for any other step."""
+        others = batch.chunks[batch.num_decodes:]
+        if not others:
             return None
-        padded = self.assembly_graphs.padded(batch.chunks[batch.num_decodes:])
-        if padded is None or not batch.num_decodes:
-            return None if padded is None else (None, padded)
+        padded = None if self.assembly_graphs is None else self.assembly_graphs.padded(others)
+        cold = self.cold_graphs.takes(others) if padded is None and self.cold_graphs is not None else None
+        if padded is None and cold is None:
+            return None
+        if not batch.num_decodes:
+            return GraphStep(None, padded, cold)
         decodes = self._forward_batch(ScheduledBatch(batch.chunks[:batch.num_decodes], batch.num_decodes))
-        return (decodes, padded) if self.graphs is not None and self.graphs.can_run(decodes) else None
+        return GraphStep(decodes, padded, cold) if self.graphs is not None and self.graphs.can_run(decodes) else None
 
-    def _replay(self, decodes: ForwardBatch | None, padded: list[ScheduledBatch]) -> torch.Tensor:
-        """The sampling rows' logits in chunk order: the decodes' graph, then the assemblies'. The
-        assembly graphs share one memory pool, so a replay can overwrite the last one's logits:
-        with several, each is copied out first."""
-        logits = []
-        if decodes is not None:
+    def _replay(self, step: GraphStep) -> tuple[torch.Tensor, Capture | None]:
+        """The sampling rows' logits in chunk order (the decodes' graph, then the assemblies') and the
+        cold chunk's capture. The assembly graphs share one memory pool, so a replay can overwrite the
+        last one's logits: with several, each is copied out first."""
+        logits, capture = [], None
+        if step.decodes is not None:
             with self.parts.part("decode graph"):
-                logits.append(self.graphs.run(decodes))
-        for one in padded:
+                logits.append(self.graphs.run(step.decodes))
+        for one in step.assemblies or ():
             with self.parts.part("assembly graph"):
                 rows = self.assembly_graphs.run(self._forward_batch(one))
-                logits.append(rows.clone() if len(padded) > 1 else rows)
-        return logits[0] if len(logits) == 1 else torch.cat(logits)
+                logits.append(rows.clone() if len(step.assemblies) > 1 else rows)
+        if step.cold is not None:
+            with self.parts.part("cold graph"):
+                index = 0 if step.decodes is None else step.decodes.num_seqs  # the chunk's place in its step
+                rows, capture = self.cold_graphs.run(step.cold, index)
+                logits.append(rows)
+        return (logits[0] if len(logits) == 1 else torch.cat(logits)), capture
 
     def _scored(self, forward: ForwardBatch, scoring: PromptScoring) -> tuple[torch.Tensor, PromptScores]:
         """An eager forward whose hidden states also come back at the scored prompt rows."""

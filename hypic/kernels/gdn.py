@@ -10,7 +10,6 @@ place (no gather/scatter: the decode step must be cheap and CUDA-graph capturabl
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ import torch
 from hypic.kernels.host_copy import host_to_device
 from hypic.kernels.triton_lazy import triton_kernel
 from hypic.kernels.varlen import (decode_launch, decode_program, decode_state, fla_cu_seqlens, initial_states,
-                                  recurrence_reference, to_chunks)
+                                  recurrence_reference, step_cache, to_chunks)
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -141,7 +140,7 @@ def _prefill_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     return o[0]
 
 
-@functools.lru_cache(maxsize=16)  # every linear layer of a step asks for the same lengths; FLA only reads it
+@step_cache  # every linear layer of a step asks for the same lengths; FLA only reads it
 def _fla_chunk_indices(seq_lens: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """FLA's `prepare_chunk_indices`, built on the host: [chunks, 2] (sequence, chunk within it).
     FLA's own copies its host result with a pageable `.to()`, which syncs the stream."""

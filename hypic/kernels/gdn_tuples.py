@@ -27,7 +27,6 @@ promoted dtype, at least float32: float32 means float32, as for the layer's own 
 """
 from __future__ import annotations
 
-import functools
 import itertools
 from typing import Any
 
@@ -36,7 +35,7 @@ import torch
 from hypic.kernels.gdn import CHUNK, _rows_contiguous, chunk_wy
 from hypic.kernels.host_copy import host_to_device
 from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
-from hypic.kernels.varlen import RowSpans, expand_key_heads, to_chunks
+from hypic.kernels.varlen import RowSpans, expand_key_heads, step_cache, to_chunks
 
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
@@ -134,7 +133,7 @@ def block_dim(dim: int) -> int:
     return max(16, next_power_of_2(dim))  # tl.dot needs 16 or more along every dim
 
 
-@functools.lru_cache(maxsize=16)  # every linear layer of a step asks for the same spans
+@step_cache  # every linear layer of a step asks for the same spans
 def chunk_table(starts: tuple[int, ...], lens: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """[2, chunks + spans] int32: each chunk's first flat row and rows (at most C), then each span's
     first chunk and number of chunks. Built on the host, one copy a step."""

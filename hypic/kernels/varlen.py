@@ -2,8 +2,11 @@
 operands of a family's recurrence (see `hypic.kernels.linear_families` for their shapes)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +48,19 @@ class Operands:
         beta = None if self.beta is None else self.beta[index]
         return Operands(self.q[index], self.k[index], self.v[index], self.g[index], beta)
 
+    def inert_outside(self, keep: torch.Tensor) -> Operands:
+        """The rows outside `keep` ([N] bool) made inert: zero q, k, v, log gate and beta, so T_t = I
+        and u_t = 0 in every family and they leave any state as it is (selected, not multiplied:
+        padding rows may hold anything)."""
+        def where(x: torch.Tensor) -> torch.Tensor:
+            return torch.where(keep.view(-1, *(1,) * (x.dim() - 1)), x, 0)
+        beta = None if self.beta is None else where(self.beta)
+        return Operands(where(self.q), where(self.k), where(self.v), where(self.g), beta)
+
+    def inert_from(self, valid: torch.Tensor) -> Operands:
+        """Rows from valid[0] on (a captured step's padding) made inert."""
+        return self.inert_outside(torch.arange(self.v.shape[0], device=self.v.device) < valid)
+
 
 @dataclass(frozen=True)
 class RowSpans:
@@ -73,7 +89,46 @@ class RowSpans:
         return cls.build(tuple(itertools.accumulate(lens, initial=0))[:-1], lens, cu_seqlens.device)
 
 
-@functools.lru_cache(maxsize=16)
+_capturing = False  # a CUDA graph is being captured (`graph_capture`)
+_held: dict = {}  # what `step_cache` returned during a capture: its graph reads it at every replay
+
+
+def step_cache(fn: Callable) -> Callable:
+    """An lru_cache of the index tensors every layer of a step asks for (built on the host, copied
+    once). What a CUDA graph's capture asks for is also kept for good: the graph reads it at every
+    replay, long after the cache may have dropped (and the allocator reused) it."""
+    cached = functools.lru_cache(maxsize=16)(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        result = cached(*args)
+        if _capturing:
+            _held[(fn.__qualname__, *args)] = result
+        return result
+    return wrapper
+
+
+@contextlib.contextmanager
+def graph_capture() -> Iterator[None]:
+    """Around a CUDA graph's capture: `step_cache` results are kept, and FLA builds its own index
+    tensors inside the capture. FLA memoises them by argument identity in a queue of four, so one
+    it handed out from an earlier call lives outside the graph's pool and would be freed once the
+    queue moves on, while the graph still reads it."""
+    global _capturing
+    fla_utils = sys.modules.get("fla.utils")  # imported by the warm-up's first FLA call, if any
+    old = None if fla_utils is None else fla_utils.FLA_DISABLE_TENSOR_CACHE
+    _capturing = True
+    if fla_utils is not None:
+        fla_utils.FLA_DISABLE_TENSOR_CACHE = True
+    try:
+        yield
+    finally:
+        _capturing = False
+        if fla_utils is not None:
+            fla_utils.FLA_DISABLE_TENSOR_CACHE = old
+
+
+@step_cache
 def fla_cu_seqlens(seq_lens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefill spans' offsets from 0, on the device and on the host. FLA builds its chunk indices
     from the host copy (from the device one it would read the lengths back) and copies them over with a

@@ -50,6 +50,10 @@ class ForwardBatch:
     # [1] int32 on the device, rows from it on pad a captured step (never read back): MoE blocks route
     # them to no expert. None: every row is real
     valid_tokens: torch.Tensor | None = None
+    # the padding continues the last sequence rather than being one of its own (a cold job's chunk in a
+    # captured step): linear layers make its rows inert and keep that sequence's conv window from its
+    # last real rows, so its state is what its real rows leave
+    pads_in_sequence: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -132,6 +136,11 @@ class Capture:
     T: list[torch.Tensor] = field(default_factory=list)
     S0: list[torch.Tensor] = field(default_factory=list)
     full_layers: int = 0  # full layers captured so far
+    # a captured step's (hypic.engine.pic.cold_graphs): `spans` cover all its rows and `keep` [N] bool says
+    # which are the interior's (the others are made inert for the tuple); the tuple of its one job also
+    # goes to `out`, static float32 buffers, for the host to keep if the job goes on
+    keep: torch.Tensor | None = None
+    out: TupleSoFar | None = None
 
     def add_linear(self, linear_index: int, T: torch.Tensor, S0: torch.Tensor, conv_in: torch.Tensor) -> None:
         """A linear layer's (T, S0) of every job (float32, composed after the priors) and its pre-conv
@@ -143,6 +152,9 @@ class Capture:
         if self.going_on is not None:
             self.T.append(T[self.going_on])
             self.S0.append(S0[self.going_on])
+        if self.out is not None:
+            self.out.T[linear_index].copy_(T[0])
+            self.out.S0[linear_index].copy_(S0[0])
 
     def add_full(self, k_pre_rope: torch.Tensor, v: torch.Tensor | None) -> None:
         """A full layer's interior K (before RoPE) and V, gathered into the staging; v None: the K rows

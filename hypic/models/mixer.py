@@ -79,6 +79,9 @@ class LinearMixer(nn.Module, ABC):
         else:
             conv_out = self._spliced_conv(conv_in, conv_pool, batch, pic, linear_index)
         x = self.operands(conv_out, side)
+        if batch.pads_in_sequence:
+            x = x.inert_from(batch.valid_tokens)
+            self._window_from_real_rows(conv_in, conv_pool, batch)
         if pic is not None and pic.capture is not None:
             self._capture(pic, conv_in, x, linear_index)
         if assembly is None:
@@ -104,7 +107,14 @@ class LinearMixer(nn.Module, ABC):
             t_src=store.t_src(linear_index), s0_src=store.s0_src, saves=a.saves, rest=a.rest, rest_rows=a.rest_rows,
             chunked=self.recur)
 
+    def _window_from_real_rows(self, conv_in: torch.Tensor, conv_pool: torch.Tensor, batch: ForwardBatch) -> None:
+        """The last sequence's conv window: its last W-1 real inputs, not the padding's after them."""
+        rows = batch.valid_tokens + torch.arange(1 - self.shape.conv_kernel, 0, device=conv_in.device)
+        conv_pool[batch.slots[-1:]] = conv_in[rows].T[None].to(conv_pool.dtype)
+
     def _capture(self, pic: PicStep, conv_in: torch.Tensor, x: Operands, linear_index: int) -> None:
         c = pic.capture
+        if c.keep is not None:
+            x = x.inert_outside(c.keep)
         T, S0 = pic_layer.segment_tuple(self.shape.family, x, c.spans, c.identity_T, c.layer_priors(linear_index))
         c.add_linear(linear_index, T, S0, conv_in)

@@ -27,6 +27,10 @@ class DecoderStack(nn.Module):
     """embed (x embedding_multiplier) -> layers -> final norm (logits rows only) -> lm head / logits_scaling.
     A subclass fills `layers`, each mapping (delta, residual, batch, caches) -> (delta, residual)."""
 
+    # a prefill chunk may run in a CUDA graph padded within its own sequence (hypic.engine.pic.cold_graphs):
+    # no layer splits a chunk by its host length
+    prefill_graphs = True
+
     def __init__(self, config: StackConfig, offset: bool, embedding_multiplier: float = 1.0,
                  logits_scaling: float = 1.0) -> None:
         super().__init__()

@@ -21,6 +21,7 @@ their step was host-bound as an assembly's was (~58 ms for 15 tokens on Qwen3.5-
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +29,7 @@ import torch
 from hypic.cache.model_caches import ModelCaches
 from hypic.cache.segment_store import SegmentStore
 from hypic.engine.batch_builder import TENSOR_FIELDS, build_step
+from hypic.engine.cuda_graphs import capture_graph
 from hypic.engine.pic.pieces import Cached, Chunk, walk_length
 from hypic.engine.pic.state import PicState
 from hypic.engine.scheduler import ScheduledBatch, ScheduledChunk
@@ -85,10 +87,7 @@ class AssemblyGraphs:
             self.static[shape] = forward
             self.logits[shape] = self._forward(forward)  # warm-up outside the graph (compiles, autotunes)
             if self.use_graphs:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.logits[shape] = self._forward(forward)
-                self.graphs[shape] = graph
+                self.graphs[shape], self.logits[shape] = capture_graph(functools.partial(self._forward, forward), pool)
         if self.use_graphs:
             torch.cuda.synchronize()
 
@@ -133,7 +132,7 @@ class AssemblyGraphs:
         shape = forward.num_tokens, forward.num_seqs - 1
         static = self.static[shape]
         for name in TENSOR_FIELDS:
-            _copy_into(getattr(static, name), getattr(forward, name))
+            copy_into(getattr(static, name), getattr(forward, name))
         _copy_fields(static.pic.assembly, forward.pic.assembly)
         if self.use_graphs:
             self.graphs[shape].replay()
@@ -177,12 +176,12 @@ def _copy_fields(static, built) -> None:
     for field in dataclasses.fields(built):
         value = getattr(built, field.name)
         if isinstance(value, torch.Tensor):
-            _copy_into(getattr(static, field.name), value)
+            copy_into(getattr(static, field.name), value)
         elif dataclasses.is_dataclass(value):
             _copy_fields(getattr(static, field.name), value)
 
 
-def _copy_into(static: torch.Tensor, built: torch.Tensor) -> None:
+def copy_into(static: torch.Tensor, built: torch.Tensor) -> None:
     """The built tensor into the leading corner of the captured one (block tables are narrower,
     piece tables shorter, a step that does not sample has no logits row); the rest keeps earlier
     values, all in bounds, that no sequence reads."""

@@ -111,10 +111,10 @@ def build_capture(chunks: list, seq_lens: tuple[int, ...], layout: SegmentLayout
     the staging its layers capture the ending jobs' tuples into."""
     cu = [0, *itertools.accumulate(seq_lens)]
     jobs = [(i, c.seq.pic.job, c.chunk, c.seq.pic.captured) for i, c in enumerate(chunks)
-            if c.seq.pic.job is not None and _interior_rows(c.seq.pic.job, c.chunk) is not None]
+            if c.seq.pic.job is not None and interior_rows(c.seq.pic.job, c.chunk) is not None]
     if not jobs:
         return None
-    spans = [_interior_rows(job, chunk) for _, job, chunk, _ in jobs]
+    spans = [interior_rows(job, chunk) for _, job, chunk, _ in jobs]
     ends = tuple(chunk.end >= job.interior[1] for _, job, chunk, _ in jobs)
     width = layout.conv_kernel
     tails = [[cu[i] + job.interior[1] - chunk.start - width + 1 + t for t in range(width - 1)]
@@ -130,7 +130,7 @@ def build_capture(chunks: list, seq_lens: tuple[int, ...], layout: SegmentLayout
                    going_on=None if all(ends) else _long([j for j, end in enumerate(ends) if not end], device))
 
 
-def _interior_rows(job, chunk) -> tuple[int, int] | None:
+def interior_rows(job, chunk) -> tuple[int, int] | None:
     """Positions [start, end) of the job's interior that `chunk` holds; None if it holds none."""
     start, end = max(chunk.start, job.interior[0]), min(chunk.end, job.interior[1])
     return (start, end) if start < end else None
