@@ -15,7 +15,7 @@ from hypic.engine.pic.cold_graphs import ColdGraphs
 from hypic.engine.pic.segments import SegmentedPrompt
 
 LONG_DOC = " ".join(DOCS)  # ~300 tokens: ten chunks of a 32-token budget, each padded to 48 or 64 rows
-SIZES = (48, 64)
+SIZES = (48, 64, 128)
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +52,19 @@ def padded_engine(config) -> tuple[LLMEngine, list[tuple[int, int]]]:
     return engine, runs
 
 
-def cold_run(engine: LLMEngine) -> tuple[dict, list[int], list[float], list[int]]:
-    """LONG_DOC prefilled cold for one request while another decodes: the stored tuple, the cold
-    request's tokens and logprobs, and the decoder's tokens."""
-    decoder = engine.add_request(SegmentedPrompt.build(engine.tokenizer, "hello world", separator=SEP), greedy(40))
-    engine.step()
-    prompt = SegmentedPrompt.build(engine.tokenizer, SEP.join([SYSTEM, LONG_DOC, "the lazy dog"]), separator=SEP)
-    job, = engine.segment_jobs(prompt)
-    cold = engine.add_request(prompt, greedy(4, logprobs=0))
+def cold_run(engine: LLMEngine, docs: tuple[str, ...] = (LONG_DOC,), *, decoder: bool = True
+             ) -> tuple[list[dict], list[list[int]], list[list[float]], list[int]]:
+    """Each of `docs` prefilled cold for a request of its own (all added at once), while another request
+    decodes if `decoder`: each one's stored tuple, each request's tokens and logprobs, and the
+    decoder's tokens."""
+    if decoder:
+        decoding = engine.add_request(SegmentedPrompt.build(engine.tokenizer, "hello world", separator=SEP),
+                                      greedy(40))
+        engine.step()
+    prompts = [SegmentedPrompt.build(engine.tokenizer, SEP.join([SYSTEM, doc, "the lazy dog"]), separator=SEP)
+               for doc in docs]
+    keys = [job.key for prompt in prompts for job in engine.segment_jobs(prompt)]
+    cold = [engine.add_request(prompt, greedy(4, logprobs=0)) for prompt in prompts]
     got: dict[str, tuple[list[int], list[float]]] = {}
     while engine.has_work():
         for out in engine.step():
@@ -67,9 +72,18 @@ def cold_run(engine: LLMEngine) -> tuple[dict, list[int], list[float], list[int]
             for delta in out.deltas:
                 tokens += delta.token_ids
                 logprobs += [lp.logprob for lp in delta.logprobs or []]
-    tup = engine.export_segment(job.key)
-    stored = {name: getattr(tup, name) for name in ("T", "S0", "conv_tail", "K", "V")}
-    return stored, *got[cold], got[decoder][0]
+    exported = [engine.export_segment(key) for key in keys]
+    stored = [{name: getattr(tup, name) for name in ("T", "S0", "conv_tail", "K", "V")} for tup in exported]
+    return stored, [got[rid][0] for rid in cold], [got[rid][1] for rid in cold], got[decoding][0] if decoder else []
+
+
+def assert_same_tuples(got: list[dict], want: list[dict], tolerance: float) -> None:
+    assert len(got) == len(want)
+    for one, other in zip(got, want):
+        for name, layers in other.items():
+            assert len(one[name]) == len(layers)
+            for g, w in zip(one[name], layers):
+                assert g.shape == w.shape and w.norm() > 0 and rel(g.float(), w.float()) <= tolerance, name
 
 
 @pytest.mark.parametrize("model", ["gdn", "moe", "mamba2"])
@@ -83,19 +97,33 @@ def test_padded_cold_chunks_store_the_eager_tuple_and_serve_its_tokens(model, sl
     got, tokens, logprobs, decoded = cold_run(padded)
     assert len(runs) >= 8 and all(n < 48 for n, _ in runs)  # every chunk padded, each in its own step
     assert len({step for _, step in runs}) == len(runs)
-    for name, layers in want.items():
-        assert len(got[name]) == len(layers)
-        for g, w in zip(got[name], layers):
-            assert g.shape == w.shape and w.norm() > 0 and rel(g.float(), w.float()) <= 1e-5, name
+    assert_same_tuples(got, want, 1e-5)
     assert (tokens, decoded) == (want_tokens, want_decoded)
-    assert logprobs == pytest.approx(want_logprobs, abs=1e-5)
+    assert logprobs[0] == pytest.approx(want_logprobs[0], abs=1e-5)
+
+
+def test_two_cold_chunks_of_one_step_replay_a_graph_each(slow_decay_model_dir):
+    """Two cold documents at once and nothing else in flight (no long-prefill cap, which would hold a
+    step to one job): a job ending within a step's budget leaves the rest of it to the other, so some
+    steps hold a chunk of each (a replay and a capture each)."""
+    config = pic_config(slow_decay_model_dir, max_num_batched_tokens=128)
+    docs = (LONG_DOC, " ".join(reversed(DOCS)))
+    want, want_tokens, want_logprobs, _ = cold_run(LLMEngine(config), docs, decoder=False)
+    padded, runs = padded_engine(config)
+    got, tokens, logprobs, _ = cold_run(padded, docs, decoder=False)
+    steps = [step for _, step in runs]
+    assert any(steps.count(step) == 2 for step in steps)
+    assert_same_tuples(got, want, 1e-5)
+    assert tokens == want_tokens
+    for one, other in zip(logprobs, want_logprobs):
+        assert one == pytest.approx(other, abs=1e-5)
 
 
 def test_a_naive_jobs_chunks_run_eagerly(slow_decay_model_dir):
     """A naive job stores T = I at its end, which the graphs do not capture."""
     padded, runs = padded_engine(pic_config(slow_decay_model_dir, max_num_batched_tokens=32, cache_mode="naive"))
     stored = cold_run(padded)[0]
-    assert runs == [] and stored["S0"]
+    assert runs == [] and stored[0]["S0"]
 
 
 @pytest.mark.gpu
@@ -107,16 +135,15 @@ def test_captured_cold_graphs_store_the_eager_tuple_on_cuda(slow_decay_model_dir
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     base = dict(device="cuda", dtype="bfloat16", max_num_batched_tokens=64, gpu_memory_utilization=GPU_SHARE)
-    want, want_tokens, _, want_decoded = cold_run(LLMEngine(pic_config(slow_decay_model_dir, enforce_eager=True,
-                                                                       **base)))
+    want, want_tokens, _, _ = cold_run(LLMEngine(pic_config(slow_decay_model_dir, enforce_eager=True, **base)))
     engine = LLMEngine(pic_config(slow_decay_model_dir, **base))
     graphs, runs = engine.runner.cold_graphs, []
     assert graphs.sizes == (64,)
     run = graphs.run
     graphs.run = lambda scheduled, index: (runs.append(index), run(scheduled, index))[1]
-    got, tokens, _, decoded = cold_run(engine)
+    got, tokens, _, _ = cold_run(engine)
     assert len(runs) >= 4 and set(runs) == {1}  # each beside the decode
-    for name, layers in want.items():
-        for g, w in zip(got[name], layers, strict=True):
-            assert w.norm() > 0 and rel(g.float(), w.float()) <= 2e-2, name
-    assert (tokens, decoded) == (want_tokens, want_decoded)
+    assert_same_tuples(got, want, 2e-2)
+    # the cold request's tokens; not the decoder's: eagerly its rows ran in the mixed batch's kernels,
+    # here in the decode graph's fused ones, and in bfloat16 a long greedy run parts at a near tie
+    assert tokens == want_tokens

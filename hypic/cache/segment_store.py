@@ -16,7 +16,7 @@ opaque bytes, and a miss the lower tiers hold is promoted back. Single-threaded 
 """
 from __future__ import annotations
 
-import copy
+import copy as copy_module
 
 import itertools
 import math
@@ -286,10 +286,11 @@ class TupleStaging:
         self.kv = torch.empty(rows, layout.num_full, layout.kv_tensors, layout.kv_heads, layout.head_dim,
                               dtype=layout.model_dtype, device=device)
 
-    def rows(self, start: int, end: int) -> TupleStaging:
-        """The same staging over K/V rows [start, end) only (a padded captured step's interior)."""
-        view = copy.copy(self)
-        view.kv = self.kv[start:end]
+    def rows(self, start: int, end: int, *, copy: bool = False) -> TupleStaging:
+        """The staging over K/V rows [start, end) only (a padded captured step's interior); `copy`: a copy
+        of it (a replay's, which the next one overwrites), else a view."""
+        view = copy_module.copy(self)
+        view.fixed, view.kv = (self.fixed.clone(), self.kv[start:end].clone()) if copy else (self.fixed, self.kv[start:end])
         return view
 
     def part(self, block: int, linear_index: int) -> torch.Tensor:

@@ -229,8 +229,8 @@ class LLMEngine:
         self.pic.scatter(batch)
         masks = self.structured.fill(batch)  # beside the forward, if not prefetched
         scoring, scored = self._prompt_scoring(batch)
-        logits, capture, scores = self.runner.execute(batch, scoring, timed=logger.isEnabledFor(logging.DEBUG))
-        done = self.pic.after_step(batch, capture)
+        logits, captures, scores = self.runner.execute(batch, scoring, timed=logger.isEnabledFor(logging.DEBUG))
+        done = self.pic.after_step(batch, captures)
         if scores is not None:
             self._record_prompt_scores(scored, scores)
         return masks, logits, done

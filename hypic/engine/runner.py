@@ -20,12 +20,13 @@ from hypic.models.batch import Capture, ForwardBatch
 
 @dataclass(frozen=True)
 class GraphStep:
-    """A step that graphs replay: the decodes' forward (None: no decodes), then either the other chunks
-    padded to assembly graphs or one cold job's chunk for a cold graph."""
+    """A step that graphs replay: the decodes' forward (None: no decodes), the warm assemblies and short
+    prefills padded to assembly graphs, and the cold jobs' chunks (with their places in the step), one
+    cold graph each."""
 
     decodes: ForwardBatch | None
-    assemblies: list[ScheduledBatch] | None
-    cold: ScheduledChunk | None
+    assemblies: list[ScheduledBatch]
+    cold: list[tuple[int, ScheduledChunk]]
 
 
 @dataclass(frozen=True)
@@ -68,22 +69,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, scoring: PromptScoring | None = None, *, timed: bool = False
-                ) -> tuple[torch.Tensor, Capture | None, PromptScores | None]:
-        """Logits [M, V] (float32) of the chunks that sample, in chunk order, the tuples captured
-        from the step's cold segments, and the scores of the prompt tokens `scoring` names.
-        `timed`: each part's times too (`parts`, for the debug log)."""
+                ) -> tuple[torch.Tensor, list[Capture], PromptScores | None]:
+        """Logits [M, V] (float32) of the chunks that sample, in chunk order, the captures of the step's
+        cold segments (one a cold graph, one for an eager step), and the scores of the prompt tokens
+        `scoring` names. `timed`: each part's times too (`parts`, for the debug log)."""
         self.parts.start_step(timed)
         parts = self._graph_parts(batch) if scoring is None else None
-        capture = scores = None
+        scores = None
         if parts is not None:
-            logits, capture = self._replay(parts)
+            logits, captures = self._replay(parts)
         else:
             forward = self._forward_batch(batch)
             logits, scores = self._one_forward(forward, scoring)
-            capture = forward.pic.capture if forward.pic is not None else None
+            captures = [] if forward.pic is None or forward.pic.capture is None else [forward.pic.capture]
         if logits.shape[1] > self.settings.tokenizer_vocab_size:  # embedding padding: never sampled
             logits[:, self.settings.tokenizer_vocab_size:] = float("-inf")
-        return logits, capture, scores
+        return logits, captures, scores
 
     def _one_forward(self, forward: ForwardBatch, scoring: PromptScoring | None
                      ) -> tuple[torch.Tensor, PromptScores | None]:
@@ -100,45 +101,52 @@ class ModelRunner:
     @property
     def launched(self) -> str:
         """How the last step ran, for the engine's debug log: "eager", "decode graph + 2 assembly graphs"."""
-        replays = self.parts.names.count("assembly graph")
-        once = [name for name in self.parts.names if name != "assembly graph"]
-        return " + ".join(once + [f"{replays} assembly graph{'s' if replays > 1 else ''}"] * bool(replays))
+        names = self.parts.names
+        counted = [f"{n} {kind}{'s' if n > 1 else ''}" for kind in ("assembly graph", "cold graph")
+                   if (n := names.count(kind))]
+        return " + ".join([name for name in names if name not in ("assembly graph", "cold graph")] + counted)
 
     def _graph_parts(self, batch: ScheduledBatch) -> GraphStep | None:
-        """For a step of decodes and either warm assemblies and short prefills that graphs hold, or one
-        cold job's chunk: its parts. Launched eagerly as one batch, such a step is bound by the host
-        (~1400 launches an assembly, whatever its rows), so under load a warm request's first token
-        took several times its graph's time. None for any other step."""
-        others = batch.chunks[batch.num_decodes:]
-        if not others:
+        """For a step of decodes, warm assemblies and short prefills that assembly graphs hold, and cold
+        job chunks that cold graphs hold: its parts. Launched eagerly as one batch, such a step is bound
+        by the host (~1400 launches an assembly, whatever its rows; 100-160 ms for a cold chunk beside
+        decodes), so under load a warm request's first token took several times its graph's time.
+        None for any other step."""
+        if batch.num_decodes == len(batch.chunks):
             return None
-        padded = None if self.assembly_graphs is None else self.assembly_graphs.padded(others)
-        cold = self.cold_graphs.takes(others) if padded is None and self.cold_graphs is not None else None
-        if padded is None and cold is None:
+        others = list(enumerate(batch.chunks))[batch.num_decodes:]
+        cold = [(i, c) for i, c in others if c.seq.pic.job is not None]
+        rest = [c for _, c in others if c.seq.pic.job is None]
+        padded = [] if not rest or self.assembly_graphs is None else self.assembly_graphs.padded(rest)
+        if (rest and not padded) or not all(self._cold_holds(c) for _, c in cold):
             return None
         if not batch.num_decodes:
             return GraphStep(None, padded, cold)
         decodes = self._forward_batch(ScheduledBatch(batch.chunks[:batch.num_decodes], batch.num_decodes))
         return GraphStep(decodes, padded, cold) if self.graphs is not None and self.graphs.can_run(decodes) else None
 
-    def _replay(self, step: GraphStep) -> tuple[torch.Tensor, Capture | None]:
-        """The sampling rows' logits in chunk order (the decodes' graph, then the assemblies') and the
-        cold chunk's capture. The assembly graphs share one memory pool, so a replay can overwrite the
-        last one's logits: with several, each is copied out first."""
-        logits, capture = [], None
+    def _cold_holds(self, scheduled: ScheduledChunk) -> bool:
+        return self.cold_graphs is not None and self.cold_graphs.takes(scheduled)
+
+    def _replay(self, step: GraphStep) -> tuple[torch.Tensor, list[Capture]]:
+        """The sampling rows' logits in chunk order (the decodes' graph, then the assemblies'; cold
+        chunks sample nothing) and the cold chunks' captures. The assembly graphs share one memory
+        pool, so a replay can overwrite the last one's logits: with several, each is copied out first."""
+        logits, captures = [], []
         if step.decodes is not None:
             with self.parts.part("decode graph"):
                 logits.append(self.graphs.run(step.decodes))
-        for one in step.assemblies or ():
+        for one in step.assemblies:
             with self.parts.part("assembly graph"):
                 rows = self.assembly_graphs.run(self._forward_batch(one))
                 logits.append(rows.clone() if len(step.assemblies) > 1 else rows)
-        if step.cold is not None:
+        for index, scheduled in step.cold:
             with self.parts.part("cold graph"):
-                index = 0 if step.decodes is None else step.decodes.num_seqs  # the chunk's place in its step
-                rows, capture = self.cold_graphs.run(step.cold, index)
+                rows, capture = self.cold_graphs.run(scheduled, index)
+            captures.append(capture)
+            if not logits:  # a step of cold chunks alone: their (empty) rows
                 logits.append(rows)
-        return (logits[0] if len(logits) == 1 else torch.cat(logits)), capture
+        return (logits[0] if len(logits) == 1 else torch.cat(logits)), captures
 
     def _scored(self, forward: ForwardBatch, scoring: PromptScoring) -> tuple[torch.Tensor, PromptScores]:
         """An eager forward whose hidden states also come back at the scored prompt rows."""

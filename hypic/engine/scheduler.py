@@ -6,7 +6,8 @@ assembles warm requests or walks short prefills leaves the long ones to the next
 row). While anything else
 is in flight, the long ones together cost at most `long_prefill_token_threshold` a step (counted by
 `PrefillCost`: a chunk deep in its context counts its attention), so a step that holds one stays
-near a decode step's time; alone they take the whole budget. Cold jobs also stay within the capture
+near a decode step's time (and one cold job captures in such a step); alone they take the whole
+budget. Cold jobs also stay within the capture
 workspace the memory plan leaves free: at most `capture_jobs` capture in a step, and one starts a
 partial tuple only while fewer than `partial_jobs` are kept (`hypic.cache.memory_plan`). Admission is fair between requests: waiting sequences are taken round-robin over
 their admission groups (a client's batch is one group). A queued sequence's turn is one past the
@@ -119,8 +120,11 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         partial = sum(s.pic.captured is not None for s in self.running)
-        batch, budget = ScheduledBatch(), StepBudget(self.limits.max_num_batched_tokens, self._long_prefill_cap(),
-                                                     capture_jobs=self.limits.capture_jobs,
+        cap = self._long_prefill_cap()
+        # beside other work, one cold job a step: on a GPU each job's chunk replays a graph of its own,
+        # which reads every MoE expert, so a second one would double the step the cap bounds
+        jobs = self.limits.capture_jobs if cap == math.inf else 1
+        batch, budget = ScheduledBatch(), StepBudget(self.limits.max_num_batched_tokens, cap, capture_jobs=jobs,
                                                      partial_jobs=self.limits.partial_jobs - partial)
         for seq in [s for s in self.running if s.in_decode]:
             if budget.tokens > 0 and seq in self.running and self._reserve(seq, seq.num_computed + 1, batch):

@@ -165,11 +165,11 @@ class PicAssembler:
             if seq.pic.cached:
                 self._scatter_pieces(seq)
 
-    def after_step(self, batch: ScheduledBatch, capture: Capture | None) -> list[Sequence]:
+    def after_step(self, batch: ScheduledBatch, captures: list[Capture]) -> list[Sequence]:
         """Keeps each cold job's tuple so far, stores the complete ones and unpins composed pieces
         (last: a step that runs out of memory before then gives back every pin its sequences hold,
         `release`); returns the finished jobs."""
-        done = [] if capture is None else self._keep_captures(batch, capture)
+        done = [job for capture in captures for job in self._keep_captures(batch, capture)]
         for scheduled in batch.chunks:
             for _, piece in scheduled.chunk.cached:
                 self.store.unpin(piece.entry)

@@ -76,17 +76,13 @@ class ColdGraphs:
         if self.use_graphs:
             torch.cuda.synchronize()
 
-    def takes(self, chunks: Sequence[ScheduledChunk]) -> ScheduledChunk | None:
-        """The one chunk of `chunks` (a step's, past its decodes) if it is a cold job's that a graph holds:
-        it captures interior rows, has the W-1 rows of a conv window, and its job stores a real T."""
-        if len(chunks) != 1 or not self.static:
-            return None
-        scheduled = chunks[0]
+    def takes(self, scheduled: ScheduledChunk) -> bool:
+        """Whether a graph holds a cold job's chunk: it captures interior rows, has the W-1 rows of a
+        conv window, and its job stores a real T."""
         job, chunk = scheduled.seq.pic.job, scheduled.chunk
-        if job is None or job.identity_T or interior_rows(job, chunk) is None:
-            return None
-        fits = self.width - 1 <= chunk.num_tokens <= self.sizes[-1]
-        return scheduled if fits and len(scheduled.seq.block_ids) <= self.max_blocks else None
+        if not self.static or job is None or job.identity_T or interior_rows(job, chunk) is None:
+            return False
+        return self.width - 1 <= chunk.num_tokens <= self.sizes[-1] and len(scheduled.seq.block_ids) <= self.max_blocks
 
     def run(self, scheduled: ScheduledChunk, index: int) -> tuple[torch.Tensor, Capture]:
         """Replays the chunk's graph (its sequence `index` of its step); returns its logits rows (none:
@@ -139,11 +135,11 @@ class ColdGraphs:
     def _capture_view(self, capture: Capture, index: int, prior: TupleSoFar | None, start: int, end: int, *,
                       ends: bool) -> Capture:
         """The replay's capture as the eager step's: its job, its interior's rows and K/V, and (if the job
-        goes on) copies of its tuple so far, which the next replay overwrites. Only the host lengths of
-        `spans` are read after a step."""
+        goes on) its tuple so far, all copied out of the static buffers, which the next replay (of this
+        step's next cold chunk too) overwrites. Only the host lengths of `spans` are read after a step."""
         going_on = [] if ends else [t[None].clone() for t in self.out.T]
         return dataclasses.replace(
-            capture, jobs=(index,), priors=(prior,), ends=(ends,), staged=self.staging.rows(start, end),
+            capture, jobs=(index,), priors=(prior,), ends=(ends,), staged=self.staging.rows(start, end, copy=True),
             spans=dataclasses.replace(capture.spans, starts=(start,), lens=(end - start,)),
             T=going_on, S0=[] if ends else [s[None].clone() for s in self.out.S0])
 
