@@ -220,3 +220,18 @@ def test_a_short_prefill_gets_a_step_without_the_cold_jobs_chunk(tiny_model_dir)
     assert short.num_computed > 0 and job.num_computed == progress
     engine.step()
     assert job.num_computed > progress
+
+
+def test_a_cold_job_waits_for_short_prefills_at_most_two_steps_in_a_row(tiny_model_dir):
+    """A new short prompt (no prefix hit: each starts differently) at every step while a cold job is
+    captured: the job moves in every third step (LONG_WAITS), never starved."""
+    engine = _engine(tiny_model_dir, CAP, budget=128)
+    job, _ = _cold_request(engine)
+    engine.step()
+    moved = []
+    for i in range(6):
+        engine.add_request(SegmentedPrompt.build(engine.tokenizer, f"{i} hello world", separator=SEP), greedy(1))
+        before = job.num_computed
+        engine.step()
+        moved.append(job.num_computed > before)
+    assert moved == [False, False, True] * 2

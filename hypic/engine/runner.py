@@ -118,15 +118,15 @@ class ModelRunner:
         cold = [(i, c) for i, c in others if c.seq.pic.job is not None]
         rest = [c for _, c in others if c.seq.pic.job is None]
         padded = [] if not rest or self.assembly_graphs is None else self.assembly_graphs.padded(rest)
-        if (rest and not padded) or not all(self._cold_holds(c) for _, c in cold):
+        if (rest and not padded) or (cold and not self._cold_holds([c for _, c in cold])):
             return None
         if not batch.num_decodes:
             return GraphStep(None, padded, cold)
         decodes = self._forward_batch(ScheduledBatch(batch.chunks[:batch.num_decodes], batch.num_decodes))
         return GraphStep(decodes, padded, cold) if self.graphs is not None and self.graphs.can_run(decodes) else None
 
-    def _cold_holds(self, scheduled: ScheduledChunk) -> bool:
-        return self.cold_graphs is not None and self.cold_graphs.takes(scheduled)
+    def _cold_holds(self, chunks: list[ScheduledChunk]) -> bool:
+        return self.cold_graphs is not None and self.cold_graphs.takes(chunks)
 
     def _replay(self, step: GraphStep) -> tuple[torch.Tensor, list[Capture]]:
         """The sampling rows' logits in chunk order (the decodes' graph, then the assemblies'; cold

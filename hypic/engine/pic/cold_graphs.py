@@ -35,6 +35,10 @@ from hypic.models.batch import Capture, ForwardBatch, PicStep, TupleSoFar
 # Under load a cold chunk stays within the long-prefill cap (512 tokens on a GPU) beside the decodes;
 # a longer one runs when little else does, and its GPU time outweighs its launches.
 SIZES = (64, 128, 192, 256, 384, 512, 768, 1024)
+# A step of more cold chunks runs as one eager forward: each replay reads every MoE expert again (on the
+# H200, Qwen3.5-35B-A3B, seven chunks of ~500 tokens replayed in 178 ms against 110 ms eagerly). Beside
+# other work a step holds one (hypic.engine.scheduler); more come when cold jobs run alone.
+MAX_REPLAYS = 2
 _BATCH_FIELDS = ("input_ids", "positions", "kv_write_slots", "slots", "has_state", "block_tables", "kv_lens")
 
 
@@ -76,9 +80,13 @@ class ColdGraphs:
         if self.use_graphs:
             torch.cuda.synchronize()
 
-    def takes(self, scheduled: ScheduledChunk) -> bool:
-        """Whether a graph holds a cold job's chunk: it captures interior rows, has the W-1 rows of a
-        conv window, and its job stores a real T."""
+    def takes(self, chunks: Sequence[ScheduledChunk]) -> bool:
+        """Whether graphs hold a step's cold job chunks: at most MAX_REPLAYS, each one a graph holds."""
+        return len(chunks) <= MAX_REPLAYS and all(self._holds(c) for c in chunks)
+
+    def _holds(self, scheduled: ScheduledChunk) -> bool:
+        """A chunk that captures interior rows, has the W-1 rows of a conv window, and whose job stores
+        a real T."""
         job, chunk = scheduled.seq.pic.job, scheduled.chunk
         if not self.static or job is None or job.identity_T or interior_rows(job, chunk) is None:
             return False
