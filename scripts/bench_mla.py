@@ -8,7 +8,7 @@ as CUDA-graph replays the way the engine runs these steps, and checks the output
 reference. Prints a table and writes JSON.
 
     python scripts/bench_mla.py
-    python scripts/bench_mla.py --tiles 2x2x32,2x2x16,1x1x32
+    python scripts/bench_mla.py --tiles 4x2x32,2x2x32,2x2x16
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def measure(case: Case, gen: torch.Generator, tiles: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="default: bench/results/mla_<device>_kimi_linear_48b.json")
-    parser.add_argument("--tiles", type=lambda s: [t for t in s.split(",") if t], default=["2x2x16", "1x1x32"],
+    parser.add_argument("--tiles", type=lambda s: [t for t in s.split(",") if t], default=["4x2x32", "2x2x32"],
                         help="forced tiles TOKENSxPARTSxKV_BLOCK timed beside the chosen one")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -127,16 +127,18 @@ def test_a_naive_jobs_chunks_run_eagerly(slow_decay_model_dir):
 
 
 @pytest.mark.gpu
-def test_captured_cold_graphs_store_the_eager_tuple_on_cuda(slow_decay_model_dir):
+@pytest.mark.parametrize("model", ["gdn", "mamba2"])
+def test_captured_cold_graphs_store_the_eager_tuple_on_cuda(model, slow_decay_model_dir, nemotron_dir):
     """Replays (FLA's chunked kernels at the captured length, inert padding, the prior from static
-    buffers) against the same engine launched eagerly, in bfloat16: every chunk of 32 tokens or fewer
+    buffers) against the same engine launched eagerly, in bfloat16: every chunk of up to 64 tokens
     beside a decode replays the 64-row graph."""
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    model_dir = slow_decay_model_dir if model == "gdn" else nemotron_dir
     base = dict(device="cuda", dtype="bfloat16", max_num_batched_tokens=64, gpu_memory_utilization=GPU_SHARE)
-    want, want_tokens, _, _ = cold_run(LLMEngine(pic_config(slow_decay_model_dir, enforce_eager=True, **base)))
-    engine = LLMEngine(pic_config(slow_decay_model_dir, **base))
+    want, want_tokens, _, _ = cold_run(LLMEngine(pic_config(model_dir, enforce_eager=True, **base)))
+    engine = LLMEngine(pic_config(model_dir, **base))
     graphs, runs = engine.runner.cold_graphs, []
     assert graphs.sizes == (64,)
     run = graphs.run
