@@ -127,18 +127,16 @@ def test_a_naive_jobs_chunks_run_eagerly(slow_decay_model_dir):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model", ["gdn", "mamba2"])
-def test_captured_cold_graphs_store_the_eager_tuple_on_cuda(model, slow_decay_model_dir, nemotron_dir):
+def test_captured_cold_graphs_store_the_eager_tuple_on_cuda(slow_decay_model_dir):
     """Replays (FLA's chunked kernels at the captured length, inert padding, the prior from static
     buffers) against the same engine launched eagerly, in bfloat16: every chunk of up to 64 tokens
     beside a decode replays the 64-row graph."""
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    model_dir = slow_decay_model_dir if model == "gdn" else nemotron_dir
     base = dict(device="cuda", dtype="bfloat16", max_num_batched_tokens=64, gpu_memory_utilization=GPU_SHARE)
-    want, want_tokens, _, _ = cold_run(LLMEngine(pic_config(model_dir, enforce_eager=True, **base)))
-    engine = LLMEngine(pic_config(model_dir, **base))
+    want, want_tokens, _, _ = cold_run(LLMEngine(pic_config(slow_decay_model_dir, enforce_eager=True, **base)))
+    engine = LLMEngine(pic_config(slow_decay_model_dir, **base))
     graphs, runs = engine.runner.cold_graphs, []
     assert graphs.sizes == (64,)
     run = graphs.run
@@ -149,3 +147,13 @@ def test_captured_cold_graphs_store_the_eager_tuple_on_cuda(model, slow_decay_mo
     # the cold request's tokens; not the decoder's: eagerly its rows ran in the mixed batch's kernels,
     # here in the decode graph's fused ones, and in bfloat16 a long greedy run parts at a near tie
     assert tokens == want_tokens
+
+
+def test_only_families_checked_in_graphs_capture_cold_chunks(slow_decay_model_dir, nemotron_dir):
+    """Gated DeltaNet's kernels are checked in graphs on the H200; Mamba2's cold chunks stay eager, and
+    so does a float32 model's (its prefills take the torch references)."""
+    gdn, mamba2 = (LLMEngine(pic_config(d, dtype="bfloat16")) for d in (slow_decay_model_dir, nemotron_dir))
+    assert ColdGraphs.holds(gdn.model, gdn.store.layout)
+    assert not ColdGraphs.holds(mamba2.model, mamba2.store.layout)
+    fp32 = LLMEngine(pic_config(slow_decay_model_dir))
+    assert not ColdGraphs.holds(fp32.model, fp32.store.layout)

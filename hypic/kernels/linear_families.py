@@ -45,6 +45,9 @@ class LinearFamily(ABC):
     kind: ClassVar[str]  # "scalar" | "diagonal" | "dense"
     gate_per_key: ClassVar[bool]  # g carries a K dim (diagonal, kda)
     log_T: ClassVar[bool]  # stored T is a sum of log gates (scalar, diagonal): keep it in float32
+    # its chunked prefill and tuple kernels are checked inside CUDA graphs (hypic.engine.pic.cold_graphs)
+    # on the H200; the others' cold chunks run eagerly
+    prefill_graphs: ClassVar[bool] = False
 
     # --- per-family math ------------------------------------------------------------------------
     @abstractmethod
@@ -350,6 +353,7 @@ class GatedDeltaFamily(DenseFamily):
     """Gated DeltaNet (Qwen3-Next, Qwen3.5): T_t = exp(g_t) (I - b_t k_t k_t^T)."""
 
     name, gate_per_key = "gdn", False
+    prefill_graphs = True
 
     def step(self, state: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None) -> Tensor:
         return self._delta_write(g.exp()[:, None, None] * state, k, v, beta)

@@ -11,7 +11,8 @@ their K/V to the scratch page, MoE blocks route them to no expert. The tuple is 
 row with the rows outside the interior made inert (`Capture.keep`) and composed after the job's
 tuple so far, from static buffers (the identity before its first chunk: exact); the host copies
 it out after the replay. Naive jobs (T = I stored) and models whose attention splits a chunk by
-its host length (`prefill_graphs`) stay eager.
+its host length (`prefill_graphs`) stay eager, and so do families whose kernels were not checked
+in graphs on a GPU (`LinearFamily.prefill_graphs`: the Mamba2 family's failed its check).
 """
 from __future__ import annotations
 
@@ -65,10 +66,12 @@ class ColdGraphs:
 
     @staticmethod
     def holds(model: torch.nn.Module, layout: SegmentLayout) -> bool:
-        """Whether a model's cold chunks can be captured: it has linear layers, none of its layers splits
-        a chunk by its host length, and its chunked kernels are FLA's (a float32 model's prefills take
-        their torch references, which read lengths back)."""
-        return model.prefill_graphs and bool(layout.linear) and layout.model_dtype != torch.float32
+        """Whether a model's cold chunks can be captured: it has linear layers, of families whose kernels
+        are checked in graphs (`LinearFamily.prefill_graphs`), none of its layers splits a chunk by its
+        host length, and its chunked kernels are FLA's (a float32 model's prefills take their torch
+        references, which read lengths back)."""
+        families = bool(layout.linear) and all(s.family.prefill_graphs for s in layout.linear)
+        return model.prefill_graphs and families and layout.model_dtype != torch.float32
 
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
