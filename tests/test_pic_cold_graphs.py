@@ -157,3 +157,19 @@ def test_only_families_checked_in_graphs_capture_cold_chunks(slow_decay_model_di
     assert not ColdGraphs.holds(mamba2.model, mamba2.store.layout)
     fp32 = LLMEngine(pic_config(slow_decay_model_dir))
     assert not ColdGraphs.holds(fp32.model, fp32.store.layout)
+
+
+def test_index_tensors_a_capture_reads_are_kept_after_their_cache_drops_them():
+    """A graph reads the offsets it captured at every replay: what `step_cache` returns during a capture
+    stays referenced after sixteen newer lengths push it out of the cache; outside one, nothing is kept."""
+    import torch
+
+    from hypic.kernels import varlen
+    with varlen.graph_capture():
+        captured = varlen.fla_cu_seqlens((7, 5), torch.device("cpu"))
+    outside = varlen.fla_cu_seqlens((3, 2), torch.device("cpu"))
+    for n in range(1, 17):
+        varlen.fla_cu_seqlens((n,), torch.device("cpu"))
+    kept = list(varlen._held.values())
+    assert any(value is captured for value in kept) and not any(value is outside for value in kept)
+    assert varlen.fla_cu_seqlens((7, 5), torch.device("cpu")) is not captured  # the cache did drop it

@@ -16,8 +16,6 @@ opaque bytes, and a miss the lower tiers hold is promoted back. Single-threaded 
 """
 from __future__ import annotations
 
-import copy as copy_module
-
 import itertools
 import math
 from collections import OrderedDict, deque
@@ -289,8 +287,10 @@ class TupleStaging:
     def rows(self, start: int, end: int, *, copy: bool = False) -> TupleStaging:
         """The staging over K/V rows [start, end) only (a padded captured step's interior); `copy`: a copy
         of it (a replay's, which the next one overwrites), else a view."""
-        view = copy_module.copy(self)
-        view.fixed, view.kv = (self.fixed.clone(), self.kv[start:end].clone()) if copy else (self.fixed, self.kv[start:end])
+        view = TupleStaging.__new__(TupleStaging)
+        view.layout, view.fixed, view.kv = self.layout, self.fixed, self.kv[start:end]
+        if copy:
+            view.fixed, view.kv = view.fixed.clone(), view.kv.clone()
         return view
 
     def part(self, block: int, linear_index: int) -> torch.Tensor:

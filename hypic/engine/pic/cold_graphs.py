@@ -115,8 +115,8 @@ class ColdGraphs:
                                           ends=chunk.end >= job.interior[1])
 
     def _set_rows(self, static: ForwardBatch, n: int, start: int, end: int, interior_end: int) -> None:
-        """The real rows, the interior's and the conv tail's (the interior's last W-1 rows, when the chunk
-        holds them), in one copy."""
+        """In one copy: how many rows are real (`n`), which are the interior's, and the conv tail's (the
+        interior's last W-1 rows, when the chunk holds them)."""
         keep = torch.zeros(static.num_tokens, dtype=torch.bool)
         keep[start:end] = True
         tail_end = interior_end if interior_end <= n else end
