@@ -57,10 +57,6 @@ class Operands:
         beta = None if self.beta is None else where(self.beta)
         return Operands(where(self.q), where(self.k), where(self.v), where(self.g), beta)
 
-    def inert_from(self, valid: torch.Tensor) -> Operands:
-        """Rows from valid[0] on (a captured step's padding) made inert."""
-        return self.inert_outside(torch.arange(self.v.shape[0], device=self.v.device) < valid)
-
 
 @dataclass(frozen=True)
 class RowSpans:

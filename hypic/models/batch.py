@@ -50,10 +50,9 @@ class ForwardBatch:
     # [1] int32 on the device, rows from it on pad a captured step (never read back): MoE blocks route
     # them to no expert. None: every row is real
     valid_tokens: torch.Tensor | None = None
-    # the padding continues the last sequence rather than being one of its own (a cold job's chunk in a
-    # captured step): linear layers make its rows inert and keep that sequence's conv window from its
-    # last real rows, so its state is what its real rows leave
-    pads_in_sequence: bool = False
+    # padding that continues the last sequence rather than being one of its own (a cold job's chunk in a
+    # captured step); None: the padding, if any, is a sequence of its own
+    sequence_padding: SequencePadding | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -76,6 +75,16 @@ class ForwardBatch:
     def spans(self) -> StateSpans:
         """The step's sequences as the linear kernels take them."""
         return StateSpans(self.slots, self.has_state, self.cu_seqlens, self.num_decodes, self.seq_lens_cpu)
+
+
+@dataclass(frozen=True)
+class SequencePadding:
+    """Padding rows at the end of the step's last sequence: linear layers make them inert and keep that
+    sequence's conv window from its last real rows, so its state is what its real rows leave. Both
+    tensors are set once a step (a replay), not per layer."""
+
+    real: torch.Tensor  # [N] bool: the rows that are not padding
+    window_rows: torch.Tensor  # [W-1] int64: the sequence's last W-1 real rows, its conv window after the step
 
 
 @dataclass

@@ -33,6 +33,7 @@ class DecoderLayer(PreNormLayer):
 
 class KimiLinearModel(DecoderStack):
     prefill_graphs = False  # latent attention expands a long chunk's keys, as its host length says
+
     def __init__(self, config: KimiLinearConfig) -> None:
         super().__init__(config, offset=False)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))

@@ -79,8 +79,8 @@ class LinearMixer(nn.Module, ABC):
         else:
             conv_out = self._spliced_conv(conv_in, conv_pool, batch, pic, linear_index)
         x = self.operands(conv_out, side)
-        if batch.pads_in_sequence:
-            x = x.inert_from(batch.valid_tokens)
+        if batch.sequence_padding is not None:
+            x = x.inert_outside(batch.sequence_padding.real)
             self._window_from_real_rows(conv_in, conv_pool, batch)
         if pic is not None and pic.capture is not None:
             self._capture(pic, conv_in, x, linear_index)
@@ -109,8 +109,7 @@ class LinearMixer(nn.Module, ABC):
 
     def _window_from_real_rows(self, conv_in: torch.Tensor, conv_pool: torch.Tensor, batch: ForwardBatch) -> None:
         """The last sequence's conv window: its last W-1 real inputs, not the padding's after them."""
-        rows = batch.valid_tokens + torch.arange(1 - self.shape.conv_kernel, 0, device=conv_in.device)
-        conv_pool[batch.slots[-1:]] = conv_in[rows].T[None].to(conv_pool.dtype)
+        conv_pool[batch.slots[-1:]] = conv_in[batch.sequence_padding.window_rows].T[None].to(conv_pool.dtype)
 
     def _capture(self, pic: PicStep, conv_in: torch.Tensor, x: Operands, linear_index: int) -> None:
         c = pic.capture

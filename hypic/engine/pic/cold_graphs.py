@@ -4,7 +4,7 @@ Qwen3.5-35B-A3B: every layer's chunked kernels and their autotuner look-ups) for
 fraction of that, and every warm request that arrives meanwhile waits for it. Here the decodes
 replay their graph and the chunk one of these, captured per padded token count.
 
-The padding rows continue the job's own sequence (`ForwardBatch.pads_in_sequence`), so the chunked
+The padding rows continue the job's own sequence (`ForwardBatch.sequence_padding`), so the chunked
 kernels see one span of the captured length whatever the chunk's: linear layers make those rows
 inert (T = I, no input) and keep the job's conv window from its last real rows, full layers write
 their K/V to the scratch page, MoE blocks route them to no expert. The tuple is taken over every
@@ -31,7 +31,7 @@ from hypic.engine.pic.step import interior_rows
 from hypic.engine.scheduler import ScheduledBatch, ScheduledChunk
 from hypic.kernels.host_copy import host_to_device_packed
 from hypic.kernels.varlen import RowSpans
-from hypic.models.batch import Capture, ForwardBatch, PicStep, TupleSoFar
+from hypic.models.batch import Capture, ForwardBatch, PicStep, SequencePadding, TupleSoFar
 
 # Under load a cold chunk stays within the long-prefill cap (512 tokens on a GPU) beside the decodes;
 # a longer one runs when little else does, and its GPU time outweighs its launches.
@@ -115,16 +115,17 @@ class ColdGraphs:
                                           ends=chunk.end >= job.interior[1])
 
     def _set_rows(self, static: ForwardBatch, n: int, start: int, end: int, interior_end: int) -> None:
-        """In one copy: how many rows are real (`n`), which are the interior's, and the conv tail's (the
-        interior's last W-1 rows, when the chunk holds them)."""
-        keep = torch.zeros(static.num_tokens, dtype=torch.bool)
-        keep[start:end] = True
+        """In one copy: which rows are real (the first `n`) and the conv window's (the last W-1 of them),
+        which are the interior's, and the conv tail's (the interior's last W-1 rows, when the chunk
+        holds them)."""
+        rows = torch.arange(static.num_tokens)
         tail_end = interior_end if interior_end <= n else end
-        tail = torch.arange(tail_end - self.width + 1, tail_end).clamp(min=0)
-        valid, keep, tail = host_to_device_packed([torch.tensor([n], dtype=torch.int32), keep, tail],
-                                                  self.caches.kv_device)
-        capture = static.pic.capture
-        for dst, src in ((static.valid_tokens, valid), (capture.keep, keep), (capture.tail_rows, tail[None])):
+        host = [torch.tensor([n], dtype=torch.int32), rows < n, torch.arange(n - self.width + 1, n),
+                (rows >= start) & (rows < end), torch.arange(tail_end - self.width + 1, tail_end).clamp(min=0)]
+        moved = host_to_device_packed(host, self.caches.kv_device)
+        padding, capture = static.sequence_padding, static.pic.capture
+        targets = (static.valid_tokens, padding.real, padding.window_rows, capture.keep, capture.tail_rows[0])
+        for dst, src in zip(targets, moved):
             dst.copy_(src, non_blocking=True)
 
     def _set_prior(self, prior: TupleSoFar | None) -> None:
@@ -177,7 +178,9 @@ class ColdGraphs:
             kv_lens=long(size).int(), kv_write_slots=self.scratch_writes[:size].clone(),
             logits_indices=long(), num_decodes=0, seq_lens_cpu=(size,), kv_lens_cpu=(size,),
             max_kv_len=self.max_kv_len, pic=PicStep(None, capture, self.store), in_graph=True,
-            valid_tokens=long(size).int(), pads_in_sequence=True)
+            valid_tokens=long(size).int(), sequence_padding=SequencePadding(
+                torch.ones(size, dtype=torch.bool, device=device), torch.arange(size - self.width + 1, size,
+                                                                                device=device)))
 
     def _tuple_buffers(self) -> TupleSoFar:
         layout, device = self.store.layout, self.caches.kv_device
