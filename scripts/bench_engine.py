@@ -16,6 +16,7 @@ of the same shape and setup, so the figures of a large shape can be measured in 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -181,7 +182,8 @@ def hypic_prefill(engine: LLMEngine, n: int) -> float:
     return time.perf_counter() - start
 
 
-def hypic_decode(engine: LLMEngine, batch: int, steps: int) -> float:
+def hypic_decode(engine: LLMEngine, batch: int, steps: int, region=contextlib.nullcontext()) -> float:
+    """Tokens/s of `steps` decode steps at `batch` (inside `region`, e.g. a profiler, their prefill outside)."""
     params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
         ids = torch.randint(3, 3000, (128,)).tolist()
@@ -191,11 +193,12 @@ def hypic_decode(engine: LLMEngine, batch: int, steps: int) -> float:
         engine.step()
     engine.step()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
+    with region:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
     for request_id in list(engine.requests):
         engine.abort(request_id)
     return batch * steps / elapsed
@@ -236,13 +239,18 @@ def started_engine(path: Path, weights: dict, args: argparse.Namespace) -> LLMEn
 
 
 def profile_hypic(engine: LLMEngine, args: argparse.Namespace) -> None:
-    """Top GPU kernels of one prefill (the largest length up to 16k) and of decode steps (largest batch)."""
+    """Top GPU kernels of one prefill (the largest length up to 16k, if any) and of 4 decode steps at each batch."""
     from torch.profiler import ProfilerActivity, profile
-    n = max(x for x in args.lengths if x <= 16384)
-    for name, work in ((f"prefill {n}", lambda: hypic_prefill(engine, n)),
-                       (f"decode batch {max(args.batches)}", lambda: hypic_decode(engine, max(args.batches), 4))):
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            work()
+    prefills = [n for n in args.lengths if n <= 16384][-1:]
+    works = [(f"prefill {n}", functools.partial(hypic_prefill, engine, n)) for n in prefills] + [
+        (f"decode batch {b}, 4 steps", functools.partial(hypic_decode, engine, b, 4)) for b in args.batches]
+    for name, work in works:
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        if name.startswith("decode"):
+            work(region=prof)  # the decode steps alone, not their prompts' prefill
+        else:
+            with prof:
+                work()
         print(f"---- profile: hypic {name}")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70), flush=True)
 

@@ -29,7 +29,11 @@ from hypic.kernels.triton_lazy import next_power_of_2, triton_kernel
 tl: Any  # triton.language, bound by triton_lazy on first GPU use
 
 TRITON_MAX_PAIRS = 4096  # token-expert pairs up to which the Triton path beats CUTLASS's sort and launches
-ROUTE_BLOCKS_MAX_PAIRS = 128  # pairs up to which one program routes and lays out a batch (decode steps)
+DECODE_MAX_PAIRS = 128  # pairs up to which a SwiGLU shared expert runs inside the routed kernels (decode steps)
+# pairs up to which one program routes and lays out a batch: its pair-by-pair tiles grow as the square of the
+# pairs, and on the H200 (Qwen3.5's 256 experts, top 8) it took 9.4 us at 4 tokens against 12.0 for the
+# four launches, 61.5 against 13.2 at 10 tokens (scripts/tune_moe.py)
+ROUTE_BLOCKS_MAX_PAIRS = 32
 Shared = tuple[torch.Tensor, torch.Tensor]  # (shared expert output [N, H], its gate logit [N, 1])
 Valid = torch.Tensor | None  # [1] int on the batch's device: rows from it on are padding; None: no padding
 ACTIVATIONS = ("silu", "relu2")  # gated SwiGLU experts, ungated relu^2 experts
@@ -97,18 +101,22 @@ def routed_moe(x: torch.Tensor, logits: torch.Tensor, routing: Routing, w_gate_u
                w_down: torch.Tensor, *, shared_expert: SharedExpert | None = None, activation: str = "silu",
                valid_tokens: Valid = None) -> torch.Tensor:
     """`fused_moe` after `route(logits, routing)`, plus the gated shared expert when given. On CUDA a
-    decode-sized batch (up to ROUTE_BLOCKS_MAX_PAIRS token-expert pairs, no group-limited choice) routes
-    and lays out its expert blocks in one launch (`route_blocks_triton`) instead of five (softmax) or
-    about eighteen (sigmoid), and its shared expert (when it fuses) runs inside the expert kernels."""
+    decode-sized batch (up to DECODE_MAX_PAIRS token-expert pairs) runs the Triton kernels with its shared
+    expert (when it fuses) inside them, and up to ROUTE_BLOCKS_MAX_PAIRS (no group-limited choice) routes
+    and lays out its expert blocks in one launch (`route_blocks_triton`) instead of five (softmax)."""
     pairs = logits.shape[0] * routing.top_k
-    fused = shared_expert is not None and shared_expert.fuses_with(w_down)
-    decode = x.device.type == "cuda" and pairs <= ROUTE_BLOCKS_MAX_PAIRS and routing.n_group == 1
-    shared = shared_expert.computed(x) if shared_expert is not None and not (decode and fused) else None
+    decode = x.device.type == "cuda" and pairs <= DECODE_MAX_PAIRS
+    fused = decode and shared_expert is not None and shared_expert.fuses_with(w_down)
+    shared = shared_expert.computed(x) if shared_expert is not None and not fused else None
     options = dict(shared=shared, activation=activation, valid_tokens=valid_tokens)
     if not decode:
         return fused_moe(x, w_gate_up, w_down, *route(logits, routing), **options)
     block = _block_rows(pairs, w_down.shape[0], x.dtype)
-    weights, ids, blocks = route_blocks_triton(logits, routing, block, valid_tokens)
+    if pairs <= ROUTE_BLOCKS_MAX_PAIRS and routing.n_group == 1:
+        weights, ids, blocks = route_blocks_triton(logits, routing, block, valid_tokens)
+    else:
+        weights, ids = route(logits, routing)
+        blocks = expert_blocks(ids, w_down.shape[0], block, valid_tokens)
     return moe_triton(x, w_gate_up, w_down, weights, ids, blocks=blocks,
                       shared_expert=shared_expert if fused else None, **options)
 
@@ -358,35 +366,66 @@ def route_blocks_triton(logits: torch.Tensor, routing: Routing, block: int, vali
     return weights, ids, ExpertBlocks(rows, block_expert, block)
 
 
+@dataclass(frozen=True)
+class Tile:
+    """How one expert GEMM launches: output columns a program computes, its reduction step, warps, and
+    the loads in flight (software-pipeline stages)."""
+
+    n: int
+    k: int
+    warps: int
+    stages: int
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    gate_up: Tile
+    down: Tile
+
+
+def moe_tiles(pairs: int, block: int) -> MoeTiles:
+    """The tiles `moe_triton` launches for `pairs` token-expert pairs in blocks of `block` rows. Blocks of
+    16 rows (up to ~512 tokens of 256 experts) reduce 128 columns a step, gate/up four loads deep: on the
+    H200 (scripts/tune_moe.py, Qwen3.5's experts) that gate/up tile cut the whole call at one token from
+    27.2 to 22.9 us, and the best tiles of its grid at 2 to 128 tokens all reduce 128 columns a step."""
+    n = 32 if pairs <= 64 else 64  # a few pairs: narrower tiles, more programs streaming weights
+    if block == 16:
+        return MoeTiles(Tile(64, 128, 4, 4), Tile(n, 128, 4, 3))
+    # blocks of 32+ rows in 8 warps: in 4, 32 rows spill the gated kernel's tiles (ptxas, sm90)
+    return MoeTiles(Tile(n, 64, 8, 3), Tile(n, 64, 8, 3))
+
+
 def moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
                topk_ids: torch.Tensor, *, shared: Shared | None = None, activation: str = "silu",
                valid_tokens: Valid = None, blocks: ExpertBlocks | None = None,
-               shared_expert: SharedExpert | None = None) -> torch.Tensor:
+               shared_expert: SharedExpert | None = None, tiles: MoeTiles | None = None) -> torch.Tensor:
     """The Triton path; `blocks` is the pairs' layout when the router made it already. A `shared_expert`
     (instead of `shared`; one that `fuses_with` w_down) is computed by extra blocks after the routed
-    ones, each token's row after the pairs' rows (its padding tokens' rows computed, never read)."""
+    ones, each token's row after the pairs' rows (its padding tokens' rows computed, never read).
+    `tiles`: other launch tiles than `moe_tiles`' (scripts/tune_moe.py)."""
     num_experts, inter, hidden = w_down.shape[0], w_down.shape[2], x.shape[1]
     tokens, pairs = x.shape[0], topk_ids.numel()
     if blocks is None:
         blocks = expert_blocks(topk_ids, num_experts, _block_rows(pairs, num_experts, x.dtype), valid_tokens)
-    block_n = 32 if pairs <= 64 else 64  # a few pairs: narrower tiles, more programs streaming weights
-    # blocks of 32+ rows in 8 warps: in 4, 32 rows spill the gated kernel's tiles (ptxas, sm90)
-    launch = dict(BM=blocks.block, BN=block_n, BK=64, num_warps=4 if blocks.block == 16 else 8,
+    tiles = tiles or moe_tiles(pairs, blocks.block)
+    common = dict(TOPK=topk_ids.shape[1], NUM_EXPERTS=num_experts, I=inter, H=hidden, BM=blocks.block,
                   DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     s_gate_up, s_down = (shared_expert.gate_up, shared_expert.down) if shared_expert else (w_gate_up[0], w_down[0])
     rows = pairs + (tokens if shared_expert else 0)
     grid_m = blocks.num_blocks + (-(-tokens // blocks.block) if shared_expert else 0)
     layout = (blocks.rows, blocks.block_expert, blocks.num_blocks, pairs, tokens)
     act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
-    _moe_gate_up_kernel[(grid_m, -(-inter // block_n))](
+    up = tiles.gate_up
+    _moe_gate_up_kernel[(grid_m, -(-inter // up.n))](
         x, w_gate_up, s_gate_up, *layout, act, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        s_gate_up.stride(0), act.stride(0), TOPK=topk_ids.shape[1], NUM_EXPERTS=num_experts, I=inter,
-        H=hidden, GATED=activation == "silu", **launch)
+        s_gate_up.stride(0), act.stride(0), GATED=activation == "silu", BN=up.n, BK=up.k, num_warps=up.warps,
+        num_stages=up.stages, **common)
     pair_out = torch.empty((rows, hidden), dtype=torch.float32, device=x.device)
-    _moe_down_kernel[(grid_m, -(-hidden // block_n))](
+    down = tiles.down
+    _moe_down_kernel[(grid_m, -(-hidden // down.n))](
         act, w_down, s_down, *layout, pair_out, act.stride(0), w_down.stride(0), w_down.stride(1),
-        s_down.stride(0), pair_out.stride(0), TOPK=topk_ids.shape[1], NUM_EXPERTS=num_experts, I=inter,
-        H=hidden, **launch)
+        s_down.stride(0), pair_out.stride(0), BN=down.n, BK=down.k, num_warps=down.warps, num_stages=down.stages,
+        **common)
     if shared_expert is not None:  # its float32 rows rounded in the combine, as torch's bf16 GEMM rounds
         shared = (pair_out[pairs:], shared_expert.gate_logit)
     return moe_combine(pair_out[:pairs], topk_weights, None, x.dtype, shared, valid_tokens)

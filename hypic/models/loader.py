@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hypic.errors import UnsupportedModelError
 from hypic.models.checkpoint import LM_HEAD, CheckpointReader
 from hypic.models.config import HybridConfig
+from hypic.models.layers import router_rows
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 # decay parameters (and Mamba2's D, the DeepSeek-style router) stay float32 in any model dtype
@@ -156,10 +158,10 @@ def _mlp_recipes(p: str) -> dict[str, Recipe]:
 
 
 def _moe_recipes(config: HybridConfig, p: str, names: set[str]) -> dict[str, Recipe]:
-    recipes = _same(p, ("gate.weight",))
-    if config.shared_expert_intermediate_size:  # the shared expert's gate as the router's last row: one GEMM
+    recipes = {p + "gate.weight": Recipe((p + "gate.weight",), _router)}
+    if config.shared_expert_intermediate_size:  # the shared expert's gate as the router's row E: one GEMM
         recipes.update(_mlp_recipes(p + "shared_expert."))
-        recipes[p + "gate.weight"] = Recipe((p + "gate.weight", p + "shared_expert_gate.weight"), concat_rows)
+        recipes[p + "gate.weight"] = Recipe((p + "gate.weight", p + "shared_expert_gate.weight"), _router)
     if p + "experts.gate_up_proj" in names:  # fused 3-D experts
         recipes[p + "experts_gate_up"] = Recipe((p + "experts.gate_up_proj",), lambda t: _oriented(t[0], config, 2))
         recipes[p + "experts_down"] = Recipe((p + "experts.down_proj",), lambda t: _oriented(t[0], config, 1))
@@ -171,6 +173,12 @@ def _moe_recipes(config: HybridConfig, p: str, names: set[str]) -> dict[str, Rec
         down = tuple(f"{p}experts.{e}.down_proj.weight" for e in experts)
         recipes[p + "experts_down"] = Recipe(down, torch.stack)
     return recipes
+
+
+def _router(tensors: Tensors) -> torch.Tensor:
+    """The router's rows (and the shared expert's gate), zero rows after them to `router_rows`."""
+    rows = concat_rows(tensors)
+    return F.pad(rows, (0, 0, 0, router_rows(rows.shape[0]) - rows.shape[0]))
 
 
 def _oriented(weight: torch.Tensor, config: HybridConfig, out_factor: int) -> torch.Tensor:
