@@ -2,7 +2,8 @@
 
 (a) Decodes against a long cold segment: `--decoders` requests decode `--decode-tokens` tokens each;
     `--cold-at` seconds in, one request brings a cold document of `--long-tokens` tokens. Reported:
-    the decoders' inter-token latency (p99 and worst gap) with and without that request.
+    the decoders' inter-token latency (p99 and worst gap) with and without that request, and how much
+    of its prefill the decoders were still decoding through (`overlap_fraction`: below 1, a warning).
 (b) Warm requests against cold ones: the RAG workload, preheated; its saturated rate first, then
     half of it with `--cold-fraction` of documents new. Reported: the p99 TTFT of requests with no
     cold document, at half saturation and when alone (one request at a time).
@@ -35,8 +36,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cache-mode", default="hypic", help="(default: %(default)s)")
     parser.add_argument("--long-tokens", type=int, default=16000, help="(default: %(default)s)")
     parser.add_argument("--decoders", type=int, default=4, help="(default: %(default)s)")
-    parser.add_argument("--decode-tokens", type=int, default=256, help="(default: %(default)s)")
-    parser.add_argument("--cold-at", type=float, default=3.0, help="(default: %(default)s)")
+    parser.add_argument("--decode-tokens", type=int, default=1024, help="(default: %(default)s)")
+    parser.add_argument("--cold-at", type=float, default=0.5, help="(default: %(default)s)")
     parser.add_argument("--cold-fraction", type=float, default=0.1, help="(default: %(default)s)")
     parser.add_argument("--requests", type=int, default=40, help="RAG requests per point (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/starvation_cpu_default_model.json"))
@@ -76,8 +77,23 @@ def decode_stall(url: str, args: argparse.Namespace, work: Path) -> dict:
         decoders = point["samples"][:args.decoders]
         figures[name] = {"itl_p99_s": point["itl_p99_s"], "worst_gap_s": max(s["itl_max_s"] for s in decoders),
                          "long_request_ttft_s": point["samples"][-1]["ttft_s"] if name != "alone" else None}
+        if name != "alone":
+            figures["overlap_fraction"] = overlap_fraction(decoders, point["samples"][-1])
     figures["itl_p99_ratio"] = figures["with_cold_prefill"]["itl_p99_s"] / figures["alone"]["itl_p99_s"]
     return figures
+
+
+def overlap_fraction(decoders: list[dict], cold: dict) -> float:
+    """How much of the cold request's prefill (its send to its first token) every decoder was still
+    decoding through. Below 1 the ITL figures miss part of the stall (at 0 all of it): the decoders
+    finished first, so raise --decode-tokens or lower --cold-at."""
+    start, first_token = cold["sent_s"], cold["sent_s"] + cold["ttft_s"]
+    decoding = max(start, min(min(d["sent_s"] + d["e2e_s"] for d in decoders), first_token)) - start
+    fraction = decoding / (first_token - start)
+    if fraction < 1:
+        print(f"warning: the decoders decoded through {fraction:.0%} of the cold prefill only: the ITL figures "
+              "do not measure its stall (raise --decode-tokens or lower --cold-at)", file=sys.stderr)
+    return fraction
 
 
 def warm_ttft(url: str, args: argparse.Namespace, work: Path) -> dict:
