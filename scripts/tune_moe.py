@@ -9,7 +9,8 @@ last one's experts in L2, as no layer of a step finds another's. For every batch
 today), then with the best down tile beside it; and, up to 16 tokens, the routing paths' times.
 `--today-only` times today's tiles alone, beside the grid's figures in the same file (`today`, `grid`).
 
-    python scripts/tune_moe.py --tokens 1,2,4,8,10,16,32,64,128,256,512
+    python scripts/tune_moe.py                  # the grid, then `moe_tiles` follows it
+    python scripts/tune_moe.py --today-only     # today's tiles beside the grid's figures
 """
 from __future__ import annotations
 
@@ -121,10 +122,10 @@ def main() -> int:
     weights = layer_weights()
     kind = "today" if args.today_only else "grid"
     result = previous_result(args.out)
-    result["runs"] = [*[r for r in result["runs"] if r["measured"] != kind], {**run_record(), "measured": kind}]
+    result["runs"][kind] = run_record()
     for tokens in args.tokens:
-        batch = Batch(tokens, [(up, down, shared.__class__(shared.gate_up, shared.down, shared.gate_logit.expand(
-            tokens, 1))) for up, down, shared in weights])
+        gates = [SharedExpert(s.gate_up, s.down, s.gate_logit.expand(tokens, 1)) for _, _, s in weights]
+        batch = Batch(tokens, [(up, down, shared) for (up, down, _), shared in zip(weights, gates)])
         result["by_tokens"].setdefault(str(tokens), {})[kind] = figures = tune(batch, grid=not args.today_only)
         print(f"tokens {tokens}: {figures}", flush=True)
         write_json(args.out, result)  # after every batch: a killed run keeps what it measured
@@ -137,7 +138,7 @@ def previous_result(path: Path) -> dict:
     device = torch.cuda.get_device_name()
     previous = json.loads(path.read_text()) if path.exists() else {}
     if previous.get("device") != device:
-        return {"benchmark": "moe_tiles", "device": device, "runs": [], "by_tokens": {}}
+        return {"benchmark": "moe_tiles", "device": device, "runs": {}, "by_tokens": {}}
     return previous
 
 

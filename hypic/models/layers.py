@@ -112,7 +112,8 @@ class SparseMoeBlock(nn.Module):
                  shared_intermediate_size: int, norm_topk_prob: bool) -> None:
         super().__init__()
         self.routing, self.num_experts = Routing(top_k, norm_topk_prob), num_experts
-        self.gate = nn.Linear(hidden_size, router_rows(num_experts + (1 if shared_intermediate_size else 0)), bias=False)
+        rows = router_rows(num_experts + (1 if shared_intermediate_size else 0))
+        self.gate = nn.Linear(hidden_size, rows, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * moe_intermediate_size, hidden_size))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden_size, moe_intermediate_size))
         self.shared_expert = SwiGLUMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
