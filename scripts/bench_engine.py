@@ -171,15 +171,17 @@ def decode_floor(weights: dict, config: dict, batch: int, state_bytes: int, kv_b
     return batch * H200_HBM_BYTES_PER_S / step_bytes
 
 
-def hypic_prefill(engine: LLMEngine, n: int) -> float:
+def hypic_prefill(engine: LLMEngine, n: int, region=contextlib.nullcontext()) -> float:
+    """Seconds of an n-token prefill (inside `region`, e.g. a profiler)."""
     ids = torch.randint(3, 3000, (n,)).tolist()
     prompt = SegmentedPrompt.build(engine.tokenizer, ids, separator="<|segment|>")
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), cache_salt=str(time.time()))
-    while engine.has_work():
-        engine.step()
-    return time.perf_counter() - start
+    with region:
+        start = time.perf_counter()
+        engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), cache_salt=str(time.time()))
+        while engine.has_work():
+            engine.step()
+        return time.perf_counter() - start
 
 
 def hypic_decode(engine: LLMEngine, batch: int, steps: int, region=contextlib.nullcontext()) -> float:
@@ -246,11 +248,7 @@ def profile_hypic(engine: LLMEngine, args: argparse.Namespace) -> None:
         (f"decode batch {b}, 4 steps", functools.partial(hypic_decode, engine, b, 4)) for b in args.batches]
     for name, work in works:
         prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-        if name.startswith("decode"):
-            work(region=prof)  # the decode steps alone, not their prompts' prefill
-        else:
-            with prof:
-                work()
+        work(region=prof)  # the timed steps alone (a decode's prompts' prefill outside)
         print(f"---- profile: hypic {name}")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70), flush=True)
 

@@ -1,7 +1,7 @@
 """Where a server's steps went, from its debug step log (`--log-level debug`: one line a step, what it
 held and each launched part's host/device ms): steps by what they launched, their times on the host
-and the device, the longest ones, and a cold graph's device time by its chunk's tokens. `--from` / `--to` pick a phase of a
-benchmark's log by the lines around it.
+and the device, the longest ones, and a cold graph's device time by its chunk's tokens. `--from` /
+`--to` pick a phase of a benchmark's log by the lines around it.
 
     python scripts/bench_starvation.py --server-command '... --log-level debug' > run.log 2>&1
     python scripts/step_log.py run.log --from 'wrote .*/idle.json' --to 'wrote .*/loaded.json' \

@@ -86,16 +86,12 @@ class Batch:
 
     def routing(self) -> dict[str, dict[str, float]]:
         """The routing paths' times (us; softmax), where one program can route the batch."""
-        top_k, experts = self.shape.top_k, self.shape.experts
-        if self.tokens * top_k > DECODE_MAX_PAIRS:
+        if self.tokens * self.shape.top_k > DECODE_MAX_PAIRS:
             return {}
-        logits, routing = self.logits[0], Routing(top_k, True)
-
-        def four_launches():
-            _, ids = route_topk_triton(logits, top_k, True)
-            return expert_blocks_triton(ids, experts, self.block)
-        return {"routing_us": {"one_program": graph_ms(lambda: route_blocks_triton(logits, routing, self.block)) * 1e3,
-                               "four_launches": graph_ms(four_launches) * 1e3}}
+        logits, routing = self.logits[0], Routing(self.shape.top_k, True)
+        one_program = graph_ms(lambda: route_blocks_triton(logits, routing, self.block))
+        return {"routing_us": {"one_program": one_program * 1e3,
+                               "four_launches": graph_ms(lambda: self._route(logits)) * 1e3}}
 
 
 def best(batch: Batch, grid: list[Tile], tiles_of) -> tuple[Tile, float]:
@@ -112,18 +108,18 @@ def best(batch: Batch, grid: list[Tile], tiles_of) -> tuple[Tile, float]:
 def tune(batch: Batch, grid: bool) -> dict:
     today = moe_tiles(batch.tokens * batch.shape.top_k, batch.block)
     today_us = batch.ms(today)
+    figures = {"block": batch.block, "today": asdict(today), "today_us": today_us, **batch.routing()}
     if not grid:
-        return {"block": batch.block, "today": asdict(today), "today_us": today_us, **batch.routing()}
+        return figures
     up, up_us = best(batch, GATE_UP, lambda t: MoeTiles(t, today.down))
     down, both_us = best(batch, DOWN, lambda t: MoeTiles(up, t))
-    figures = {"block": batch.block, "shared_fused": batch.fused, "today": asdict(today), "today_us": today_us,
-               "best_gate_up": asdict(up), "with_best_gate_up_us": up_us, "best_down": asdict(down),
-               "with_both_us": both_us, "speedup": today_us / both_us}
-    return {**figures, **batch.routing()}
+    return {**figures, "shared_fused": batch.fused, "best_gate_up": asdict(up), "with_best_gate_up_us": up_us,
+            "best_down": asdict(down), "with_both_us": both_us, "speedup": today_us / both_us}
 
 
 def layer_weights(shape: MoeShape) -> list[tuple[torch.Tensor, torch.Tensor]]:
     rows = 2 * shape.inter if shape.activation == "silu" else shape.inter
+
     def weight(*dims: int) -> torch.Tensor:
         return torch.randn(*dims, device="cuda", dtype=torch.bfloat16) / dims[-1] ** 0.5
     return [(weight(shape.experts, rows, shape.hidden), weight(shape.experts, shape.hidden, shape.inter))

@@ -111,12 +111,11 @@ def routed_moe(x: torch.Tensor, logits: torch.Tensor, routing: Routing, w_gate_u
     options = dict(shared=shared, activation=activation, valid_tokens=valid_tokens)
     if not decode:
         return fused_moe(x, w_gate_up, w_down, *route(logits, routing), **options)
-    block = _block_rows(pairs, w_down.shape[0], x.dtype)
     if pairs <= ROUTE_BLOCKS_MAX_PAIRS and routing.n_group == 1:
+        block = _block_rows(pairs, w_down.shape[0], x.dtype)
         weights, ids, blocks = route_blocks_triton(logits, routing, block, valid_tokens)
-    else:
-        weights, ids = route(logits, routing)
-        blocks = expert_blocks(ids, w_down.shape[0], block, valid_tokens)
+    else:  # moe_triton lays out the blocks
+        (weights, ids), blocks = route(logits, routing), None
     return moe_triton(x, w_gate_up, w_down, weights, ids, blocks=blocks,
                       shared_expert=shared_expert if fused else None, **options)
 
