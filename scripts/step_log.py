@@ -28,7 +28,7 @@ class Step:
     ms: float
     held: str  # "4 decodes, 1 cold chunk (511 tokens)"
     launched: str  # "decode graph + 1 cold graph"
-    device_ms: tuple[float, ...]  # each part's, in launch order
+    device_ms: tuple[float, ...]  # each part's the step waited for, in launch order
 
     @property
     def kind(self) -> str:
@@ -47,7 +47,8 @@ def parse(lines: list[str]) -> list[Step]:
     steps = []
     for line in lines:
         if m := STEP.search(line):
-            device = tuple(float(part.split("/")[1]) for part in m.group(4).split(", "))
+            # a part on the cold lane has its host time alone: the step never waited for it
+            device = tuple(float(part.split("/")[1]) for part in m.group(4).split(", ") if "/" in part)
             steps.append(Step(float(m.group(1)), m.group(2), m.group(3), device))
     return steps
 

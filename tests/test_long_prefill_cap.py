@@ -12,6 +12,7 @@ import torch
 from engine_util import GPU_SHARE, greedy
 from hypic.engine.llm_engine import LLMEngine
 from hypic.engine.pic.segments import SegmentedPrompt
+from hypic.engine.scheduler import ScheduledBatch
 from hypic.engine.prefill_cost import CONTEXT_RANGE, REFIT_EVERY, UNMEASURED_CONTEXT, PrefillCost, StepWork
 from hypic.engine.sequence import Sequence
 from pic_util import DOCS, SEP, SYSTEM, pic_config
@@ -111,6 +112,26 @@ def test_beside_a_decode_every_step_keeps_the_cold_job_under_the_cap(tiny_model_
     assert len(steps) >= job.pic.job.interior[1] // CAP
     while not cold.output_ids:
         engine.step()
+
+
+def test_a_job_on_the_cold_lane_is_neither_scheduled_nor_preempted_until_it_lands(tiny_model_dir):
+    """While a job's chunk may still run on the cold lane (a GPU stream beside the step's), no job is
+    scheduled and that one is never a preemption victim; the decodes go on. Here the flag is set by
+    hand: on a CPU no chunk runs on a lane."""
+    engine = _engine(tiny_model_dir, CAP)
+    decoder = _decoder(engine)
+    job, cold = _cold_request(engine)
+    engine.step()
+    started, made = job.num_computed, len(decoder.output_ids)
+    assert started > 0
+    job.pic.on_lane = True
+    for _ in range(3):
+        engine.step()
+    assert job.num_computed == started and len(decoder.output_ids) == made + 3
+    assert engine.scheduler._preemption_victim(decoder, ScheduledBatch()) is None  # the job is the only other
+    job.pic.on_lane = False
+    _run_to_end(engine)
+    assert job.finished and len(cold.output_ids) == 4
 
 
 @pytest.mark.gpu

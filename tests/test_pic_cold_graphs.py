@@ -8,6 +8,7 @@ import pytest
 from conftest import make_model_dir
 from engine_util import GPU_SHARE, greedy
 from pic_util import DOCS, SEP, SYSTEM, pic_config, rel
+from test_pic_chunked_capture import _accounting
 
 from hypic.engine.cuda_graphs import DecodeGraphs
 from hypic.engine.llm_engine import LLMEngine
@@ -130,7 +131,8 @@ def test_a_naive_jobs_chunks_run_eagerly(slow_decay_model_dir):
 def test_captured_cold_graphs_store_the_eager_tuple_on_cuda(slow_decay_model_dir):
     """Replays (FLA's chunked kernels at the captured length, inert padding, the prior from static
     buffers) against the same engine launched eagerly, in bfloat16: every chunk of up to 64 tokens
-    beside a decode replays the 64-row graph."""
+    beside a decode replays the 64-row graph, on the cold lane's stream while the decode's graph
+    replays on another (hypic.engine.pic.cold_lane)."""
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -140,13 +142,41 @@ def test_captured_cold_graphs_store_the_eager_tuple_on_cuda(slow_decay_model_dir
     graphs, runs = engine.runner.cold_graphs, []
     assert graphs.sizes == (64,)
     run = graphs.run
-    graphs.run = lambda scheduled, index: (runs.append(index), run(scheduled, index))[1]
+    lane = engine.runner.lane.stream
+    graphs.run = lambda scheduled, index: (runs.append((index, torch.cuda.current_stream() == lane)),
+                                           run(scheduled, index))[1]
     got, tokens, _, _ = cold_run(engine)
-    assert len(runs) >= 4 and set(runs) == {1}  # each beside the decode
+    assert len(runs) >= 4 and set(runs) == {(1, True)}  # each beside the decode, on the lane
+    assert not engine.runner.lane.busy and not engine.scheduler.running
     assert_same_tuples(got, want, 2e-2)
     # the cold request's tokens; not the decoder's: eagerly its rows ran in the mixed batch's kernels,
     # here in the decode graph's fused ones, and in bfloat16 a long greedy run parts at a near tie
     assert tokens == want_tokens
+
+
+@pytest.mark.gpu
+def test_an_abort_while_a_cold_chunk_runs_on_the_lane_gives_everything_back(slow_decay_model_dir):
+    """The request that brought the cold document is aborted while its job's chunk is on the lane: the
+    job is dropped before its captures land, which are then let go; the decoder goes on."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    engine = LLMEngine(pic_config(slow_decay_model_dir, device="cuda", dtype="bfloat16", max_num_batched_tokens=64,
+                                  gpu_memory_utilization=GPU_SHARE))
+    baseline = _accounting(engine)
+    decoder = engine.add_request(SegmentedPrompt.build(engine.tokenizer, "hello world", separator=SEP),
+                                 greedy(40), cache_mode="none")
+    engine.step()
+    prompt = SegmentedPrompt.build(engine.tokenizer, SEP.join([SYSTEM, LONG_DOC, "the lazy dog"]), separator=SEP)
+    cold = engine.add_request(prompt, greedy(4))
+    while not engine.runner.lane.busy:
+        engine.step()
+    engine.abort(cold)
+    tokens = 0
+    while engine.has_work():
+        tokens += sum(len(d.token_ids) for out in engine.step() if out.request_id == decoder for d in out.deltas)
+    assert not engine.runner.lane.busy and tokens > 0
+    assert _accounting(engine) == baseline
 
 
 def test_only_families_checked_in_graphs_capture_cold_chunks(slow_decay_model_dir, nemotron_dir):

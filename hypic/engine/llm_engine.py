@@ -181,7 +181,8 @@ class LLMEngine:
             self.store.lower.close()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self.pic.fetching)
+        lane = self.runner.lane
+        return self.scheduler.has_work or bool(self.pic.fetching) or (lane is not None and lane.busy)
 
     def waiting_sequences(self) -> int:
         """Completions not yet running, as admission counts them (see AsyncEngine)."""
@@ -198,10 +199,14 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        with self.runner.step_stream():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         for job in self.pic.poll():  # disk reads finished since the last step
             self.scheduler.add(job, first=True)
         self._look_ahead()
-        batch = self.scheduler.schedule()
+        batch = self._schedule()
         self.last_step_ran = bool(batch.chunks)
         if not batch.chunks:
             return []
@@ -222,6 +227,32 @@ class LLMEngine:
         self.scheduler.drop_step(batch)
         return self._fail_step(batch, *figures)
 
+    def _schedule(self) -> ScheduledBatch:
+        """The next batch, after keeping what the cold lane finished; if nothing can run until the
+        lane is done, the host waits for it."""
+        self._land()
+        batch = self.scheduler.schedule()
+        if not batch.chunks and self._land(wait=True):
+            batch = self.scheduler.schedule()
+        return batch
+
+    def _land(self, *, wait: bool = False) -> bool:
+        """Keeps the captures of the cold lane's chunks once they are done (stores the tuples of the
+        jobs they end, which then finish); whether any landed."""
+        landed = self.runner.land(wait=wait)
+        if landed is None:
+            return False
+        try:
+            done = self.pic.keep(*landed)
+        except torch.OutOfMemoryError:  # its copies found no memory: the job goes, as in a failed step
+            for job in [c.seq for c in landed[0].chunks if c.seq.pic.job is not None and not c.seq.finished]:
+                self.scheduler.finish(job, "abort", checkpoint=False)
+                self.pic.drop_job(job)
+            return True
+        for job in done:
+            self.scheduler.finish(job, "stop")
+        return True
+
     def _compute(self, batch: ScheduledBatch) -> tuple[PendingMasks | None, torch.Tensor, list[Sequence]]:
         """The step's device work (where it can run out of memory) and what keeps the cold jobs'
         tuples: (masks, logits, finished cold jobs). Changes nothing the step's failure must undo
@@ -230,6 +261,8 @@ class LLMEngine:
         masks = self.structured.fill(batch)  # beside the forward, if not prefetched
         scoring, scored = self._prompt_scoring(batch)
         logits, captures, scores = self.runner.execute(batch, scoring, timed=logger.isEnabledFor(logging.DEBUG))
+        if self.runner.last_on_lane:
+            self.step_clock.start(None)  # its prefill ran on the lane: the step's time says nothing of it
         done = self.pic.after_step(batch, captures)
         if scores is not None:
             self._record_prompt_scores(scored, scores)
@@ -279,6 +312,7 @@ class LLMEngine:
         half-written, or `computed` but never sampled); its unfinished cold jobs are dropped unless
         `computed`; everyone else goes on."""
         self.counters["steps_oom"] += 1
+        self.runner.join_lane()  # what the step's jobs free may still be the lane's
         seqs = dict.fromkeys([*(c.seq for c in batch.chunks), *batch.admitted])  # once each, in order
         request_ids = list(dict.fromkeys(s.info.request_id for s in seqs if s.pic.job is None))
         error = StepOutOfMemoryError(batch.num_tokens, len(request_ids), asked, free)
@@ -379,6 +413,7 @@ class LLMEngine:
     def _finish(self, completion: Completion, reason: str, checkpoint: bool = True) -> CompletionDelta | None:
         self.scheduler.finish(completion.seq, reason, checkpoint=checkpoint)
         for job in self.pic.release(completion.seq):
+            self.runner.join_lane()  # its chunk may still run on the lane
             self.scheduler.finish(job, "abort")
         return completion.delta(reason)
 

@@ -1,6 +1,7 @@
 """Runs one scheduled batch through the model and returns the logits of the sampling tokens."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -8,6 +9,7 @@ import torch
 from hypic.cache.model_caches import ModelCaches
 from hypic.cache.segment_store import SegmentStore
 from hypic.engine.pic.cold_graphs import ColdGraphs
+from hypic.engine.pic.cold_lane import ColdLane
 from hypic.engine.pic.graphs import AssemblyGraphs
 from hypic.engine.batch_builder import build_step
 from hypic.engine.cuda_graphs import DecodeGraphs
@@ -22,11 +24,12 @@ from hypic.models.batch import Capture, ForwardBatch
 class GraphStep:
     """A step that graphs replay: the decodes' forward (None: no decodes), the warm assemblies and short
     prefills padded to assembly graphs, and the cold jobs' chunks (with their places in the step), one
-    cold graph each."""
+    cold graph each, on the cold lane when there are others."""
 
     decodes: ForwardBatch | None
     assemblies: list[ScheduledBatch]
     cold: list[tuple[int, ScheduledChunk]]
+    on_lane: bool
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.assembly_graphs: AssemblyGraphs | None = None
         self.cold_graphs: ColdGraphs | None = None
+        self.lane: ColdLane | None = None  # with cold graphs
+        self.last_on_lane = False  # the last step's cold chunks run on the lane
         self.parts = StepParts(self.device)  # how the last step ran, and each part's times when the log wants them
         if settings.use_cuda_graphs and self.device.type == "cuda":
             max_blocks = -(-settings.max_model_len // settings.block_size)
@@ -60,6 +65,7 @@ class ModelRunner:
             self.assembly_graphs = AssemblyGraphs(model, caches, store, **shapes)
             if ColdGraphs.holds(model, store.layout):
                 self.cold_graphs = ColdGraphs(model, caches, store, **shapes)
+                self.lane = ColdLane(self.device)
 
     def capture_graphs(self) -> None:
         with torch.inference_mode():
@@ -75,9 +81,10 @@ class ModelRunner:
         `scoring` names. `timed`: each part's times too (`parts`, for the debug log)."""
         self.parts.start_step(timed)
         parts = self._graph_parts(batch) if scoring is None else None
+        self.last_on_lane = parts is not None and parts.on_lane
         scores = None
         if parts is not None:
-            logits, captures = self._replay(parts)
+            logits, captures = self._replay(parts, batch)
         else:
             forward = self._forward_batch(batch)
             logits, scores = self._one_forward(forward, scoring)
@@ -102,9 +109,9 @@ class ModelRunner:
     def launched(self) -> str:
         """How the last step ran, for the engine's debug log: "eager", "decode graph + 2 assembly graphs"."""
         names = self.parts.names
-        counted = [f"{n} {kind}{'s' if n > 1 else ''}" for kind in ("assembly graph", "cold graph")
-                   if (n := names.count(kind))]
-        return " + ".join([name for name in names if name not in ("assembly graph", "cold graph")] + counted)
+        kinds = ("assembly graph", "cold graph", "lane cold graph")
+        counted = [f"{n} {kind}{'s' if n > 1 else ''}" for kind in kinds if (n := names.count(kind))]
+        return " + ".join([name for name in names if name not in kinds] + counted)
 
     def _graph_parts(self, batch: ScheduledBatch) -> GraphStep | None:
         """For a step of decodes, warm assemblies and short prefills that assembly graphs hold, and cold
@@ -120,19 +127,28 @@ class ModelRunner:
         padded = [] if not rest or self.assembly_graphs is None else self.assembly_graphs.padded(rest)
         if (rest and not padded) or (cold and not self._cold_holds([c for _, c in cold])):
             return None
+        on_lane = bool(cold) and self.lane is not None and bool(batch.num_decodes or padded)
         if not batch.num_decodes:
-            return GraphStep(None, padded, cold)
+            return GraphStep(None, padded, cold, on_lane)
         decodes = self._forward_batch(ScheduledBatch(batch.chunks[:batch.num_decodes], batch.num_decodes))
-        return GraphStep(decodes, padded, cold) if self.graphs is not None and self.graphs.can_run(decodes) else None
+        can_run = self.graphs is not None and self.graphs.can_run(decodes)
+        return GraphStep(decodes, padded, cold, on_lane) if can_run else None
 
     def _cold_holds(self, chunks: list[ScheduledChunk]) -> bool:
         return self.cold_graphs is not None and self.cold_graphs.takes(chunks)
 
-    def _replay(self, step: GraphStep) -> tuple[torch.Tensor, list[Capture]]:
+    def _replay(self, step: GraphStep, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Capture]]:
         """The sampling rows' logits in chunk order (the decodes' graph, then the assemblies'; cold
-        chunks sample nothing) and the cold chunks' captures. The assembly graphs share one memory
-        pool, so a replay can overwrite the last one's logits: with several, each is copied out first."""
-        logits, captures = [], []
+        chunks sample nothing) and the cold chunks' captures (none for chunks on the lane: the lane
+        holds them). The assembly graphs share one memory pool, so a replay can overwrite the last
+        one's logits: with several, each is copied out first. Cold chunks on the lane go first, so
+        that they start at once beside the step's other graphs."""
+        logits: list[torch.Tensor] = []
+        if step.on_lane:
+            with self.lane.chunks(batch, [c.seq for _, c in step.cold]) as held:
+                lane_captures, cold_rows = self._replay_cold(step.cold, "lane cold graph")
+                held += lane_captures
+            captures = []
         if step.decodes is not None:
             with self.parts.part("decode graph"):
                 logits.append(self.graphs.run(step.decodes))
@@ -140,13 +156,34 @@ class ModelRunner:
             with self.parts.part("assembly graph"):
                 rows = self.assembly_graphs.run(self._forward_batch(one))
                 logits.append(rows.clone() if len(step.assemblies) > 1 else rows)
-        for index, scheduled in step.cold:
-            with self.parts.part("cold graph"):
+        if not step.on_lane:
+            captures, cold_rows = self._replay_cold(step.cold, "cold graph")
+        if not logits:  # a step of cold chunks alone: their (empty) rows
+            logits.append(cold_rows)
+        return (logits[0] if len(logits) == 1 else torch.cat(logits)), captures
+
+    def _replay_cold(self, cold: list[tuple[int, ScheduledChunk]], part: str
+                     ) -> tuple[list[Capture], torch.Tensor | None]:
+        """The cold chunks' captures and the last one's (empty) logits rows."""
+        captures, rows = [], None
+        for index, scheduled in cold:
+            with self.parts.part(part, waited=part == "cold graph"):
                 rows, capture = self.cold_graphs.run(scheduled, index)
             captures.append(capture)
-            if not logits:  # a step of cold chunks alone: their (empty) rows
-                logits.append(rows)
-        return (logits[0] if len(logits) == 1 else torch.cat(logits)), captures
+        return captures, rows
+
+    def step_stream(self) -> contextlib.AbstractContextManager:
+        """Where an engine step runs: beside a cold lane, on its high-priority stream."""
+        return self.lane.step() if self.lane is not None else contextlib.nullcontext()
+
+    def land(self, *, wait: bool = False) -> tuple[ScheduledBatch, list[Capture]] | None:
+        """The cold lane's step and captures once its chunks are done (`ColdLane.land`)."""
+        return None if self.lane is None else self.lane.land(wait=wait)
+
+    def join_lane(self) -> None:
+        """The engine's later work waits for the lane's (a job dropped before it landed, a failed step)."""
+        if self.lane is not None:
+            self.lane.join()
 
     def _scored(self, forward: ForwardBatch, scoring: PromptScoring) -> tuple[torch.Tensor, PromptScores]:
         """An eager forward whose hidden states also come back at the scored prompt rows."""

@@ -9,7 +9,9 @@ is in flight, the long ones together cost at most `long_prefill_token_threshold`
 near a decode step's time (and one cold job captures in such a step); alone they take the whole
 budget. Cold jobs also stay within the capture
 workspace the memory plan leaves free: at most `capture_jobs` capture in a step, and one starts a
-partial tuple only while fewer than `partial_jobs` are kept (`hypic.cache.memory_plan`). Admission is fair between requests: waiting sequences are taken round-robin over
+partial tuple only while fewer than `partial_jobs` are kept (`hypic.cache.memory_plan`). While a
+job's chunk runs on the cold lane (`PicState.on_lane`, `hypic.engine.pic.cold_lane`) no job is
+scheduled and that one is never preempted. Admission is fair between requests: waiting sequences are taken round-robin over
 their admission groups (a client's batch is one group). A queued sequence's turn is one past the
 turn being served or its group's last queued turn, whichever is later; turns are admitted in
 order (queue order within one), so a batch of many prompts never holds back a request that came
@@ -128,15 +130,18 @@ class Scheduler:
         partial = sum(s.pic.captured is not None for s in self.running)
         cap = self._long_prefill_cap()
         # beside other work, one cold job a step: on a GPU each job's chunk replays a graph of its own,
-        # which reads every MoE expert, so a second one would double the step the cap bounds
-        jobs = self.limits.capture_jobs if cap == math.inf else 1
+        # which reads every MoE expert, so a second one would double the step the cap bounds; none
+        # while one runs on the cold lane (its captures have not landed, and the cold graphs' buffers
+        # are the lane's until they do)
+        lane_busy = any(s.pic.on_lane for s in self.running)
+        jobs = 0 if lane_busy else self.limits.capture_jobs if cap == math.inf else 1
         batch, budget = ScheduledBatch(), StepBudget(self.limits.max_num_batched_tokens, cap, capture_jobs=jobs,
                                                      partial_jobs=self.limits.partial_jobs - partial)
         for seq in [s for s in self.running if s.in_decode]:
             if budget.tokens > 0 and seq in self.running and self._reserve(seq, seq.num_computed + 1, batch):
                 batch.chunks.append(ScheduledChunk(seq, seq.next_chunk(1)))
                 budget.tokens -= 1
-        prefills = [s for s in self.running if not s.in_decode]
+        prefills = [s for s in self.running if not s.in_decode and not (lane_busy and s.pic.job is not None)]
         self._schedule_prefills([s for s in prefills if not self._long(s)], budget, batch)
         # long prefills and cold segment jobs after every short or warm one, admitted ones too: a
         # warm request never waits behind a cold chunk
@@ -356,7 +361,8 @@ class Scheduler:
 
     def _preemption_victim(self, seq: Sequence, batch: ScheduledBatch) -> Sequence | None:
         scheduled = {id(c.seq) for c in batch.chunks}
-        candidates = [s for s in reversed(self.running) if s is not seq and id(s) not in scheduled]
+        candidates = [s for s in reversed(self.running)  # a job on the lane is still writing its pages
+                      if s is not seq and id(s) not in scheduled and not s.pic.on_lane]
         return candidates[0] if candidates else None
 
     def _preempt(self, seq: Sequence) -> None:

@@ -30,12 +30,14 @@ class StepParts:
         self.enabled, self.names, self._parts = enabled, [], []
 
     @contextlib.contextmanager
-    def part(self, name: str) -> Iterator[None]:
+    def part(self, name: str, *, waited: bool = True) -> Iterator[None]:
+        """`waited`: the step reads its tokens after the part ends (else no device time)."""
         self.names.append(name)
         if not self.enabled:
             yield
             return
-        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.cuda else None
+        timed = self.cuda and waited
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if timed else None
         began = time.perf_counter()
         if events:
             events[0].record()
@@ -45,7 +47,7 @@ class StepParts:
         self._parts.append(_Part(time.perf_counter() - began, events))
 
     def times(self) -> str:
-        """Each part's "host/device" ms ("host" on a CPU), in launch order; after the step's sync."""
+        """Each part's "host/device" ms ("host" on a CPU or the lane), in launch order; after the step's sync."""
         return ", ".join(map(_times, self._parts)) + (" ms, host/device" if self.cuda else " ms")
 
 

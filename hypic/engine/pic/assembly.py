@@ -169,11 +169,17 @@ class PicAssembler:
         """Keeps each cold job's tuple so far, stores the complete ones and unpins composed pieces
         (last: a step that runs out of memory before then gives back every pin its sequences hold,
         `release`); returns the finished jobs."""
-        done = [job for capture in captures for job in self._keep_captures(batch, capture)]
+        done = self.keep(batch, captures)
         for scheduled in batch.chunks:
             for _, piece in scheduled.chunk.cached:
                 self.store.unpin(piece.entry)
         return done
+
+    def keep(self, batch: ScheduledBatch, captures: list[Capture]) -> list[Sequence]:
+        """Keeps the captures of `batch`'s cold jobs that are still wanted (a job on the cold lane may
+        have been dropped before its captures landed); returns the jobs that finished."""
+        live = [c for c in captures if all(not batch.chunks[i].seq.finished for i in c.jobs)]
+        return [job for capture in live for job in self._keep_captures(batch, capture)]
 
     def _keep_captures(self, batch: ScheduledBatch, capture: Capture) -> list[Sequence]:
         done, ending, going_on = [], itertools.count(), itertools.count()

@@ -2,7 +2,8 @@
 document brings under load. Launched eagerly it is one forward bound by the host (75-160 ms on
 Qwen3.5-35B-A3B: every layer's chunked kernels and their autotuner look-ups) for GPU work of a
 fraction of that, and every warm request that arrives meanwhile waits for it. Here the decodes
-replay their graph and the chunk one of these, captured per padded token count.
+replay their graph and the chunk one of these, captured per padded token count (beside other work,
+on the cold lane: hypic.engine.pic.cold_lane).
 
 The padding rows continue the job's own sequence (`ForwardBatch.sequence_padding`), so the chunked
 kernels see one span of the captured length whatever the chunk's: linear layers make those rows

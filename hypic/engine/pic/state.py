@@ -27,6 +27,7 @@ class PicState:
     job: SegmentJob | None = None  # set on the isolated prefill of a cold segment (no sampling)
     captured: TupleSoFar | None = None  # a job's (T, S0) over the interior its chunks computed so far
     captured_kv: list[torch.Tensor] = field(default_factory=list)  # per such chunk: [n, n_full, kv, Hkv, D] K/V rows
+    on_lane: bool = False  # a job whose last chunk may still run on the cold lane (hypic.engine.pic.cold_lane)
 
     @property
     def blocked(self) -> bool:
