@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import step_log  # noqa: E402
 from hypic.engine.llm_engine import _step_line  # noqa: E402
+from hypic.engine.runner import ModelRunner  # noqa: E402
 
 LOG = """\
 2026-12-04 02:41:02,094 INFO hypic: ready
@@ -56,6 +57,17 @@ def test_the_parser_reads_the_engines_own_step_line() -> None:
     assert held == "2 decodes, 1 assembly (70 tokens), 1 cold chunk (300 tokens)"
     assert step.tokens("cold chunk") == 300 and step.tokens("assembly") == 70 and step.tokens("decode") is None
     assert step.device_ms == (4.0, 20.8, 30.2) and step.kind == "decode graph + n assembly graph + n cold graph"
+
+
+def test_a_lane_cold_graph_counts_no_device_time_and_is_no_lone_cold_graph() -> None:
+    """A cold chunk on the cold lane: the step never waits for it, so the engine logs its host time alone."""
+    launched = ModelRunner.launched.fget(SimpleNamespace(parts=SimpleNamespace(names=["lane cold graph",
+                                                                                      "decode graph"])))
+    assert launched == "decode graph + 1 lane cold graph"
+    line = f"DEBUG hypic: step 2: 12.6 ms, 4 decodes, 1 cold chunk (480 tokens); {launched}: 0.3/9.8, 1.1 ms, host/device"
+    step, = step_log.parse([line])
+    assert step.device_ms == (9.8,) and step.kind == "decode graph + n lane cold graph"
+    assert step_log.cold_graphs([step]) == {}
 
 
 def test_a_missing_phase_start_says_so() -> None:
