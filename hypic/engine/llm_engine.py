@@ -245,9 +245,7 @@ class LLMEngine:
         try:
             done = self.pic.keep(*landed)
         except torch.OutOfMemoryError:  # its copies found no memory: the job goes, as in a failed step
-            for job in [c.seq for c in landed[0].chunks if c.seq.pic.job is not None and not c.seq.finished]:
-                self.scheduler.finish(job, "abort", checkpoint=False)
-                self.pic.drop_job(job)
+            self._drop_jobs([c.seq for c in landed[0].chunks if c.seq.pic.job is not None and not c.seq.finished])
             return True
         for job in done:
             self.scheduler.finish(job, "stop")
@@ -317,13 +315,17 @@ class LLMEngine:
         request_ids = list(dict.fromkeys(s.info.request_id for s in seqs if s.pic.job is None))
         error = StepOutOfMemoryError(batch.num_tokens, len(request_ids), asked, free)
         logger.warning("%s (failed: %s)", error, ", ".join(request_ids) or "no request, only cold segments")
-        for job in [s for s in seqs if s.pic.job is not None and not computed]:
-            self.scheduler.finish(job, "abort", checkpoint=False)
-            self.pic.drop_job(job)
+        self._drop_jobs([s for s in seqs if s.pic.job is not None and not computed])
         outputs = [self._fail(request_id, error) for request_id in request_ids if request_id in self.requests]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # what the failed step had cached goes back to the driver
         return outputs
+
+    def _drop_jobs(self, jobs: list[Sequence]) -> None:
+        """Cold jobs whose state a failed step left half-written: no checkpoint, no tuple stored."""
+        for job in jobs:
+            self.scheduler.finish(job, "abort", checkpoint=False)
+            self.pic.drop_job(job)
 
     def _fail(self, request_id: str, error: StepOutOfMemoryError) -> RequestOutput:
         state = self.requests.pop(request_id)

@@ -146,7 +146,7 @@ class ModelRunner:
         logits: list[torch.Tensor] = []
         if step.on_lane:
             with self.lane.chunks(batch, [c.seq for _, c in step.cold]) as held:
-                lane_captures, cold_rows = self._replay_cold(step.cold, "lane cold graph")
+                lane_captures, cold_rows = self._replay_cold(step.cold, on_lane=True)
                 held += lane_captures
             captures = []
         if step.decodes is not None:
@@ -157,17 +157,18 @@ class ModelRunner:
                 rows = self.assembly_graphs.run(self._forward_batch(one))
                 logits.append(rows.clone() if len(step.assemblies) > 1 else rows)
         if not step.on_lane:
-            captures, cold_rows = self._replay_cold(step.cold, "cold graph")
+            captures, cold_rows = self._replay_cold(step.cold, on_lane=False)
         if not logits:  # a step of cold chunks alone: their (empty) rows
             logits.append(cold_rows)
         return (logits[0] if len(logits) == 1 else torch.cat(logits)), captures
 
-    def _replay_cold(self, cold: list[tuple[int, ScheduledChunk]], part: str
+    def _replay_cold(self, cold: list[tuple[int, ScheduledChunk]], *, on_lane: bool
                      ) -> tuple[list[Capture], torch.Tensor | None]:
         """The cold chunks' captures and the last one's (empty) logits rows."""
         captures, rows = [], None
+        part = "lane cold graph" if on_lane else "cold graph"
         for index, scheduled in cold:
-            with self.parts.part(part, waited=part == "cold graph"):
+            with self.parts.part(part, waited=not on_lane):
                 rows, capture = self.cold_graphs.run(scheduled, index)
             captures.append(capture)
         return captures, rows
